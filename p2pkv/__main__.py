@@ -1,0 +1,3 @@
+from p2pkv.cli.main import main
+
+raise SystemExit(main())

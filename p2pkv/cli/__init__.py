@@ -1,0 +1,1 @@
+"""Command-line entry points: `p2pkv proxy`, `p2pkv up`, `p2pkv tiny-model`."""

@@ -1,0 +1,188 @@
+"""Starts and stops a local xPyD cluster: vLLM servers with the p2pkv connector, and the proxy.
+
+Each child runs in its own process group and is told to die with its parent, so nothing is orphaned when the
+launcher exits, is interrupted, or is killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from p2pkv.errors import P2pkvError
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _die_with_parent() -> None:
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class Process:
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str]
+    health_url: str
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        try:
+            self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                          stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        finally:
+            log.close()
+
+    def exited(self) -> int | None:
+        return None if self.popen is None else self.popen.poll()
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=2) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        try:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait(timeout=10)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (failure tests)."""
+        if self.popen is not None and self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(timeout=10)
+
+
+@dataclass
+class InstanceSpec:
+    role: str  # "kv_producer", "kv_consumer" or "" for an instance without the connector
+    http_port: int
+    kv_port: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+    vllm_args: tuple[str, ...] = ()
+
+
+def vllm_argv(model: str, spec: InstanceSpec, host: str, dtype: str) -> list[str]:
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
+            "--port", str(spec.http_port), "--dtype", dtype, "--enable-prompt-tokens-details"]
+    if spec.role:
+        config = {"kv_connector": "P2pNcclConnector", "kv_connector_module_path": "p2pkv.vllm",
+                  "kv_role": spec.role, "kv_port": spec.kv_port,
+                  "kv_connector_extra_config": {"kv_host": host, **spec.extra}}
+        argv += ["--kv-transfer-config", json.dumps(config)]
+    return argv + list(spec.vllm_args)
+
+
+@dataclass
+class Cluster:
+    model: str
+    log_dir: Path
+    host: str = "127.0.0.1"
+    dtype: str = "float32"
+    kv_cache_gb: float = 1.0
+    processes: list[Process] = field(default_factory=list)
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.kv_cache_gb:g}")
+        # The package must import in vLLM's spawned EngineCore and worker processes.
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        return env
+
+    def add_vllm(self, name: str, spec: InstanceSpec) -> Process:
+        proc = Process(name, vllm_argv(self.model, spec, self.host, self.dtype), self.log_dir / f"{name}.log",
+                       self._env(), f"http://{self.host}:{spec.http_port}/health")
+        self.processes.append(proc)
+        return proc
+
+    def add_proxy(self, port: int, prefill: Sequence[str], decode: Sequence[str]) -> Process:
+        argv = [sys.executable, "-m", "p2pkv", "proxy", "--host", self.host, "--port", str(port)]
+        argv += ["--prefill", *prefill, "--decode", *decode]
+        proc = Process("proxy", argv, self.log_dir / "proxy.log", self._env(), f"http://{self.host}:{port}/health")
+        self.processes.append(proc)
+        return proc
+
+    def start(self, timeout_s: float = 900.0, progress: Callable[[str], None] | None = None) -> None:
+        """Start every process not yet running and wait until all are healthy, or raise with the log tail."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for proc in self.processes:
+            if proc.popen is None:
+                proc.start()
+        self.wait_healthy(self.processes, timeout_s, progress)
+
+    def wait_healthy(self, procs: Sequence[Process], timeout_s: float,
+                     progress: Callable[[str], None] | None = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        last_report = 0.0
+        pending = list(procs)
+        while pending:
+            for proc in list(pending):
+                code = proc.exited()
+                if code is not None:
+                    raise P2pkvError(f"{proc.name} exited with code {code}; last log lines:\n{proc.log_tail()}")
+                if proc.healthy():
+                    pending.remove(proc)
+                    if progress:
+                        progress(f"{proc.name} is ready ({time.monotonic() - started:.0f} s)")
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                names = ", ".join(p.name for p in pending)
+                raise P2pkvError(f"not healthy after {timeout_s:.0f} s: {names}; see {self.log_dir}")
+            if progress and time.monotonic() - last_report > 10:
+                last_report = time.monotonic()
+                waiting = ", ".join(p.name for p in pending)
+                progress(f"waiting for {waiting} ({time.monotonic() - started:.0f} s)")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """Proxy first, then the instances, each process group terminated then killed after a grace period."""
+        for proc in reversed(self.processes):
+            proc.stop()

@@ -1,0 +1,84 @@
+"""`p2pkv` command: proxy, up, tiny-model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from p2pkv.errors import P2pkvError
+
+
+def _proxy(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from p2pkv.proxy import Instance, ProxyConfig, create_app
+
+    config = ProxyConfig(prefill=tuple(Instance.parse(p) for p in args.prefill),
+                         decode=tuple(Instance.parse(d) for d in args.decode), host=args.host, port=args.port,
+                         request_timeout_s=args.request_timeout)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def _tiny_model(args: argparse.Namespace) -> int:
+    from p2pkv.tinymodel import write_tiny_model
+
+    print(write_tiny_model(args.dir))
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from p2pkv.cli.up import run_up
+
+    return run_up(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="p2pkv", description="KV cache transfer for disaggregated vLLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    proxy = sub.add_parser("proxy", help="run the prefill/decode routing proxy")
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=10001)
+    proxy.add_argument("--prefill", nargs="+", required=True, metavar="HOST:PORT")
+    proxy.add_argument("--decode", nargs="+", required=True, metavar="HOST:PORT[@KVHOST:KVPORT]",
+                       help="decode instances; the KV address is asked of the instance when not given")
+    proxy.add_argument("--request-timeout", type=float, default=600.0, help="seconds per upstream request")
+    proxy.set_defaults(func=_proxy)
+
+    up = sub.add_parser("up", help="start a local xPyD cluster and the proxy; Ctrl-C stops everything")
+    up.add_argument("--model", default=None, help="model directory (default: the generated tiny model)")
+    up.add_argument("--prefill", type=int, default=1, help="number of prefill instances")
+    up.add_argument("--decode", type=int, default=1, help="number of decode instances")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=0, help="proxy port (default: a free one)")
+    up.add_argument("--base-port", type=int, default=0, help="first vLLM port (default: free ones)")
+    up.add_argument("--dtype", default="float32")
+    up.add_argument("--kv-cache-gb", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE for CPU builds")
+    up.add_argument("--send-type", default="PUT_ASYNC", choices=["PUT", "PUT_ASYNC"])
+    up.add_argument("--log-dir", default=None, help="where process logs go (default: a temporary folder)")
+    up.add_argument("--ready-timeout", type=float, default=900.0)
+    up.add_argument("--demo", action="store_true", help="send one request through the proxy once ready")
+    up.add_argument("--exit-after-demo", action="store_true", help="with --demo: stop the cluster afterwards")
+    up.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: extra arguments for every vLLM")
+    up.set_defaults(func=_up)
+
+    tiny = sub.add_parser("tiny-model", help="write the tiny test model (deterministic, no network) to DIR")
+    tiny.add_argument("dir")
+    tiny.set_defaults(func=_tiny_model)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+        return code
+    except P2pkvError as exc:
+        print(f"p2pkv: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

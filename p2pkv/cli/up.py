@@ -1,0 +1,112 @@
+"""`p2pkv up`: a local xPyD cluster with the proxy in front, stopped cleanly on Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import threading
+import urllib.request
+from pathlib import Path
+from types import FrameType
+
+from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port
+
+DEMO_PROMPT = "Disaggregated serving moves the KV cache from the prefill instance to the decode instance."
+
+
+def default_model_dir() -> Path:
+    return Path.home() / ".cache" / "p2pkv" / "tiny-model"
+
+
+def _say(text: str) -> None:
+    print(f"[p2pkv up] {text}", flush=True)
+
+
+def _ports(base: int, count: int, host: str) -> list[int]:
+    return [base + i for i in range(count)] if base else [free_port(host) for _ in range(count)]
+
+
+def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[Cluster, str]:
+    cluster = Cluster(model=model, log_dir=log_dir, host=args.host, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb)
+    n = args.prefill + args.decode
+    http_ports = _ports(args.base_port, n, args.host)
+    kv_ports = _ports(args.base_port + 1000 if args.base_port else 0, n, args.host)
+    extra_vllm = tuple(a for a in args.vllm_args if a != "--")
+    prefill, decode = [], []
+    for i in range(n):
+        is_prefill = i < args.prefill
+        role = "kv_producer" if is_prefill else "kv_consumer"
+        name = f"prefill{i}" if is_prefill else f"decode{i - args.prefill}"
+        spec = InstanceSpec(role, http_ports[i], kv_ports[i], {"send_type": args.send_type}, extra_vllm)
+        cluster.add_vllm(name, spec)
+        address = f"{args.host}:{http_ports[i]}"
+        if is_prefill:
+            prefill.append(address)
+        else:
+            decode.append(f"{address}@{args.host}:{kv_ports[i]}")
+    proxy_port = args.port or free_port(args.host)
+    cluster.add_proxy(proxy_port, prefill, decode)
+    return cluster, f"http://{args.host}:{proxy_port}"
+
+
+def send_demo_request(proxy_url: str, model: str) -> str:
+    body = json.dumps({"model": model, "prompt": DEMO_PROMPT, "max_tokens": 16, "temperature": 0}).encode()
+    request = urllib.request.Request(f"{proxy_url}/v1/completions", data=body,
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        answer = json.loads(resp.read())
+    text: str = answer["choices"][0]["text"]
+    cached = answer["usage"].get("prompt_tokens_details", {}) or {}
+    return (f"prompt_tokens={answer['usage']['prompt_tokens']} cached_on_decode={cached.get('cached_tokens')} "
+            f"completion={text!r}")
+
+
+def run_up(args: argparse.Namespace) -> int:
+    if args.prefill < 1 or args.decode < 1:
+        raise SystemExit("p2pkv up: --prefill and --decode must be at least 1")
+    if args.model is None:
+        from p2pkv.tinymodel import write_tiny_model
+
+        model = str(write_tiny_model(default_model_dir()))
+        _say(f"using the tiny test model in {model}")
+    else:
+        model = args.model
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="p2pkv-up-"))
+    cluster, proxy_url = build_cluster(args, model, log_dir)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    _say(f"starting {args.prefill} prefill and {args.decode} decode vLLM instances; logs in {log_dir}")
+    try:
+        cluster.start(args.ready_timeout, progress=_say)
+        _say(f"proxy ready at {proxy_url}")
+        curl = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 16})
+        _say(f"try: curl -s {proxy_url}/v1/completions -H 'content-type: application/json' -d '{curl}'")
+        if args.demo:
+            _say("demo request: " + send_demo_request(proxy_url, model))
+            if args.exit_after_demo:
+                return 0
+        _say("serving; Ctrl-C stops everything")
+        while not stop.is_set():
+            for proc in cluster.processes:
+                code = proc.exited()
+                if code is not None:
+                    _say(f"{proc.name} exited with code {code}; stopping. Last log lines:\n{proc.log_tail()}")
+                    return 1
+            stop.wait(1.0)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _say("stopping all processes")
+        cluster.stop()
+        _say("stopped")
+        sys.stdout.flush()

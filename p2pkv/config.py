@@ -1,0 +1,194 @@
+"""Every option of p2pkv and its default, parsed once from `kv_connector_extra_config`.
+
+The old `P2pNcclConnector` keys keep working. Unknown keys and bad values stop start-up with an error that
+names the key and what it accepts.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from p2pkv.errors import ConfigError
+
+AUTH_SECRET_ENV = "P2PKV_AUTH_SECRET"
+T = TypeVar("T")
+
+
+class SendType(enum.Enum):
+    PUT = "PUT"
+    PUT_ASYNC = "PUT_ASYNC"
+    GET = "GET"
+
+
+class Role(enum.Enum):
+    PRODUCER = "kv_producer"
+    CONSUMER = "kv_consumer"
+    BOTH = "kv_both"
+
+
+class LoadFailurePolicy(enum.Enum):
+    RECOMPUTE = "recompute"
+    FAIL = "fail"
+
+
+class Transport(enum.Enum):
+    AUTO = "auto"
+    TCP = "tcp"
+
+
+@dataclass(frozen=True)
+class ExtraConfig:
+    """The keys of `kv_connector_extra_config`, with their defaults."""
+
+    # Keys of the old connector.
+    proxy_ip: str = ""
+    proxy_port: int = 0
+    http_port: int = 0
+    send_type: SendType = SendType.PUT_ASYNC
+    nccl_num_channels: int = 8
+    mem_pool_size_gb: float = 32.0
+    kv_buffer_size: float = 1e9
+    # p2pkv's own keys.
+    kv_host: str = "0.0.0.0"
+    transport: Transport = Transport.AUTO
+    transfer_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    lease_s: float = 30.0
+    staging_expiry_s: float = 120.0
+    metrics_port: int = 0
+    auth_secret: str = ""
+    max_frame_bytes: int = 1 << 20
+    test_fault_injection: bool = False
+
+
+def _as_int(key: str, lo: int, hi: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer in [{lo}, {hi}], got {value!r}")
+        try:
+            number = int(str(value), 10)
+        except ValueError:
+            raise ConfigError(f"{key}: expected an integer in [{lo}, {hi}], got {value!r}") from None
+        if not lo <= number <= hi:
+            raise ConfigError(f"{key}: expected an integer in [{lo}, {hi}], got {value!r}")
+        return number
+
+    return parse
+
+
+def _as_float(key: str, lo: float, hi: float, *, open_low: bool = False) -> Callable[[Any], float]:
+    bounds = f"{'(' if open_low else '['}{lo:g}, {hi:g}]"
+
+    def parse(value: Any) -> float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number in {bounds}, got {value!r}")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number in {bounds}, got {value!r}") from None
+        low_ok = number > lo if open_low else number >= lo
+        if not (low_ok and number <= hi):
+            raise ConfigError(f"{key}: expected a number in {bounds}, got {value!r}")
+        return number
+
+    return parse
+
+
+def _as_str(key: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+
+    return parse
+
+
+def _as_bool(key: str) -> Callable[[Any], bool]:
+    def parse(value: Any) -> bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+    return parse
+
+
+def _as_enum(key: str, kind: type[enum.Enum]) -> Callable[[Any], Any]:
+    accepted = ", ".join(str(m.value) for m in kind)
+
+    def parse(value: Any) -> Any:
+        for member in kind:
+            if isinstance(value, str) and value.lower() == str(member.value).lower():
+                return member
+        raise ConfigError(f"{key}: expected one of {accepted}, got {value!r}")
+
+    return parse
+
+
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "proxy_ip": _as_str("proxy_ip"),
+    "proxy_port": _as_int("proxy_port", 0, 65535),
+    "http_port": _as_int("http_port", 0, 65535),
+    "send_type": _as_enum("send_type", SendType),
+    "nccl_num_channels": _as_int("nccl_num_channels", 1, 64),
+    "mem_pool_size_gb": _as_float("mem_pool_size_gb", 0.0, 4096.0),
+    "kv_buffer_size": _as_float("kv_buffer_size", 0.0, 1e15, open_low=True),
+    "kv_host": _as_str("kv_host"),
+    "transport": _as_enum("transport", Transport),
+    "transfer_timeout_s": _as_float("transfer_timeout_s", 0.0, 3600.0, open_low=True),
+    "connect_timeout_s": _as_float("connect_timeout_s", 0.0, 600.0, open_low=True),
+    "lease_s": _as_float("lease_s", 0.0, 3600.0, open_low=True),
+    "staging_expiry_s": _as_float("staging_expiry_s", 0.0, 86400.0, open_low=True),
+    "metrics_port": _as_int("metrics_port", 0, 65535),
+    "auth_secret": _as_str("auth_secret"),
+    "max_frame_bytes": _as_int("max_frame_bytes", 1024, 1 << 30),
+    "test_fault_injection": _as_bool("test_fault_injection"),
+}
+assert set(_PARSERS) == {f.name for f in fields(ExtraConfig)}
+
+
+def parse_extra_config(raw: Mapping[str, Any] | None) -> ExtraConfig:
+    """Validate every key of `kv_connector_extra_config` and build the frozen config."""
+    values: dict[str, Any] = {}
+    for key, value in (raw or {}).items():
+        parser = _PARSERS.get(key)
+        if parser is None:
+            accepted = ", ".join(sorted(_PARSERS))
+            raise ConfigError(f"unknown kv_connector_extra_config key {key!r}; accepted keys: {accepted}")
+        values[key] = parser(value)
+    if "auth_secret" not in values and os.environ.get(AUTH_SECRET_ENV):
+        values["auth_secret"] = os.environ[AUTH_SECRET_ENV]
+    config = ExtraConfig(**values)
+    if config.proxy_ip and not config.http_port:
+        raise ConfigError("http_port: required when proxy_ip is set (the instance's OpenAI port)")
+    if bool(config.proxy_ip) != bool(config.proxy_port):
+        raise ConfigError("proxy_ip and proxy_port: set both or neither")
+    return config
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """What one connector instance needs: its role, its control port and the extra options."""
+
+    role: Role
+    kv_port: int
+    failure_policy: LoadFailurePolicy
+    extra: ExtraConfig
+
+    def worker_port(self, rank: int) -> int:
+        """Worker `rank` binds `kv_port + rank`, as the old connector did."""
+        return self.kv_port + rank
+
+
+def parse_connector_config(
+    role: str | None, kv_port: int, failure_policy: str, extra: Mapping[str, Any] | None
+) -> ConnectorConfig:
+    parsed_role = _as_enum("kv_role", Role)(role)
+    port = _as_int("kv_port", 1, 65535)(kv_port)
+    policy = _as_enum("kv_load_failure_policy", LoadFailurePolicy)(failure_policy)
+    return ConnectorConfig(role=parsed_role, kv_port=port, failure_policy=policy, extra=parse_extra_config(extra))

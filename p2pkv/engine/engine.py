@@ -1,0 +1,136 @@
+"""The transfer engine of one worker: wires the listener, receive store, sender and metrics together."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from p2pkv.config import ExtraConfig
+from p2pkv.engine.metrics import EngineMetrics
+from p2pkv.engine.receiver import Receiver
+from p2pkv.engine.sender import Outgoing, PushJob, Sender
+from p2pkv.engine.store import ReceiveStore, StagedTransfer, StageState
+from p2pkv.params import Address
+from p2pkv.protocol import FrameLimits, Hello, LayoutDigest
+from p2pkv.transport.base import Connection
+from p2pkv.transport.tcp import TcpConnection, TcpListener
+
+log = logging.getLogger(__name__)
+_LOOPBACK = ("127.", "::1", "localhost")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    host: str
+    port: int
+    secret: bytes
+    staging_budget_bytes: int
+    staging_expiry_s: float
+    transfer_timeout_s: float
+    connect_timeout_s: float
+    metrics_port: int
+    limits: FrameLimits
+
+    @classmethod
+    def from_config(cls, extra: ExtraConfig, port: int, metrics_port: int) -> EngineSettings:
+        return cls(
+            host=extra.kv_host,
+            port=port,
+            secret=extra.auth_secret.encode(),
+            staging_budget_bytes=int(extra.kv_buffer_size),
+            staging_expiry_s=extra.staging_expiry_s,
+            transfer_timeout_s=extra.transfer_timeout_s,
+            connect_timeout_s=extra.connect_timeout_s,
+            metrics_port=metrics_port,
+            limits=FrameLimits(max_message_bytes=extra.max_frame_bytes),
+        )
+
+
+class TransferEngine:
+    """`start()` binds and starts threads; `close()` stops them in reverse order and is idempotent."""
+
+    def __init__(self, settings: EngineSettings, layout: LayoutDigest, rank: int = 0) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.rank = rank
+        self.engine_id = uuid.uuid4().hex[:12]
+        self.metrics = EngineMetrics()
+        self.store = ReceiveStore(settings.staging_budget_bytes, settings.staging_expiry_s, layout.block_bytes,
+                                  self.metrics)
+        self._receiver: Receiver | None = None
+        self._sender: Sender | None = None
+        self._metrics_server: object | None = None
+        self._metrics_thread: threading.Thread | None = None
+        self._closed = False
+        self.address = ""
+
+    def start(self) -> None:
+        s = self.settings
+        if not s.secret and not s.host.startswith(_LOOPBACK):
+            log.warning("the KV port binds %s without auth_secret: anyone who reaches it can push KV", s.host)
+        listener = TcpListener(s.host, s.port, s.secret, s.limits)
+        self.address = listener.address
+        self._receiver = Receiver(listener, self.store, self.layout, self.metrics, s.transfer_timeout_s)
+        self._receiver.start()
+        hello = Hello(engine_id=self.engine_id, rank=self.rank, layout=self.layout)
+        self._sender = Sender(self._connect, hello, self.metrics)
+        self._sender.start()
+        if s.metrics_port:
+            from prometheus_client import start_http_server
+
+            self._metrics_server, self._metrics_thread = start_http_server(
+                s.metrics_port, addr=s.host, registry=self.metrics.registry)
+        log.info("p2pkv engine %s rank %d listening on %s", self.engine_id, self.rank, self.address)
+
+    def _connect(self, peer: Address, deadline: float) -> Connection:
+        deadline = min(deadline, time.monotonic() + self.settings.connect_timeout_s)
+        return TcpConnection.connect(peer, deadline, self.settings.secret, self.settings.limits)
+
+    # Sending side.
+    def push_layer(self, transfer_id: str, peer: Address, layer: int, total_blocks: int,
+                   views: tuple[memoryview, ...], deadline: float) -> None:
+        assert self._sender is not None, "engine not started"
+        self._sender.submit(PushJob(transfer_id, peer, layer, self.layout.num_layers, total_blocks, views, deadline))
+
+    def wait_sent(self, deadline: float) -> bool:
+        assert self._sender is not None, "engine not started"
+        return self._sender.wait_idle(deadline)
+
+    def outgoing(self, transfer_id: str) -> Outgoing | None:
+        assert self._sender is not None, "engine not started"
+        return self._sender.poll(transfer_id)
+
+    def forget_outgoing(self, transfer_id: str) -> None:
+        assert self._sender is not None, "engine not started"
+        self._sender.forget(transfer_id)
+
+    # Receiving side.
+    def staged_state(self, transfer_id: str) -> StageState | None:
+        return self.store.state(transfer_id)
+
+    def take_staged(self, transfer_id: str) -> StagedTransfer | None:
+        return self.store.take(transfer_id)
+
+    def release_staged(self, item: StagedTransfer) -> None:
+        self.store.release(item)
+
+    def housekeeping(self) -> None:
+        """Expire stale staging and overdue sends; cheap, called once per step by the owner."""
+        self.store.expire()
+        if self._sender is not None:
+            self._sender.expire()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()  # type: ignore[attr-defined]
+            self._metrics_server.server_close()  # type: ignore[attr-defined]
+        if self._sender is not None:
+            self._sender.close()
+        if self._receiver is not None:
+            self._receiver.close()

@@ -1,0 +1,37 @@
+"""Prometheus metrics of one engine, in a registry of its own (no module-level state)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+@dataclass
+class EngineMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.bytes_sent = Counter("p2pkv_bytes_sent", "KV bytes pushed to peers", ["transport"], registry=r)
+        self.bytes_received = Counter("p2pkv_bytes_received", "KV bytes received from peers", ["transport"],
+                                      registry=r)
+        self.bytes_loaded = Counter("p2pkv_bytes_loaded", "KV bytes written into the paged cache", registry=r)
+        self.transfers = Counter("p2pkv_transfers", "Finished transfers", ["direction", "outcome"], registry=r)
+        self.bad_frames = Counter("p2pkv_bad_frames", "Malformed or unauthenticated frames dropped", registry=r)
+        self.refused_peers = Counter("p2pkv_refused_peers", "Peers refused at the handshake", registry=r)
+        self.staging_bytes = Gauge("p2pkv_staging_bytes", "Bytes of received KV waiting to be loaded", registry=r)
+        self.transfer_seconds = Histogram("p2pkv_transfer_seconds", "Push time per transfer", ["direction"],
+                                          registry=r)
+        self._lock = threading.Lock()
+        self._totals: dict[str, float] = {}
+
+    def add(self, name: str, amount: float) -> None:
+        """Plain totals for tests and logs, next to the Prometheus series."""
+        with self._lock:
+            self._totals[name] = self._totals.get(name, 0.0) + amount
+
+    def totals(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._totals)

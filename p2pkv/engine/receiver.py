@@ -1,0 +1,133 @@
+"""Accepts peer connections and lands pushed blocks in the receive store, one owned thread per connection."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from p2pkv.engine.metrics import EngineMetrics
+from p2pkv.engine.store import ReceiveStore
+from p2pkv.errors import ProtocolError, TransferError
+from p2pkv.protocol import Hello, HelloReply, LayoutDigest, PushAbort, PushBlocks
+from p2pkv.transport.base import Connection, Listener
+
+log = logging.getLogger(__name__)
+_POLL_S = 0.2
+
+
+class Receiver:
+    """Owns the listener thread and the reader threads it starts; `close()` stops and joins them all."""
+
+    def __init__(self, listener: Listener, store: ReceiveStore, layout: LayoutDigest, metrics: EngineMetrics,
+                 frame_timeout_s: float) -> None:
+        self._listener = listener
+        self._store = store
+        self._layout = layout
+        self._metrics = metrics
+        self._frame_timeout_s = frame_timeout_s
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._readers: dict[threading.Thread, Connection] = {}
+        self._thread = threading.Thread(target=self._accept_loop, name="p2pkv-listener", daemon=True)
+        self._warned_bad_frame = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn = self._listener.accept(_POLL_S)
+            except OSError as exc:
+                if not self._stop.is_set():
+                    log.error("listener failed: %s", exc)
+                return
+            if conn is None:
+                continue
+            thread = threading.Thread(target=self._serve, args=(conn,), name=f"p2pkv-reader-{conn.peer}",
+                                      daemon=True)
+            with self._lock:
+                if self._stop.is_set():
+                    conn.close()
+                    return
+                self._readers[thread] = conn
+            thread.start()
+
+    def _bad_frame(self, peer: str, exc: Exception) -> None:
+        self._metrics.bad_frames.inc()
+        self._metrics.add("bad_frames", 1)
+        if not self._warned_bad_frame:
+            self._warned_bad_frame = True
+            log.warning("dropping connection from %s after a bad frame: %s (further ones are only counted)",
+                        peer, exc)
+
+    def _handshake(self, conn: Connection) -> bool:
+        got = conn.recv_frame(self._frame_timeout_s, time.monotonic() + self._frame_timeout_s)
+        if got is None:
+            raise TransferError("no hello within the frame timeout")
+        hello, payload_len = got
+        if not isinstance(hello, Hello) or payload_len:
+            raise ProtocolError(f"expected a hello frame, got {type(hello).__name__}")
+        diffs = self._layout.differences(hello.layout)
+        deadline = time.monotonic() + self._frame_timeout_s
+        if diffs:
+            reason = "KV layout mismatch: " + "; ".join(diffs)
+            log.error("refusing peer %s (engine %s): %s", conn.peer, hello.engine_id, reason)
+            self._metrics.refused_peers.inc()
+            conn.send_frame(HelloReply(accepted=False, reason=reason), (), deadline)
+            return False
+        conn.send_frame(HelloReply(accepted=True), (), deadline)
+        return True
+
+    def _serve(self, conn: Connection) -> None:
+        source = f"{conn.peer}#{id(conn)}"
+        try:
+            if not self._handshake(conn):
+                return
+            while not self._stop.is_set():
+                got = conn.recv_frame(_POLL_S, time.monotonic() + self._frame_timeout_s)
+                if got is None:
+                    continue
+                message, payload_len = got
+                deadline = time.monotonic() + self._frame_timeout_s
+                if isinstance(message, PushBlocks):
+                    self._receive_chunk(conn, message, payload_len, source, deadline)
+                elif isinstance(message, PushAbort):
+                    conn.discard_payload(payload_len, deadline)
+                    self._store.fail(message.transfer_id, f"sender aborted: {message.reason}")
+                else:
+                    raise ProtocolError(f"unexpected {type(message).__name__} frame")
+        except ProtocolError as exc:
+            self._bad_frame(conn.peer, exc)
+        except TransferError as exc:
+            if not self._stop.is_set():
+                log.info("connection from %s ended: %s", conn.peer, exc)
+        finally:
+            self._store.fail_from_source(source, "connection to the sender was lost")
+            conn.close()
+            with self._lock:
+                self._readers.pop(threading.current_thread(), None)
+
+    def _receive_chunk(self, conn: Connection, push: PushBlocks, payload_len: int, source: str,
+                       deadline: float) -> None:
+        view = self._store.begin_chunk(push, payload_len, source)
+        if view is None:
+            conn.discard_payload(payload_len, deadline)
+            return
+        conn.recv_payload_into(view, deadline)
+        self._store.finish_chunk(push.transfer_id, push.num_blocks)
+        self._metrics.bytes_received.labels(conn.name).inc(payload_len)
+        self._metrics.add("bytes_received", payload_len)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        with self._lock:
+            readers = list(self._readers.items())
+        for _, conn in readers:
+            conn.close()
+        for thread, _ in readers:
+            thread.join(timeout=5)

@@ -1,0 +1,212 @@
+"""Pushes layers of KV to peers from one owned thread, over cached per-peer connections with reconnect."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from p2pkv.engine.metrics import EngineMetrics
+from p2pkv.errors import IncompatiblePeerError, P2pkvError, TransferError
+from p2pkv.params import Address
+from p2pkv.protocol import Hello, HelloReply, PushAbort, PushBlocks
+from p2pkv.transport.base import Connection
+
+log = logging.getLogger(__name__)
+_POLL_S = 0.2
+
+Connect = Callable[[Address, float], Connection]
+
+
+@dataclass(frozen=True)
+class PushJob:
+    """One layer of one transfer: `views` are the bytes of blocks 0..total_blocks-1, in order."""
+
+    transfer_id: str
+    peer: Address
+    layer: int
+    num_layers: int
+    total_blocks: int
+    views: tuple[memoryview, ...]
+    deadline: float
+
+
+class OutState(enum.Enum):
+    SENDING = "sending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class Outgoing:
+    transfer_id: str
+    peer: Address
+    num_layers: int
+    started: float
+    deadline: float
+    layers_sent: set[int] = field(default_factory=set)
+    nbytes: int = 0
+    state: OutState = OutState.SENDING
+    reason: str = ""
+
+
+class Sender:
+    def __init__(self, connect: Connect, hello: Hello, metrics: EngineMetrics) -> None:
+        self._connect = connect
+        self._hello = hello
+        self._metrics = metrics
+        self._queue: queue.Queue[PushJob] = queue.Queue()
+        self._conns: dict[Address, Connection] = {}
+        self._lock = threading.Lock()
+        self._transfers: dict[str, Outgoing] = {}
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="p2pkv-sender", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: PushJob) -> None:
+        with self._lock:
+            item = self._transfers.get(job.transfer_id)
+            if item is None:
+                item = Outgoing(job.transfer_id, job.peer, job.num_layers, time.monotonic(), job.deadline)
+                self._transfers[job.transfer_id] = item
+            self._pending += 1
+        self._queue.put(job)
+
+    def wait_idle(self, deadline: float) -> bool:
+        """Block until every submitted job has been handled (PUT mode); False if the deadline passed."""
+        with self._idle:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+            return True
+
+    def poll(self, transfer_id: str) -> Outgoing | None:
+        with self._lock:
+            return self._transfers.get(transfer_id)
+
+    def forget(self, transfer_id: str) -> None:
+        with self._lock:
+            self._transfers.pop(transfer_id, None)
+
+    def expire(self) -> None:
+        """Fail transfers whose deadline passed, so their blocks are released."""
+        now = time.monotonic()
+        with self._lock:
+            for item in self._transfers.values():
+                if item.state is OutState.SENDING and now > item.deadline:
+                    self._finish_locked(item, OutState.FAILED, "deadline passed")
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            try:
+                self._handle(job)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _handle(self, job: PushJob) -> None:
+        with self._lock:
+            item = self._transfers.get(job.transfer_id)
+            if item is None or item.state is not OutState.SENDING:
+                return
+        try:
+            self._send_with_retry(job)
+        except P2pkvError as exc:
+            with self._lock:
+                self._finish_locked(item, OutState.FAILED, str(exc))
+            self._abort(job, str(exc))
+            return
+        nbytes = sum(v.nbytes for v in job.views)
+        self._metrics.bytes_sent.labels("tcp").inc(nbytes)
+        self._metrics.add("bytes_sent", nbytes)
+        with self._lock:
+            item.nbytes += nbytes
+            item.layers_sent.add(job.layer)
+            if len(item.layers_sent) == item.num_layers and item.state is OutState.SENDING:
+                self._finish_locked(item, OutState.DONE, "")
+
+    def _finish_locked(self, item: Outgoing, state: OutState, reason: str) -> None:
+        item.state, item.reason = state, reason
+        ms = (time.monotonic() - item.started) * 1000
+        outcome = "ok" if state is OutState.DONE else "failed"
+        self._metrics.transfers.labels("send", outcome).inc()
+        self._metrics.transfer_seconds.labels("send").observe(ms / 1000)
+        log.info("transfer %s send %s peer=%s bytes=%d ms=%.1f transport=tcp%s", item.transfer_id, outcome,
+                 item.peer, item.nbytes, ms, f" reason={reason}" if reason else "")
+
+    def _send_with_retry(self, job: PushJob) -> None:
+        message = PushBlocks(job.transfer_id, job.layer, 0, job.total_blocks, job.total_blocks, job.num_layers)
+        for attempt in (1, 2):
+            conn = self._connection(job.peer, job.deadline)
+            try:
+                conn.send_frame(message, job.views, job.deadline)
+                return
+            except TransferError as exc:
+                self._drop(job.peer)
+                if attempt == 2 or time.monotonic() >= job.deadline:
+                    raise
+                log.info("reconnecting to %s after: %s", job.peer, exc)
+
+    def _abort(self, job: PushJob, reason: str) -> None:
+        with self._lock:
+            conn = self._conns.get(job.peer)
+        if conn is None:
+            return
+        try:
+            conn.send_frame(PushAbort(job.transfer_id, reason[:200]), (), time.monotonic() + 1.0)
+        except P2pkvError:
+            self._drop(job.peer)
+
+    def _connection(self, peer: Address, deadline: float) -> Connection:
+        with self._lock:
+            conn = self._conns.get(peer)
+        if conn is not None and conn.is_alive():
+            return conn
+        if conn is not None:
+            log.info("connection to %s was closed by the peer; reconnecting", peer)
+            self._drop(peer)
+        conn = self._connect(peer, deadline)
+        try:
+            conn.send_frame(self._hello, (), deadline)
+            got = conn.recv_frame(max(0.0, deadline - time.monotonic()), deadline)
+            if got is None or not isinstance(got[0], HelloReply):
+                raise TransferError(f"no handshake reply from {peer}")
+            if not got[0].accepted:
+                raise IncompatiblePeerError(f"peer {peer} refused us: {got[0].reason}")
+        except P2pkvError:
+            conn.close()
+            raise
+        with self._lock:
+            self._conns[peer] = conn
+        return conn
+
+    def _drop(self, peer: Address) -> None:
+        with self._lock:
+            conn = self._conns.pop(peer, None)
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        with self._lock:
+            conns = list(self._conns.values())
+            self._conns.clear()
+        for conn in conns:
+            conn.close()

@@ -1,0 +1,169 @@
+"""Staging for pushed KV on the receiving side, keyed by transfer id, bounded in bytes, with expiry."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from p2pkv.engine.metrics import EngineMetrics
+from p2pkv.protocol import PushBlocks
+
+log = logging.getLogger(__name__)
+
+
+class StageState(enum.Enum):
+    RECEIVING = "receiving"
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+@dataclass
+class StagedTransfer:
+    transfer_id: str
+    num_layers: int
+    total_blocks: int
+    block_bytes: int
+    source: str
+    buffer: bytearray
+    created: float
+    blocks_received: int = 0
+    state: StageState = StageState.RECEIVING
+    reason: str = ""
+    done_at: float = 0.0
+    chunks: set[tuple[int, int]] = field(default_factory=set)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.buffer)
+
+    def layer_view(self, layer: int) -> memoryview:
+        size = self.total_blocks * self.block_bytes
+        return memoryview(self.buffer)[layer * size : (layer + 1) * size]
+
+
+class ReceiveStore:
+    """Thread-safe map of transfer id to staged bytes. Payloads are written outside the lock."""
+
+    def __init__(self, budget_bytes: int, expiry_s: float, block_bytes: int, metrics: EngineMetrics) -> None:
+        self._budget = budget_bytes
+        self._expiry_s = expiry_s
+        self._block_bytes = block_bytes
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._items: dict[str, StagedTransfer] = {}
+        self._in_use = 0
+
+    @property
+    def bytes_in_use(self) -> int:
+        with self._lock:
+            return self._in_use
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    def begin_chunk(self, push: PushBlocks, payload_len: int, source: str) -> memoryview | None:
+        """Where the payload of `push` goes, or None when it is refused (invalid, or over the budget)."""
+        if not (0 <= push.layer < push.num_layers and push.num_blocks > 0
+                and 0 <= push.first_block and push.first_block + push.num_blocks <= push.total_blocks
+                and payload_len == push.num_blocks * self._block_bytes):
+            self.fail(push.transfer_id, f"invalid chunk {push!r} with {payload_len} payload bytes")
+            return None
+        with self._lock:
+            item = self._items.get(push.transfer_id)
+            if item is None:
+                size = push.num_layers * push.total_blocks * self._block_bytes
+                if self._in_use + size > self._budget:
+                    log.warning("transfer %s refused: %d bytes would exceed the staging budget of %d",
+                                push.transfer_id, size, self._budget)
+                    item = self._new(push, source, bytearray(0))
+                    item.state, item.reason = StageState.FAILED, "staging budget exceeded"
+                    return None
+                item = self._new(push, source, bytearray(size))
+                self._in_use += size
+                self._metrics.staging_bytes.set(self._in_use)
+            if item.state is not StageState.RECEIVING:
+                return None
+            if (item.num_layers, item.total_blocks) != (push.num_layers, push.total_blocks):
+                self._fail_locked(item, "chunk disagrees with the transfer's shape")
+                return None
+            key = (push.layer, push.first_block)
+            if key in item.chunks:
+                self._fail_locked(item, f"duplicate chunk {key}")
+                return None
+            item.chunks.add(key)
+            start = push.first_block * self._block_bytes
+            return item.layer_view(push.layer)[start : start + payload_len]
+
+    def _new(self, push: PushBlocks, source: str, buffer: bytearray) -> StagedTransfer:
+        item = StagedTransfer(push.transfer_id, push.num_layers, push.total_blocks, self._block_bytes, source,
+                              buffer, time.monotonic())
+        self._items[push.transfer_id] = item
+        return item
+
+    def finish_chunk(self, transfer_id: str, num_blocks: int) -> None:
+        with self._lock:
+            item = self._items.get(transfer_id)
+            if item is None or item.state is not StageState.RECEIVING:
+                return
+            item.blocks_received += num_blocks
+            if item.blocks_received == item.num_layers * item.total_blocks:
+                item.state = StageState.COMPLETE
+                item.done_at = time.monotonic()
+
+    def fail(self, transfer_id: str, reason: str) -> None:
+        with self._lock:
+            item = self._items.get(transfer_id)
+            if item is None:
+                item = StagedTransfer(transfer_id, 0, 0, self._block_bytes, "", bytearray(0), time.monotonic())
+                self._items[transfer_id] = item
+            self._fail_locked(item, reason)
+
+    def fail_from_source(self, source: str, reason: str) -> None:
+        """A connection broke: every transfer it had not finished is failed."""
+        with self._lock:
+            for item in self._items.values():
+                if item.source == source and item.state is StageState.RECEIVING:
+                    self._fail_locked(item, reason)
+
+    def _fail_locked(self, item: StagedTransfer, reason: str) -> None:
+        if item.state is StageState.FAILED:
+            return
+        log.warning("transfer %s failed while receiving: %s", item.transfer_id, reason)
+        item.state, item.reason, item.done_at = StageState.FAILED, reason, time.monotonic()
+        self._release_locked(item)
+
+    def _release_locked(self, item: StagedTransfer) -> None:
+        self._in_use -= len(item.buffer)
+        item.buffer = bytearray(0)
+        self._metrics.staging_bytes.set(self._in_use)
+
+    def state(self, transfer_id: str) -> StageState | None:
+        with self._lock:
+            item = self._items.get(transfer_id)
+            return None if item is None else item.state
+
+    def take(self, transfer_id: str) -> StagedTransfer | None:
+        """Remove and return a transfer; the caller frees its bytes with `release` once it has copied them."""
+        with self._lock:
+            return self._items.pop(transfer_id, None)
+
+    def release(self, item: StagedTransfer) -> None:
+        with self._lock:
+            self._release_locked(item)
+
+    def expire(self) -> int:
+        """Drop staging nobody claimed within the expiry; returns how many were dropped."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [t for t, item in self._items.items() if now - item.created > self._expiry_s]
+            for tid in stale:
+                item = self._items.pop(tid)
+                if item.state is not StageState.FAILED:
+                    self._release_locked(item)
+        if stale:
+            log.warning("dropped %d staged transfers nobody claimed within %.0f s", len(stale), self._expiry_s)
+        return len(stale)

@@ -1,0 +1,128 @@
+"""`kv_transfer_params` as typed values: the one place where vLLM's params dict becomes a dataclass.
+
+The proxy writes `PrefillParams` into the prefill request; the prefill instance answers `DecodeParams`, which the
+proxy forwards to the decode instance. Transfers are keyed by `transfer_id`, never by vLLM's request id.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from p2pkv.errors import ConfigError
+
+MARKER = "p2pkv"
+PARAMS_VERSION = 1
+_TRANSFER_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+@dataclass(frozen=True)
+class Address:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str) -> Address:
+        host, sep, port = text.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"address {text!r}: expected HOST:PORT")
+        return cls(host.strip("[]"), int(port))
+
+    def offset(self, delta: int) -> Address:
+        return Address(self.host, self.port + delta)
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class PrefillParams:
+    """Sent by the proxy to a prefill instance: compute, then push the KV to `decode_kv` (rank-0 address)."""
+
+    transfer_id: str
+    decode_kv: Address | None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {MARKER: PARAMS_VERSION, "transfer_id": self.transfer_id, "do_remote_decode": True}
+        if self.decode_kv is not None:
+            out["decode_kv_address"] = str(self.decode_kv)
+        return out
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    """Returned by the prefill instance and forwarded to the decode instance: where the KV is.
+
+    The key is `load_remote_kv`, not NIXL's `do_remote_prefill`: with the latter vLLM would report the prefill
+    instance's cache hits as the decode instance's, hiding that the decode instance loaded the prompt.
+    """
+
+    transfer_id: str
+    num_prompt_tokens: int
+    prefill_kv: Address | None
+    test_corrupt: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            MARKER: PARAMS_VERSION,
+            "transfer_id": self.transfer_id,
+            "load_remote_kv": True,
+            "num_prompt_tokens": self.num_prompt_tokens,
+        }
+        if self.prefill_kv is not None:
+            out["prefill_kv_address"] = str(self.prefill_kv)
+        if self.test_corrupt:
+            out["test_corrupt"] = True
+        return out
+
+
+@dataclass(frozen=True)
+class ProbeParams:
+    """Sent by a proxy that was not told an instance's KV address: the instance answers with its KV port."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {MARKER: PARAMS_VERSION, "probe": True}
+
+
+@dataclass(frozen=True)
+class ProbeAnswer:
+    kv_port: int
+    kv_host: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {MARKER: PARAMS_VERSION, "kv_port": self.kv_port, "kv_host": self.kv_host}
+
+
+AnyParams = PrefillParams | DecodeParams | ProbeParams
+
+
+def parse_transfer_params(raw: Any) -> AnyParams | None:
+    """Turn vLLM's `kv_transfer_params` into typed params; None when the request is not a p2pkv transfer.
+
+    Raises ConfigError for a p2pkv dict that is malformed, so bad input fails the request loudly.
+    """
+    if not isinstance(raw, dict) or MARKER not in raw:
+        return None
+    if raw[MARKER] != PARAMS_VERSION:
+        raise ConfigError(f"kv_transfer_params: p2pkv version {raw[MARKER]!r}, expected {PARAMS_VERSION}")
+    if raw.get("probe") is True:
+        return ProbeParams()
+    transfer_id = raw.get("transfer_id")
+    if not isinstance(transfer_id, str) or not _TRANSFER_ID.match(transfer_id):
+        raise ConfigError(f"kv_transfer_params.transfer_id: expected 1-128 of [A-Za-z0-9_.:-], got {transfer_id!r}")
+    if raw.get("do_remote_decode"):
+        decode = raw.get("decode_kv_address")
+        return PrefillParams(transfer_id, Address.parse(decode) if isinstance(decode, str) else None)
+    if raw.get("load_remote_kv"):
+        tokens = raw.get("num_prompt_tokens")
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+            raise ConfigError(f"kv_transfer_params.num_prompt_tokens: expected a positive integer, got {tokens!r}")
+        prefill = raw.get("prefill_kv_address")
+        return DecodeParams(
+            transfer_id,
+            tokens,
+            Address.parse(prefill) if isinstance(prefill, str) else None,
+            bool(raw.get("test_corrupt", False)),
+        )
+    raise ConfigError("kv_transfer_params: p2pkv params need do_remote_decode or load_remote_kv")

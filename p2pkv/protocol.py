@@ -1,0 +1,131 @@
+"""The control-plane messages, as one versioned msgspec tagged union, and their framing.
+
+A frame is a fixed 48-byte prefix, a msgpack-encoded message and an optional raw payload:
+
+    magic "P2KV" | version u16 | reserved u16 | message length u32 | payload length u64 | HMAC-SHA256 (32 bytes)
+
+The HMAC (zeros when no secret is configured) covers the prefix fields and the message, so a message cannot
+be forged or altered; payload bytes are bulk KV and are not covered. Sizes are validated against caps before
+anything is allocated from them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from dataclasses import dataclass
+
+import msgspec
+
+from p2pkv import PROTOCOL_VERSION
+from p2pkv.errors import ProtocolError
+
+MAGIC = b"P2KV"
+_PREFIX = struct.Struct("!4sHHIQ")
+MAC_BYTES = 32
+PREFIX_BYTES = _PREFIX.size + MAC_BYTES
+
+
+class LayoutDigest(msgspec.Struct, frozen=True):
+    """What both sides must agree on to exchange whole blocks as opaque bytes."""
+
+    num_layers: int
+    block_size: int
+    block_bytes: int
+    dtype: str
+    block_shape: tuple[int, ...]
+    kernel: str
+
+    def differences(self, other: LayoutDigest) -> list[str]:
+        names = ("num_layers", "block_size", "block_bytes", "dtype", "block_shape", "kernel")
+        return [f"{n}: ours {getattr(self, n)!r}, peer {getattr(other, n)!r}" for n in names
+                if getattr(self, n) != getattr(other, n)]
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    """First frame on a new connection: who is speaking and what its KV looks like."""
+
+    engine_id: str
+    rank: int
+    layout: LayoutDigest
+
+
+class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):
+    accepted: bool
+    reason: str = ""
+
+
+class PushBlocks(msgspec.Struct, tag="push", frozen=True):
+    """Blocks `first_block .. first_block+num_blocks` of one layer of a transfer; the payload follows."""
+
+    transfer_id: str
+    layer: int
+    first_block: int
+    num_blocks: int
+    total_blocks: int
+    num_layers: int
+
+
+class PushAbort(msgspec.Struct, tag="abort", frozen=True):
+    """The sender gave up on a transfer; the receiver drops what it staged."""
+
+    transfer_id: str
+    reason: str
+
+
+Message = Hello | HelloReply | PushBlocks | PushAbort
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    max_message_bytes: int = 64 * 1024
+    max_payload_bytes: int = 1 << 34
+
+
+@dataclass(frozen=True)
+class FramePrefix:
+    message_len: int
+    payload_len: int
+    mac: bytes
+
+
+def _mac(secret: bytes, prefix: bytes, message: bytes) -> bytes:
+    if not secret:
+        return bytes(MAC_BYTES)
+    return hmac.new(secret, prefix + message, hashlib.sha256).digest()
+
+
+def encode_frame(message: Message, payload_len: int, secret: bytes) -> bytes:
+    """Prefix and message bytes of one frame; the caller sends `payload_len` payload bytes after it."""
+    body = _encoder.encode(message)
+    prefix = _PREFIX.pack(MAGIC, PROTOCOL_VERSION, 0, len(body), payload_len)
+    return prefix + _mac(secret, prefix, body) + body
+
+
+def decode_prefix(raw: bytes, limits: FrameLimits) -> FramePrefix:
+    """Validate the fixed prefix before any buffer is sized from it."""
+    if len(raw) != PREFIX_BYTES:
+        raise ProtocolError(f"short frame prefix: {len(raw)} bytes")
+    magic, version, _, message_len, payload_len = _PREFIX.unpack(raw[: _PREFIX.size])
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version}, expected {PROTOCOL_VERSION}")
+    if message_len > limits.max_message_bytes:
+        raise ProtocolError(f"message of {message_len} bytes exceeds the cap of {limits.max_message_bytes}")
+    if payload_len > limits.max_payload_bytes:
+        raise ProtocolError(f"payload of {payload_len} bytes exceeds the cap of {limits.max_payload_bytes}")
+    return FramePrefix(message_len, payload_len, bytes(raw[_PREFIX.size :]))
+
+
+def decode_message(prefix_raw: bytes, prefix: FramePrefix, body: bytes, secret: bytes) -> Message:
+    expected = _mac(secret, bytes(prefix_raw[: _PREFIX.size]), body)
+    if not hmac.compare_digest(expected, prefix.mac):
+        raise ProtocolError("frame authentication failed")
+    try:
+        return _decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"undecodable message: {exc}") from None

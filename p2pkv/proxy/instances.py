@@ -1,0 +1,58 @@
+"""The proxy's view of its vLLM instances: addresses, KV addresses, and how to pick one."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from p2pkv.errors import ConfigError
+from p2pkv.params import Address
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One vLLM server: its OpenAI address and, for decode instances, its KV address (learned if not given)."""
+
+    http: Address
+    kv: Address | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Instance:
+        """`HOST:PORT`, optionally `HOST:PORT@KVHOST:KVPORT`; an `http://` prefix is accepted."""
+        text = text.removeprefix("http://").rstrip("/")
+        http, sep, kv = text.partition("@")
+        try:
+            return cls(Address.parse(http), Address.parse(kv) if sep else None)
+        except ConfigError as exc:
+            raise ConfigError(f"instance {text!r}: expected HOST:PORT or HOST:PORT@KVHOST:KVPORT ({exc})") from None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.http}"
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    prefill: tuple[Instance, ...]
+    decode: tuple[Instance, ...]
+    host: str = "127.0.0.1"
+    port: int = 10001
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.prefill:
+            raise ConfigError("--prefill: at least one prefill instance is required")
+        if not self.decode:
+            raise ConfigError("--decode: at least one decode instance is required")
+
+
+@dataclass
+class RoundRobin:
+    """Pairing policy of the old proxy, one counter per role; richer policies arrive with discovery."""
+
+    instances: tuple[Instance, ...]
+    _counter: itertools.count[int] = field(default_factory=itertools.count)
+
+    def pick(self) -> Instance:
+        return self.instances[next(self._counter) % len(self.instances)]

@@ -1,0 +1,43 @@
+"""The transport seam: a framed, deadline-bound connection between two engines, and a listener for them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from p2pkv.protocol import Message
+
+
+class Connection(Protocol):
+    """One peer link. Every call takes an absolute `time.monotonic()` deadline."""
+
+    name: str
+    peer: str
+
+    def send_frame(self, message: Message, payload: Sequence[memoryview], deadline: float) -> None:
+        """Send one message followed by the concatenation of `payload`."""
+
+    def recv_frame(self, idle_timeout: float, deadline: float) -> tuple[Message, int] | None:
+        """Next message and the length of its payload; None when nothing arrived within `idle_timeout`."""
+
+    def recv_payload_into(self, view: memoryview, deadline: float) -> None:
+        """Fill `view` with the next payload bytes."""
+
+    def discard_payload(self, nbytes: int, deadline: float) -> None:
+        """Read and drop `nbytes` payload bytes."""
+
+    def is_alive(self) -> bool:
+        """False once the peer has closed its end (a restarted peer leaves such a stale link behind)."""
+
+    def close(self) -> None:
+        """Idempotent."""
+
+
+class Listener(Protocol):
+    address: str
+
+    def accept(self, timeout: float) -> Connection | None:
+        """A new inbound connection, or None after `timeout` seconds."""
+
+    def close(self) -> None:
+        """Idempotent."""

@@ -1,0 +1,118 @@
+"""The class vLLM loads. It only forwards to the scheduler side or the worker side, chosen once by role."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from p2pkv.config import SendType, parse_connector_config
+from p2pkv.errors import ConfigError
+from p2pkv.vllm.metadata import P2pkvMetadata
+from p2pkv.vllm.scheduler import SchedulerSide
+from p2pkv.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+def _route_logs() -> None:
+    """vLLM only configures its own loggers; give p2pkv's one handler so per-transfer lines are seen."""
+    logger = logging.getLogger("p2pkv")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """Drop-in for vLLM's removed P2pNcclConnector: `kv_connector_module_path="p2pkv.vllm"`."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _route_logs()
+        tc = vllm_config.kv_transfer_config
+        self.config = parse_connector_config(tc.kv_role, tc.kv_port, getattr(tc, "kv_load_failure_policy", "fail"),
+                                             tc.kv_connector_extra_config)
+        if self.config.extra.send_type is SendType.GET:
+            raise ConfigError("send_type: GET is not available in this p2pkv release; use PUT_ASYNC or PUT")
+        block_size = vllm_config.cache_config.block_size
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self.config, block_size)
+        else:
+            self._worker = WorkerSide(self.config, _tp_rank(), block_size)
+
+    @property
+    def scheduler(self) -> SchedulerSide:
+        assert self._scheduler is not None, "scheduler-side call on a worker connector"
+        return self._scheduler
+
+    @property
+    def worker(self) -> WorkerSide:
+        assert self._worker is not None, "worker-side call on a scheduler connector"
+        return self._worker
+
+    # Worker side.
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, P2pkvMetadata):
+            self.worker.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # Loads are asynchronous: staged blocks land in get_finished, between forwards.
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self.worker.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # Scheduler side.
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pkvMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return None

@@ -1,0 +1,36 @@
+"""What the scheduler side tells the workers each step. Plain dataclasses: vLLM pickles them to workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from p2pkv.params import Address
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Push the first `len(block_ids)` blocks of a finished prefill to the decode instance at `peer` (rank 0)."""
+
+    req_id: str
+    transfer_id: str
+    peer: Address
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Land staged blocks `first_block ..` of a transfer in the local `block_ids`; empty means just discard."""
+
+    req_id: str
+    transfer_id: str
+    first_block: int
+    block_ids: tuple[int, ...]
+    corrupt: bool = False
+
+
+@dataclass
+class P2pkvMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    saves: list[SaveSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)

@@ -1,0 +1,135 @@
+"""Scheduler side of the connector (EngineCore process): decides what each worker saves and loads."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from p2pkv.config import ConnectorConfig, Role
+from p2pkv.errors import ConfigError
+from p2pkv.params import Address, AnyParams, DecodeParams, PrefillParams, ProbeAnswer, ProbeParams, parse_transfer_params
+from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Producer:
+    transfer_id: str
+    peer: Address
+    num_prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    saved: bool = False
+
+
+def _params(request: Request) -> AnyParams | None:
+    try:
+        return parse_transfer_params(request.kv_transfer_params)
+    except ConfigError as exc:
+        log.error("request %s: ignoring invalid kv_transfer_params: %s", request.request_id, exc)
+        return None
+
+
+class SchedulerSide:
+    def __init__(self, config: ConnectorConfig, block_size: int) -> None:
+        self._config = config
+        self._block_size = block_size
+        self._producers: dict[str, _Producer] = {}
+        self._consumed: set[str] = set()
+        self._loads: list[LoadSpec] = []
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self._block_size)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = _params(request)
+        if not isinstance(params, DecodeParams) or request.request_id in self._consumed:
+            return 0, False
+        if self._config.role is Role.PRODUCER:
+            return 0, False
+        num_prompt = len(request.prompt_token_ids or ())
+        if params.num_prompt_tokens != num_prompt:
+            log.error("transfer %s: prefill saw %d prompt tokens, this request has %d; computing locally",
+                      params.transfer_id, params.num_prompt_tokens, num_prompt)
+            return 0, False
+        # The last prompt token is always computed here, so its logits exist to sample from.
+        external = num_prompt - 1 - num_computed_tokens
+        return (external, True) if external > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = _params(request)
+        req_id = request.request_id
+        if isinstance(params, PrefillParams) and self._config.role is not Role.CONSUMER:
+            if params.decode_kv is None:
+                log.error("transfer %s: no decode_kv_address in kv_transfer_params; not pushing",
+                          params.transfer_id)
+                return
+            if req_id not in self._producers:
+                num_prompt = len(request.prompt_token_ids or ())
+                self._producers[req_id] = _Producer(params.transfer_id, params.decode_kv, num_prompt)
+            return
+        if not isinstance(params, DecodeParams) or req_id in self._consumed:
+            return
+        self._consumed.add(req_id)
+        if num_external_tokens <= 0:
+            # Nothing to load (a full local hit): free the staged bytes now instead of at expiry.
+            self._loads.append(LoadSpec(req_id, params.transfer_id, 0, ()))
+            return
+        num_prompt = len(request.prompt_token_ids or ())
+        first = (num_prompt - 1 - num_external_tokens) // self._block_size
+        last = (num_prompt - 2) // self._block_size
+        block_ids = blocks.get_block_ids()[0]
+        self._loads.append(LoadSpec(req_id, params.transfer_id, first, tuple(block_ids[first : last + 1]),
+                                    params.test_corrupt))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pkvMetadata:
+        meta = P2pkvMetadata(loads=self._loads)
+        self._loads = []
+        if not self._producers:
+            return meta
+        progress: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            producer = self._producers.get(new.req_id)
+            if producer is not None:
+                producer.block_ids = list(new.block_ids[0])
+                progress[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            producer = self._producers.get(req_id)
+            if producer is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                producer.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                producer.block_ids.extend(new_ids[0])
+            progress[req_id] = cached.num_computed_tokens[i]
+        for req_id, computed in progress.items():
+            producer = self._producers[req_id]
+            done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if producer.saved or done < producer.num_prompt_tokens:
+                continue
+            # The prompt completes in this step: every block of it holds final KV once the forward has run.
+            producer.saved = True
+            blocks = tuple(producer.block_ids[: self._blocks_for(producer.num_prompt_tokens)])
+            meta.saves.append(SaveSpec(req_id, producer.transfer_id, producer.peer, blocks))
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        if isinstance(_params(request), ProbeParams):
+            host = self._config.extra.kv_host
+            return False, ProbeAnswer(self._config.kv_port, "" if host in ("0.0.0.0", "::") else host).to_dict()
+        self._consumed.discard(req_id)
+        producer = self._producers.pop(req_id, None)
+        if producer is None or not producer.saved:
+            return False, None
+        # Keep the blocks until the workers report the push finished (finished_sending).
+        params = DecodeParams(producer.transfer_id, producer.num_prompt_tokens, None)
+        return True, params.to_dict()

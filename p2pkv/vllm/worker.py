@@ -1,0 +1,171 @@
+"""Worker side of the connector: pushes saved layers through the engine and lands staged KV in the cache."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from p2pkv.config import ConnectorConfig, SendType
+from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.sender import OutState
+from p2pkv.engine.store import StageState
+from p2pkv.layout import KvBlocks
+from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    deadline: float
+
+
+def _kernel_tag(t: torch.Tensor) -> str:
+    import torch
+
+    if t.device.type == "cpu":
+        return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+    return t.device.type
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, rank: int, block_size: int) -> None:
+        self._config = config
+        self._rank = rank
+        self._block_size = block_size
+        self._engine: TransferEngine | None = None
+        self._blocks: KvBlocks | None = None
+        self._layer_index: dict[str, int] = {}
+        self._meta = P2pkvMetadata()
+        self._pushed: dict[str, set[int]] = {}
+        self._sending: dict[str, str] = {}
+        self._finished: set[str] = set()
+        self._loads: dict[str, _Load] = {}
+        self._load_errors: set[int] = set()
+
+    @property
+    def engine(self) -> TransferEngine:
+        assert self._engine is not None, "register_kv_caches has not run"
+        return self._engine
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = list(kv_caches)
+        tensors = [kv_caches[n] for n in names]
+        self._blocks = KvBlocks.from_tensors(tensors, self._block_size, _kernel_tag(tensors[0]))
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        extra = self._config.extra
+        metrics_port = extra.metrics_port + self._rank if extra.metrics_port else 0
+        settings = EngineSettings.from_config(extra, self._config.worker_port(self._rank), metrics_port)
+        self._engine = TransferEngine(settings, self._blocks.digest, self._rank)
+        self._engine.start()
+
+    def bind(self, meta: P2pkvMetadata) -> None:
+        self._meta = meta
+        self._pushed = {s.transfer_id: set() for s in meta.saves}
+        deadline = time.monotonic() + self._config.extra.transfer_timeout_s
+        for spec in meta.loads:
+            self._loads[spec.req_id] = _Load(spec, deadline)
+
+    def save_layer(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not self._meta.saves:
+            return
+        for spec in self._meta.saves:
+            self._push(spec, layer)
+
+    def _push(self, spec: SaveSpec, layer: int) -> None:
+        assert self._blocks is not None
+        pushed = self._pushed[spec.transfer_id]
+        if layer in pushed:
+            return
+        pushed.add(layer)
+        self._sending[spec.req_id] = spec.transfer_id
+        deadline = time.monotonic() + self._config.extra.transfer_timeout_s
+        views = self._blocks.block_views(layer, spec.block_ids)
+        self.engine.push_layer(spec.transfer_id, spec.peer.offset(self._rank), layer, len(spec.block_ids), views,
+                               deadline)
+
+    def wait_for_save(self) -> None:
+        # Layers whose hook did not fire this step (none in normal runs) are pushed here so no transfer is short.
+        for spec in self._meta.saves:
+            for layer in range(len(self._layer_index)):
+                self._push(spec, layer)
+        if self._meta.saves and self._config.extra.send_type is SendType.PUT:
+            self.engine.wait_sent(time.monotonic() + self._config.extra.transfer_timeout_s)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._engine is None:
+            return None, None
+        self._engine.housekeeping()
+        return self._finished_sending(finished_req_ids) or None, self._finished_loading() or None
+
+    def _finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        self._finished |= finished_req_ids & self._sending.keys()
+        done: set[str] = set()
+        for req_id in self._finished:
+            out = self.engine.outgoing(self._sending[req_id])
+            if out is None or out.state is not OutState.SENDING:
+                done.add(req_id)
+        for req_id in done:
+            self._finished.discard(req_id)
+            self.engine.forget_outgoing(self._sending.pop(req_id))
+        return done
+
+    def _finished_loading(self) -> set[str]:
+        done: set[str] = set()
+        now = time.monotonic()
+        for req_id, load in self._loads.items():
+            state = self.engine.staged_state(load.spec.transfer_id)
+            if state is StageState.COMPLETE:
+                self._land(load.spec)
+                done.add(req_id)
+            elif state is StageState.FAILED or now > load.deadline:
+                reason = "transfer failed" if state is StageState.FAILED else "deadline passed"
+                log.warning("transfer %s: load failed (%s); reporting %d blocks", load.spec.transfer_id, reason,
+                            len(load.spec.block_ids))
+                self._load_errors.update(load.spec.block_ids)
+                self.engine.metrics.transfers.labels("load", "failed").inc()
+                item = self.engine.take_staged(load.spec.transfer_id)
+                if item is not None:
+                    self.engine.release_staged(item)
+                done.add(req_id)
+        for req_id in done:
+            del self._loads[req_id]
+        return done
+
+    def _land(self, spec: LoadSpec) -> None:
+        assert self._blocks is not None
+        item = self.engine.take_staged(spec.transfer_id)
+        assert item is not None
+        try:
+            if not spec.block_ids:
+                return
+            n = len(spec.block_ids)
+            start = spec.first_block * item.block_bytes
+            for layer in range(item.num_layers):
+                src = item.layer_view(layer)[start : start + n * item.block_bytes]
+                if spec.corrupt and self._config.extra.test_fault_injection:
+                    src = memoryview(bytes(b ^ 0x5A for b in src[:4096]) + bytes(src[4096:]))
+                self._blocks.write_blocks(layer, spec.block_ids, src)
+            nbytes = n * item.block_bytes * item.num_layers
+            self.engine.metrics.bytes_loaded.inc(nbytes)
+            self.engine.metrics.add("bytes_loaded", nbytes)
+            self.engine.metrics.transfers.labels("load", "ok").inc()
+            log.info("transfer %s landed peer=%s blocks=%d bytes=%d ms=%.1f transport=tcp", spec.transfer_id,
+                     item.source.split("#")[0], n, nbytes, (time.monotonic() - item.created) * 1000)
+        finally:
+            self.engine.release_staged(item)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
