@@ -77,9 +77,9 @@ class KvBlocks:
         views: list[memoryview] = []
         for first, count in runs(block_ids):
             if contiguous_runs:
-                views.append(memoryview(arr[first : first + count].reshape(-1)))
+                views.append(arr[first : first + count].reshape(-1).data)
             else:
-                views.extend(memoryview(arr[b]) for b in range(first, first + count))
+                views.extend(arr[b].data for b in range(first, first + count))
         return tuple(views)
 
     def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:

@@ -1,6 +1,6 @@
 """The control-plane messages, as one versioned msgspec tagged union, and their framing.
 
-A frame is a fixed 48-byte prefix, a msgpack-encoded message and an optional raw payload:
+A frame is a fixed 52-byte prefix, a msgpack-encoded message and an optional raw payload:
 
     magic "P2KV" | version u16 | reserved u16 | message length u32 | payload length u64 | HMAC-SHA256 (32 bytes)
 

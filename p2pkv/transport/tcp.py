@@ -8,8 +8,8 @@ import time
 from collections.abc import Sequence
 
 from p2pkv.errors import ProtocolError, TransferError, TransferTimeout
-from p2pkv.protocol import PREFIX_BYTES, FrameLimits, Message, decode_message, decode_prefix, encode_frame
 from p2pkv.params import Address
+from p2pkv.protocol import PREFIX_BYTES, FrameLimits, Message, decode_message, decode_prefix, encode_frame
 
 _SOCKET_BUFFER = 4 << 20
 
@@ -156,4 +156,4 @@ class TcpListener:
             self._sock.close()
 
 
-__all__ = ["TcpConnection", "TcpListener", "ProtocolError"]
+__all__ = ["ProtocolError", "TcpConnection", "TcpListener"]

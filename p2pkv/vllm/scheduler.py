@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 from p2pkv.config import ConnectorConfig, Role
 from p2pkv.errors import ConfigError
-from p2pkv.params import Address, AnyParams, DecodeParams, PrefillParams, ProbeAnswer, ProbeParams, parse_transfer_params
+from p2pkv.params import (
+    Address,
+    AnyParams,
+    DecodeParams,
+    PrefillParams,
+    ProbeAnswer,
+    ProbeParams,
+    parse_transfer_params,
+)
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
 
 if TYPE_CHECKING:

@@ -30,8 +30,8 @@ def _kernel_tag(t: torch.Tensor) -> str:
     import torch
 
     if t.device.type == "cpu":
-        return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
-    return t.device.type
+        return f"cpu:{torch.backends.cpu.get_cpu_capability()!s}"
+    return str(t.device.type)
 
 
 class WorkerSide:

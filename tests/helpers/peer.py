@@ -1,0 +1,70 @@
+"""A sending engine in its own process, for engine tests that need two real processes.
+
+    python tests/helpers/peer.py push HOST:PORT TRANSFER_ID SEED LAYERS BLOCKS BLOCK_BYTES
+    python tests/helpers/peer.py stall HOST:PORT TRANSFER_ID BLOCK_BYTES   (sends half a payload, then waits)
+
+Prints one JSON line with the outcome of the push.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+from p2pkv.config import ExtraConfig
+from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.sender import OutState
+from p2pkv.params import Address
+from p2pkv.protocol import FrameLimits, Hello, LayoutDigest, PushBlocks, encode_frame
+from p2pkv.transport.tcp import TcpConnection
+
+
+def layout(layers: int, block_bytes: int) -> LayoutDigest:
+    return LayoutDigest(layers, 16, block_bytes, "uint8", (block_bytes,), "test")
+
+
+def payload(seed: int, layers: int, blocks: int, block_bytes: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=(layers, blocks * block_bytes), dtype=np.uint8)
+
+
+def push(peer: Address, transfer_id: str, seed: int, layers: int, blocks: int, block_bytes: int) -> dict[str, object]:
+    settings = EngineSettings.from_config(ExtraConfig(kv_host="127.0.0.1"), 0, 0)
+    engine = TransferEngine(settings, layout(layers, block_bytes))
+    engine.start()
+    data = payload(seed, layers, blocks, block_bytes)
+    deadline = time.monotonic() + 20
+    try:
+        for layer in range(layers):
+            engine.push_layer(transfer_id, peer, layer, blocks, (data[layer].data,), deadline)
+        while time.monotonic() < deadline:
+            out = engine.outgoing(transfer_id)
+            assert out is not None
+            if out.state is not OutState.SENDING:
+                return {"state": out.state.value, "reason": out.reason, "bytes": out.nbytes}
+            time.sleep(0.01)
+        return {"state": "timeout"}
+    finally:
+        engine.close()
+
+
+def stall(peer: Address, transfer_id: str, block_bytes: int) -> None:
+    conn = TcpConnection.connect(peer, time.monotonic() + 5, b"", FrameLimits())
+    conn.send_frame(Hello("stall", 0, layout(1, block_bytes)), (), time.monotonic() + 5)
+    assert conn.recv_frame(5, time.monotonic() + 5) is not None
+    half = memoryview(bytes(2 * block_bytes))[: block_bytes]
+    frame = encode_frame(PushBlocks(transfer_id, 0, 0, 2, 2, 1), 2 * block_bytes, b"")
+    conn._sock.sendall(frame + bytes(half))  # noqa: SLF001 - deliberately a torn frame
+    print(json.dumps({"state": "stalled"}), flush=True)
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    mode, address = sys.argv[1], Address.parse(sys.argv[2])
+    if mode == "push":
+        tid, seed, layers, blocks, block_bytes = sys.argv[3], *map(int, sys.argv[4:8])
+        print(json.dumps(push(address, tid, seed, layers, blocks, block_bytes)), flush=True)
+    elif mode == "stall":
+        stall(address, sys.argv[3], int(sys.argv[4]))

@@ -1,0 +1,131 @@
+"""Engine tests with two real processes on loopback: this one receives, a helper process sends."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from p2pkv.config import ExtraConfig
+from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.store import StageState
+from p2pkv.protocol import LayoutDigest, PushBlocks, encode_frame
+from tests.helpers.peer import layout, payload
+
+HELPER = Path(__file__).resolve().parents[1] / "helpers" / "peer.py"
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS, BLOCKS, BLOCK_BYTES = 3, 5, 4096
+
+
+def run_helper(*args: str, timeout: float = 60) -> dict[str, object]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(HELPER), *args], capture_output=True, text=True, timeout=timeout,
+                         env=env, check=True)
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def wait_state(engine: TransferEngine, tid: str, timeout: float = 10) -> StageState | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = engine.staged_state(tid)
+        if state in (StageState.COMPLETE, StageState.FAILED):
+            return state
+        time.sleep(0.02)
+    return engine.staged_state(tid)
+
+
+def p2pkv_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("p2pkv-")]
+
+
+@pytest.fixture
+def receiver() -> Iterator[TransferEngine]:
+    settings = EngineSettings.from_config(ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=5), 0, 0)
+    engine = TransferEngine(settings, layout(LAYERS, BLOCK_BYTES))
+    engine.start()
+    yield engine
+    engine.close()
+    assert p2pkv_threads() == [], "engine threads outlived close()"
+
+
+def test_push_lands_exact_bytes(receiver: TransferEngine) -> None:
+    result = run_helper("push", receiver.address, "t-1", "7", str(LAYERS), str(BLOCKS), str(BLOCK_BYTES))
+    assert result["state"] == "done"
+    assert result["bytes"] == LAYERS * BLOCKS * BLOCK_BYTES
+    assert wait_state(receiver, "t-1") is StageState.COMPLETE
+    item = receiver.take_staged("t-1")
+    assert item is not None
+    expected = payload(7, LAYERS, BLOCKS, BLOCK_BYTES)
+    for layer in range(LAYERS):
+        assert bytes(item.layer_view(layer)) == expected[layer].tobytes()
+    receiver.release_staged(item)
+    assert receiver.store.bytes_in_use == 0
+    assert receiver.metrics.totals()["bytes_received"] == LAYERS * BLOCKS * BLOCK_BYTES
+
+
+def test_layout_mismatch_is_refused_with_the_difference(receiver: TransferEngine) -> None:
+    result = run_helper("push", receiver.address, "t-2", "1", str(LAYERS), str(BLOCKS), str(BLOCK_BYTES * 2))
+    assert result["state"] == "failed"
+    assert "KV layout mismatch: block_bytes: ours 4096, peer 8192" in str(result["reason"])
+    assert receiver.staged_state("t-2") is None
+
+
+def _raw(address: str, data: bytes) -> None:
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(data)
+        s.settimeout(5)
+        try:
+            while s.recv(4096):
+                pass
+        except OSError:
+            pass
+
+
+def test_garbage_is_counted_and_dropped(receiver: TransferEngine) -> None:
+    _raw(receiver.address, os.urandom(4096))
+    _raw(receiver.address, b"P2KV" + bytes(60))
+    # A frame claiming a payload of 2**60 bytes: refused before anything is allocated from that size.
+    huge = bytearray(encode_frame(PushBlocks("t", 0, 0, 1, 1, 1), 0, b""))
+    huge[12:20] = (1 << 60).to_bytes(8, "big")
+    _raw(receiver.address, bytes(huge))
+    deadline = time.monotonic() + 5
+    while receiver.metrics.totals().get("bad_frames", 0) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert receiver.metrics.totals()["bad_frames"] == 3
+    assert receiver.store.bytes_in_use == 0
+    result = run_helper("push", receiver.address, "t-3", "3", str(LAYERS), str(BLOCKS), str(BLOCK_BYTES))
+    assert result["state"] == "done"
+    assert wait_state(receiver, "t-3") is StageState.COMPLETE
+
+
+def test_sender_killed_mid_transfer_fails_the_transfer_promptly() -> None:
+    settings = EngineSettings.from_config(ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=30), 0, 0)
+    engine = TransferEngine(settings, LayoutDigest(1, 16, BLOCK_BYTES, "uint8", (BLOCK_BYTES,), "test"))
+    engine.start()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(HELPER), "stall", engine.address, "t-4", str(BLOCK_BYTES)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline())["state"] == "stalled"
+        assert wait_state(engine, "t-4", timeout=5) is StageState.RECEIVING
+        killed = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)
+        assert wait_state(engine, "t-4", timeout=10) is StageState.FAILED
+        assert time.monotonic() - killed < 5, "a dead sender must fail its transfers well before the deadline"
+        assert engine.store.bytes_in_use == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        engine.close()

@@ -1,0 +1,56 @@
+import pytest
+
+from p2pkv.errors import ConfigError
+from p2pkv.params import (
+    Address,
+    DecodeParams,
+    PrefillParams,
+    ProbeAnswer,
+    ProbeParams,
+    parse_transfer_params,
+)
+
+
+def test_prefill_and_decode_params_round_trip() -> None:
+    pre = PrefillParams("abc123", Address("127.0.0.1", 22001))
+    assert parse_transfer_params(pre.to_dict()) == pre
+    dec = DecodeParams("abc123", 300, None)
+    assert parse_transfer_params(dec.to_dict()) == dec
+    corrupt = DecodeParams("abc123", 300, Address("::1", 5), test_corrupt=True)
+    assert parse_transfer_params(corrupt.to_dict()) == corrupt
+    assert parse_transfer_params(ProbeParams().to_dict()) == ProbeParams()
+
+
+def test_foreign_params_are_not_ours() -> None:
+    assert parse_transfer_params(None) is None
+    assert parse_transfer_params({"do_remote_prefill": True, "remote_block_ids": [1]}) is None
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"p2pkv": 2, "transfer_id": "x", "do_remote_decode": True},
+        {"p2pkv": 1, "transfer_id": "has space", "do_remote_decode": True},
+        {"p2pkv": 1, "transfer_id": "", "do_remote_decode": True},
+        {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 0},
+        {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": True},
+        {"p2pkv": 1, "transfer_id": "x"},
+        {"p2pkv": 1, "transfer_id": "x", "do_remote_decode": True, "decode_kv_address": "nohost"},
+    ],
+)
+def test_malformed_p2pkv_params_raise(raw: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        parse_transfer_params(raw)
+
+
+def test_address_parsing() -> None:
+    assert Address.parse("10.1.2.3:21001") == Address("10.1.2.3", 21001)
+    assert Address.parse("[::1]:80") == Address("::1", 80)
+    assert str(Address("::1", 80)) == "[::1]:80"
+    assert Address("h", 100).offset(2) == Address("h", 102)
+    with pytest.raises(ConfigError):
+        Address.parse("host:99999")
+
+
+def test_probe_answer() -> None:
+    assert ProbeAnswer(21001, "").to_dict() == {"p2pkv": 1, "kv_port": 21001, "kv_host": ""}

@@ -1,0 +1,81 @@
+import struct
+
+import pytest
+
+from p2pkv.errors import ProtocolError
+from p2pkv.protocol import (
+    PREFIX_BYTES,
+    FrameLimits,
+    Hello,
+    LayoutDigest,
+    PushBlocks,
+    decode_message,
+    decode_prefix,
+    encode_frame,
+)
+
+LAYOUT = LayoutDigest(4, 128, 131072, "float32", (2, 128, 128), "cpu:AVX512")
+
+
+def _split(frame: bytes) -> tuple[bytes, bytes]:
+    return frame[:PREFIX_BYTES], frame[PREFIX_BYTES:]
+
+
+@pytest.mark.parametrize("secret", [b"", b"shared"])
+def test_round_trip(secret: bytes) -> None:
+    message = PushBlocks("t1", 2, 0, 3, 3, 4)
+    prefix_raw, body = _split(encode_frame(message, 393216, secret))
+    prefix = decode_prefix(prefix_raw, FrameLimits())
+    assert prefix.payload_len == 393216
+    assert decode_message(prefix_raw, prefix, body, secret) == message
+    hello = Hello("e1", 0, LAYOUT)
+    prefix_raw, body = _split(encode_frame(hello, 0, secret))
+    assert decode_message(prefix_raw, decode_prefix(prefix_raw, FrameLimits()), body, secret) == hello
+
+
+def test_hmac_refuses_wrong_or_missing_secret() -> None:
+    prefix_raw, body = _split(encode_frame(PushBlocks("t1", 0, 0, 1, 1, 1), 10, b"right"))
+    prefix = decode_prefix(prefix_raw, FrameLimits())
+    with pytest.raises(ProtocolError, match="authentication"):
+        decode_message(prefix_raw, prefix, body, b"wrong")
+    unsigned_raw, unsigned_body = _split(encode_frame(PushBlocks("t1", 0, 0, 1, 1, 1), 10, b""))
+    with pytest.raises(ProtocolError, match="authentication"):
+        decode_message(unsigned_raw, decode_prefix(unsigned_raw, FrameLimits()), unsigned_body, b"right")
+
+
+def test_tampered_message_is_refused() -> None:
+    prefix_raw, body = _split(encode_frame(PushBlocks("t1", 0, 0, 1, 1, 1), 10, b"k"))
+    tampered = body.replace(b"t1", b"t2")
+    with pytest.raises(ProtocolError, match="authentication"):
+        decode_message(prefix_raw, decode_prefix(prefix_raw, FrameLimits()), tampered, b"k")
+
+
+def test_prefix_validation_before_allocation() -> None:
+    good = encode_frame(PushBlocks("t", 0, 0, 1, 1, 1), 0, b"")[:PREFIX_BYTES]
+    with pytest.raises(ProtocolError, match="magic"):
+        decode_prefix(b"XXXX" + good[4:], FrameLimits())
+    with pytest.raises(ProtocolError, match="version"):
+        decode_prefix(good[:4] + struct.pack("!H", 99) + good[6:], FrameLimits())
+    huge = good[:8] + struct.pack("!IQ", 1 << 31, 0) + good[20:]
+    with pytest.raises(ProtocolError, match="exceeds the cap"):
+        decode_prefix(huge, FrameLimits())
+    huge_payload = good[:8] + struct.pack("!IQ", 10, 1 << 60) + good[20:]
+    with pytest.raises(ProtocolError, match="exceeds the cap"):
+        decode_prefix(huge_payload, FrameLimits())
+    with pytest.raises(ProtocolError, match="short"):
+        decode_prefix(good[:10], FrameLimits())
+
+
+def test_garbage_message_body() -> None:
+    prefix_raw = encode_frame(PushBlocks("t", 0, 0, 1, 1, 1), 0, b"")[:PREFIX_BYTES]
+    fake = prefix_raw[:8] + struct.pack("!IQ", 5, 0) + prefix_raw[20:]
+    with pytest.raises(ProtocolError, match="undecodable"):
+        decode_message(fake, decode_prefix(fake, FrameLimits()), b"\xff\x00ab", b"")
+
+
+def test_layout_differences_name_the_field() -> None:
+    other = LayoutDigest(4, 16, 131072, "bfloat16", (2, 128, 128), "cpu:AVX512")
+    diffs = LAYOUT.differences(other)
+    assert any(d.startswith("block_size") for d in diffs)
+    assert any(d.startswith("dtype") for d in diffs)
+    assert len(diffs) == 2
