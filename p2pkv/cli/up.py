@@ -11,8 +11,11 @@ import threading
 import urllib.request
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port
+from p2pkv.config import parse_extra_config
+from p2pkv.errors import ConfigError
 
 DEMO_PROMPT = "Disaggregated serving moves the KV cache from the prefill instance to the decode instance."
 
@@ -29,27 +32,46 @@ def _ports(base: int, count: int, host: str) -> list[int]:
     return [base + i for i in range(count)] if base else [free_port(host) for _ in range(count)]
 
 
-def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[Cluster, str]:
+def _extra_config(text: str) -> dict[str, Any]:
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--extra-config: not valid JSON ({exc})") from None
+    if not isinstance(extra, dict):
+        raise ConfigError("--extra-config: expected a JSON object of kv_connector_extra_config keys")
+    parse_extra_config(extra)  # fail here, with the key named, rather than inside every vLLM
+    return extra
+
+
+def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[Cluster, dict[str, Any]]:
+    """The cluster to start, and what the ready file will say about it."""
     cluster = Cluster(model=model, log_dir=log_dir, host=args.host, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb)
     n = args.prefill + args.decode
     http_ports = _ports(args.base_port, n, args.host)
     kv_ports = _ports(args.base_port + 1000 if args.base_port else 0, n, args.host)
+    metrics_ports = _ports(args.base_port + 2000 if args.base_port else 0, n, args.host)
     extra_vllm = tuple(a for a in args.vllm_args if a != "--")
-    prefill, decode = [], []
+    extra = {"send_type": args.send_type, **_extra_config(args.extra_config)}
+    prefill, decode, described = [], [], []
     for i in range(n):
         is_prefill = i < args.prefill
         role = "kv_producer" if is_prefill else "kv_consumer"
         name = f"prefill{i}" if is_prefill else f"decode{i - args.prefill}"
-        spec = InstanceSpec(role, http_ports[i], kv_ports[i], {"send_type": args.send_type}, extra_vllm)
+        spec = InstanceSpec(role, http_ports[i], kv_ports[i], {**extra, "metrics_port": metrics_ports[i]},
+                            extra_vllm)
         cluster.add_vllm(name, spec)
         address = f"{args.host}:{http_ports[i]}"
+        kv = f"{args.host}:{kv_ports[i]}"
+        described.append({"name": name, "role": role, "http": address, "kv": kv,
+                          "metrics": f"{args.host}:{metrics_ports[i]}"})
         if is_prefill:
             prefill.append(address)
         else:
-            decode.append(f"{address}@{args.host}:{kv_ports[i]}")
+            decode.append(f"{address}@{kv}")
     proxy_port = args.port or free_port(args.host)
     cluster.add_proxy(proxy_port, prefill, decode)
-    return cluster, f"http://{args.host}:{proxy_port}"
+    return cluster, {"proxy": f"http://{args.host}:{proxy_port}", "model": model, "instances": described,
+                     "log_dir": str(log_dir)}
 
 
 def send_demo_request(proxy_url: str, model: str) -> str:
@@ -75,7 +97,8 @@ def run_up(args: argparse.Namespace) -> int:
     else:
         model = args.model
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="p2pkv-up-"))
-    cluster, proxy_url = build_cluster(args, model, log_dir)
+    cluster, description = build_cluster(args, model, log_dir)
+    proxy_url = description["proxy"]
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -87,6 +110,9 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         cluster.start(args.ready_timeout, progress=_say)
         _say(f"proxy ready at {proxy_url}")
+        if args.ready_file:
+            description["pids"] = [p.popen.pid for p in cluster.processes if p.popen is not None]
+            Path(args.ready_file).write_text(json.dumps(description, indent=2))
         curl = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 16})
         _say(f"try: curl -s {proxy_url}/v1/completions -H 'content-type: application/json' -d '{curl}'")
         if args.demo:

