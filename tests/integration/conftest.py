@@ -38,7 +38,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny-model")))
 
 
-def kv_bytes_per_block_and_layer(spec: TinyModelSpec = TinyModelSpec()) -> int:
+def kv_bytes_per_block_and_layer() -> int:
+    spec = TinyModelSpec()
     head_dim = spec.hidden_size // spec.num_heads
     return spec.num_kv_heads * BLOCK_SIZE * 2 * head_dim * 4  # K and V, float32
 
