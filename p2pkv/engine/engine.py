@@ -59,7 +59,7 @@ class TransferEngine:
         self.engine_id = uuid.uuid4().hex[:12]
         self.metrics = EngineMetrics()
         self.store = ReceiveStore(settings.staging_budget_bytes, settings.staging_expiry_s, layout.block_bytes,
-                                  self.metrics)
+                                  layout.num_layers, self.metrics)
         self._receiver: Receiver | None = None
         self._sender: Sender | None = None
         self._metrics_server: object | None = None

@@ -47,8 +47,10 @@ class StagedTransfer:
 class ReceiveStore:
     """Thread-safe map of transfer id to staged bytes. Payloads are written outside the lock."""
 
-    def __init__(self, budget_bytes: int, expiry_s: float, block_bytes: int, metrics: EngineMetrics) -> None:
+    def __init__(self, budget_bytes: int, expiry_s: float, block_bytes: int, num_layers: int,
+                 metrics: EngineMetrics) -> None:
         self._budget = budget_bytes
+        self._num_layers = num_layers
         self._expiry_s = expiry_s
         self._block_bytes = block_bytes
         self._metrics = metrics
@@ -67,7 +69,7 @@ class ReceiveStore:
 
     def begin_chunk(self, push: PushBlocks, payload_len: int, source: str) -> memoryview | None:
         """Where the payload of `push` goes, or None when it is refused (invalid, or over the budget)."""
-        if not (0 <= push.layer < push.num_layers and push.num_blocks > 0
+        if not (push.num_layers == self._num_layers and 0 <= push.layer < push.num_layers and push.num_blocks > 0
                 and 0 <= push.first_block and push.first_block + push.num_blocks <= push.total_blocks
                 and payload_len == push.num_blocks * self._block_bytes):
             self.fail(push.transfer_id, f"invalid chunk {push!r} with {payload_len} payload bytes")

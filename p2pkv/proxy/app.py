@@ -99,8 +99,11 @@ class Router:
         return Response(final.content, status_code=final.status_code, media_type="application/json")
 
     async def _stream(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
-        upstream = await self.client.send(self.client.build_request("POST", url, json=body, headers=headers),
-                                          stream=True)
+        try:
+            upstream = await self.client.send(self.client.build_request("POST", url, json=body, headers=headers),
+                                              stream=True)
+        except httpx.HTTPError as exc:
+            return _error(502, f"decode instance failed: {exc!r}")
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()

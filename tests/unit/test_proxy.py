@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from p2pkv.errors import ConfigError
 from p2pkv.proxy import Instance, ProxyConfig, create_app
-from tests.helpers.http import serve
+from tests.helpers.servers import serve
 
 
 def stub_prefill(seen: list[dict[str, Any]], fail: bool = False) -> FastAPI:

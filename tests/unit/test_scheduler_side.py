@@ -1,0 +1,132 @@
+"""Scheduler-side decisions (what to save, what to load, into which blocks) with plain stand-in requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the scheduler side imports vLLM's connector base class")
+
+from p2pkv.config import parse_connector_config
+from p2pkv.params import Address, DecodeParams, PrefillParams
+from p2pkv.vllm.scheduler import SchedulerSide
+
+BS = 128
+
+
+@dataclass
+class Req:
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None
+
+
+@dataclass
+class Blocks:
+    ids: list[int]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+@dataclass
+class Cached:
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+def step(new: list[SimpleNamespace] = (), cached: Cached | None = None,
+         scheduled: dict[str, int] | None = None) -> SimpleNamespace:
+    return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached or Cached(),
+                           num_scheduled_tokens=scheduled or {})
+
+
+def side(role: str) -> SchedulerSide:
+    return SchedulerSide(parse_connector_config(role, 21001, "recompute", {}), BS)
+
+
+def decode_req(n: int, tid: str = "t1", claimed: int | None = None) -> Req:
+    return Req(f"cmpl-x-0-{tid}", list(range(n)), DecodeParams(tid, claimed or n, None).to_dict())
+
+
+@pytest.mark.parametrize(("n", "local", "first", "blocks"), [
+    (300, 0, 0, (5, 6, 7)),      # tokens [0, 299) span blocks 0..2
+    (257, 0, 0, (5, 6)),         # tokens [0, 256): the third block holds only the last token, computed locally
+    (7, 0, 0, (5,)),             # shorter than one block
+    (300, 128, 1, (6, 7)),       # a local prefix hit of one block: load from block 1
+])
+def test_consumer_loads_all_but_the_last_token(n: int, local: int, first: int, blocks: tuple[int, ...]) -> None:
+    s = side("kv_consumer")
+    req = decode_req(n)
+    assert s.get_num_new_matched_tokens(req, local) == (n - 1 - local, True)
+    assert s.get_num_new_matched_tokens(req, local) == (n - 1 - local, True)  # no side effects
+    s.update_state_after_alloc(req, Blocks([5, 6, 7]), n - 1 - local)
+    meta = s.build_connector_meta(step())
+    assert [(ld.transfer_id, ld.first_block, ld.block_ids) for ld in meta.loads] == [("t1", first, blocks)]
+    assert s.build_connector_meta(step()).loads == []
+    # Once claimed, later scheduling of the same request (after the load) loads nothing more.
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    s.update_state_after_alloc(req, Blocks([5, 6, 7]), 0)
+    assert s.build_connector_meta(step()).loads == []
+    assert s.request_finished(req, [5, 6, 7]) == (False, None)
+
+
+def test_consumer_refuses_a_prompt_that_differs_from_the_prefill() -> None:
+    s = side("kv_consumer")
+    assert s.get_num_new_matched_tokens(decode_req(300, claimed=299), 0) == (0, False)
+
+
+def test_full_local_hit_discards_the_staged_transfer() -> None:
+    s = side("kv_consumer")
+    req = decode_req(129)
+    assert s.get_num_new_matched_tokens(req, 128) == (0, False)
+    s.update_state_after_alloc(req, Blocks([1, 2]), 0)
+    loads = s.build_connector_meta(step()).loads
+    assert [(ld.transfer_id, ld.block_ids) for ld in loads] == [("t1", ())]
+
+
+def test_producer_saves_once_when_a_chunked_prompt_completes() -> None:
+    s = side("kv_producer")
+    req = Req("cmpl-p-0-abcd", list(range(300)), PrefillParams("t9", Address("127.0.0.1", 22001)).to_dict())
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    s.update_state_after_alloc(req, Blocks([1, 2]), 0)
+    first = SimpleNamespace(req_id=req.request_id, block_ids=([1, 2],), num_computed_tokens=0)
+    assert s.build_connector_meta(step([first], scheduled={req.request_id: 200})).saves == []
+    cached = Cached([req.request_id], [([3],)], set(), [200])
+    saves = s.build_connector_meta(step(cached=cached, scheduled={req.request_id: 100})).saves
+    assert [(sv.transfer_id, sv.block_ids, sv.peer) for sv in saves] == [("t9", (1, 2, 3),
+                                                                         Address("127.0.0.1", 22001))]
+    cached = Cached([req.request_id], [None], set(), [300])
+    assert s.build_connector_meta(step(cached=cached, scheduled={req.request_id: 1})).saves == []
+    delay, params = s.request_finished(req, [1, 2, 3])
+    assert delay is True
+    assert params == DecodeParams("t9", 300, None).to_dict()
+
+
+def test_producer_aborted_before_its_prompt_completed_holds_nothing() -> None:
+    s = side("kv_producer")
+    req = Req("r", list(range(300)), PrefillParams("t9", Address("h", 1)).to_dict())
+    s.update_state_after_alloc(req, Blocks([1]), 0)
+    first = SimpleNamespace(req_id="r", block_ids=([1],), num_computed_tokens=0)
+    s.build_connector_meta(step([first], scheduled={"r": 128}))
+    assert s.request_finished(req, [1]) == (False, None)
+
+
+def test_probe_is_answered_with_the_kv_port() -> None:
+    s = side("kv_consumer")
+    req = Req("probe", [0], {"p2pkv": 1, "probe": True})
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.request_finished(req, []) == (False, {"p2pkv": 1, "kv_port": 21001, "kv_host": ""})
+
+
+def test_invalid_params_are_ignored_not_fatal() -> None:
+    s = side("kv_consumer")
+    req = Req("bad", list(range(10)), {"p2pkv": 1, "transfer_id": "bad id!", "load_remote_kv": True})
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    s.update_state_after_alloc(req, Blocks([1]), 0)
+    assert s.build_connector_meta(step()).loads == []
