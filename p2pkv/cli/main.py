@@ -35,6 +35,12 @@ def _up(args: argparse.Namespace) -> int:
     return run_up(args)
 
 
+def _bench_pool(args: argparse.Namespace) -> int:
+    from p2pkv.bench.pool import main as bench_pool
+
+    return bench_pool(args.capacity, args.pairs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="p2pkv", description="KV cache transfer for disaggregated vLLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--exit-after-demo", action="store_true", help="with --demo: stop the cluster afterwards")
     up.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: extra arguments for every vLLM")
     up.set_defaults(func=_up)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    pool = bench.add_parser("pool", help="buddy allocator: allocate+release pairs per second, fragmentation")
+    pool.add_argument("--capacity", type=int, default=1 << 30, help="arena bytes")
+    pool.add_argument("--pairs", type=int, default=200_000)
+    pool.set_defaults(func=_bench_pool)
 
     tiny = sub.add_parser("tiny-model", help="write the tiny test model (deterministic, no network) to DIR")
     tiny.add_argument("dir")

@@ -1,0 +1,73 @@
+"""The host pool: one buffer of `mem_pool_size_gb`, allocated on first use (not at start-up), carved by a buddy
+allocator. With CUDA available the buffer is pinned, so device copies to and from it run at full speed; on a
+CPU-only host it is ordinary memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from p2pkv.memory.buddy import BuddyAllocator, BuddyStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolBuffer:
+    offset: int
+    size: int
+    view: memoryview
+
+
+class HostPool:
+    def __init__(self, capacity_bytes: int, min_block: int = 512, pinned: bool | None = None) -> None:
+        self._capacity = capacity_bytes
+        self._min_block = min_block
+        self._pinned = pinned
+        self._lock = threading.Lock()
+        self._allocator: BuddyAllocator | None = None
+        self._memory: memoryview | None = None
+        self._keepalive: object | None = None
+
+    @property
+    def allocated(self) -> bool:
+        return self._memory is not None
+
+    def _ensure(self) -> tuple[BuddyAllocator, memoryview]:
+        with self._lock:
+            if self._allocator is None or self._memory is None:
+                self._memory, self._keepalive = self._allocate_memory()
+                self._allocator = BuddyAllocator(self._capacity, self._min_block)
+                log.info("host pool of %d bytes allocated (pinned=%s)", self._capacity, self._keepalive is not None)
+            return self._allocator, self._memory
+
+    def _allocate_memory(self) -> tuple[memoryview, object | None]:
+        if self._pinned is not False:
+            try:
+                import torch
+
+                if torch.cuda.is_available():
+                    tensor = torch.empty(self._capacity, dtype=torch.uint8, pin_memory=True)
+                    return memoryview(tensor.numpy()), tensor
+            except ImportError:
+                pass
+        return memoryview(bytearray(self._capacity)), None
+
+    def allocate(self, size: int) -> PoolBuffer | None:
+        """A buffer of exactly `size` bytes, or None when the pool has no block that large free."""
+        if size <= 0 or size > self._capacity:
+            return None
+        allocator, memory = self._ensure()
+        offset = allocator.allocate(size)
+        if offset is None:
+            return None
+        return PoolBuffer(offset, size, memory[offset : offset + size])
+
+    def release(self, buffer: PoolBuffer) -> None:
+        assert self._allocator is not None, "release before any allocate"
+        self._allocator.release(buffer.offset)
+
+    def stats(self) -> BuddyStats | None:
+        return None if self._allocator is None else self._allocator.stats()
