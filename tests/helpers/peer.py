@@ -2,6 +2,8 @@
 
     python tests/helpers/peer.py push HOST:PORT TRANSFER_ID SEED LAYERS BLOCKS BLOCK_BYTES
     python tests/helpers/peer.py stall HOST:PORT TRANSFER_ID BLOCK_BYTES   (sends half a payload, then waits)
+    python tests/helpers/peer.py serve LAYERS BLOCK_BYTES SECRET   (one engine; stdin lines
+        "push HOST:PORT TRANSFER_ID SEED BLOCKS" each answered with a JSON line)
 
 Prints one JSON line with the outcome of the push.
 """
@@ -30,22 +32,46 @@ def payload(seed: int, layers: int, blocks: int, block_bytes: int) -> np.ndarray
     return np.random.default_rng(seed).integers(0, 256, size=(layers, blocks * block_bytes), dtype=np.uint8)
 
 
-def push(peer: Address, transfer_id: str, seed: int, layers: int, blocks: int, block_bytes: int) -> dict[str, object]:
-    settings = EngineSettings.from_config(ExtraConfig(kv_host="127.0.0.1"), 0, 0)
+def start_engine(layers: int, block_bytes: int, secret: str = "") -> TransferEngine:
+    settings = EngineSettings.from_config(ExtraConfig(kv_host="127.0.0.1", auth_secret=secret), 0, 0)
     engine = TransferEngine(settings, layout(layers, block_bytes))
     engine.start()
+    return engine
+
+
+def push_with(engine: TransferEngine, peer: Address, transfer_id: str, seed: int, blocks: int) -> dict[str, object]:
+    layers, block_bytes = engine.layout.num_layers, engine.layout.block_bytes
     data = payload(seed, layers, blocks, block_bytes)
     deadline = time.monotonic() + 20
+    for layer in range(layers):
+        engine.push_layer(transfer_id, peer, layer, blocks, (data[layer].data,), deadline)
+    while time.monotonic() < deadline:
+        out = engine.outgoing(transfer_id)
+        assert out is not None
+        if out.state is not OutState.SENDING:
+            return {"state": out.state.value, "reason": out.reason, "bytes": out.nbytes}
+        time.sleep(0.01)
+    return {"state": "timeout"}
+
+
+def push(peer: Address, transfer_id: str, seed: int, layers: int, blocks: int, block_bytes: int) -> dict[str, object]:
+    engine = start_engine(layers, block_bytes)
     try:
-        for layer in range(layers):
-            engine.push_layer(transfer_id, peer, layer, blocks, (data[layer].data,), deadline)
-        while time.monotonic() < deadline:
-            out = engine.outgoing(transfer_id)
-            assert out is not None
-            if out.state is not OutState.SENDING:
-                return {"state": out.state.value, "reason": out.reason, "bytes": out.nbytes}
-            time.sleep(0.01)
-        return {"state": "timeout"}
+        return push_with(engine, peer, transfer_id, seed, blocks)
+    finally:
+        engine.close()
+
+
+def serve(layers: int, block_bytes: int, secret: str) -> None:
+    engine = start_engine(layers, block_bytes, secret)
+    try:
+        for line in sys.stdin:
+            words = line.split()
+            if not words:
+                continue
+            _, address, tid, seed, blocks = words
+            result = push_with(engine, Address.parse(address), tid, int(seed), int(blocks))
+            print(json.dumps(result), flush=True)
     finally:
         engine.close()
 
@@ -62,7 +88,11 @@ def stall(peer: Address, transfer_id: str, block_bytes: int) -> None:
 
 
 if __name__ == "__main__":
-    mode, address = sys.argv[1], Address.parse(sys.argv[2])
+    mode = sys.argv[1]
+    if mode == "serve":
+        serve(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else "")
+        sys.exit(0)
+    address = Address.parse(sys.argv[2])
     if mode == "push":
         tid, seed, layers, blocks, block_bytes = sys.argv[3], *map(int, sys.argv[4:8])
         print(json.dumps(push(address, tid, seed, layers, blocks, block_bytes)), flush=True)

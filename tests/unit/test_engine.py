@@ -129,3 +129,95 @@ def test_sender_killed_mid_transfer_fails_the_transfer_promptly() -> None:
         proc.kill()
         proc.wait()
         engine.close()
+
+
+class Peer:
+    """A long-lived sending engine in another process, driven line by line."""
+
+    def __init__(self, secret: str = "") -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen([sys.executable, str(HELPER), "serve", str(LAYERS), str(BLOCK_BYTES), secret],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def push(self, address: str, tid: str, seed: int = 1) -> dict[str, object]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"push {address} {tid} {seed} {BLOCKS}\n")
+        self.proc.stdin.flush()
+        result: dict[str, object] = json.loads(self.proc.stdout.readline())
+        return result
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _receiver(port: int = 0, secret: str = "") -> TransferEngine:
+    settings = EngineSettings.from_config(ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=5, auth_secret=secret),
+                                          port, 0)
+    engine = TransferEngine(settings, layout(LAYERS, BLOCK_BYTES))
+    engine.start()
+    return engine
+
+
+def test_receiver_restarted_on_the_same_address_gets_the_next_transfers() -> None:
+    first = _receiver()
+    port = int(first.address.rsplit(":", 1)[1])
+    peer = Peer()
+    try:
+        assert peer.push(first.address, "before")["state"] == "done"
+        assert wait_state(first, "before") is StageState.COMPLETE
+        first.close()
+        second = _receiver(port)
+        try:
+            # The sender's cached connection is stale; it must notice and reconnect, losing nothing.
+            assert peer.push(second.address, "after", seed=5)["state"] == "done"
+            assert wait_state(second, "after") is StageState.COMPLETE
+            item = second.take_staged("after")
+            assert item is not None
+            assert bytes(item.layer_view(2)) == payload(5, LAYERS, BLOCKS, BLOCK_BYTES)[2].tobytes()
+        finally:
+            second.close()
+    finally:
+        peer.close()
+
+
+def test_receiver_down_fails_the_push_within_its_deadline() -> None:
+    dead = _receiver()
+    address = dead.address
+    dead.close()
+    peer = Peer()
+    try:
+        started = time.monotonic()
+        result = peer.push(address, "nobody-home")
+        assert result["state"] == "failed"
+        assert "cannot connect" in str(result["reason"])
+        assert time.monotonic() - started < 20
+    finally:
+        peer.close()
+
+
+def test_frames_without_the_shared_secret_are_refused_and_counted() -> None:
+    engine = _receiver(secret="right")
+    try:
+        for secret in ("", "wrong"):
+            peer = Peer(secret)
+            try:
+                result = peer.push(engine.address, f"forged-{secret}")
+                assert result["state"] == "failed"
+            finally:
+                peer.close()
+        assert engine.metrics.totals()["bad_frames"] == 2
+        assert engine.staged_state("forged-") is None and engine.staged_state("forged-wrong") is None
+        good = Peer("right")
+        try:
+            assert good.push(engine.address, "signed")["state"] == "done"
+            assert wait_state(engine, "signed") is StageState.COMPLETE
+        finally:
+            good.close()
+    finally:
+        engine.close()
