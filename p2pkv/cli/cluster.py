@@ -105,6 +105,7 @@ class InstanceSpec:
     kv_port: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     vllm_args: tuple[str, ...] = ()
+    failure_policy: str = "recompute"
 
 
 def vllm_argv(model: str, spec: InstanceSpec, host: str, dtype: str) -> list[str]:
@@ -112,7 +113,7 @@ def vllm_argv(model: str, spec: InstanceSpec, host: str, dtype: str) -> list[str
             "--port", str(spec.http_port), "--dtype", dtype, "--enable-prompt-tokens-details"]
     if spec.role:
         config = {"kv_connector": "P2pNcclConnector", "kv_connector_module_path": "p2pkv.vllm",
-                  "kv_role": spec.role, "kv_port": spec.kv_port,
+                  "kv_role": spec.role, "kv_port": spec.kv_port, "kv_load_failure_policy": spec.failure_policy,
                   "kv_connector_extra_config": {"kv_host": host, **spec.extra}}
         argv += ["--kv-transfer-config", json.dumps(config)]
     return argv + list(spec.vllm_args)

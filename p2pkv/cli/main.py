@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dtype", default="float32")
     up.add_argument("--kv-cache-gb", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE for CPU builds")
     up.add_argument("--send-type", default="PUT_ASYNC", choices=["PUT", "PUT_ASYNC"])
+    up.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
+                    help="what vLLM does with a request whose KV did not arrive")
     up.add_argument("--extra-config", default="{}", metavar="JSON",
                     help="kv_connector_extra_config keys for every instance, e.g. '{\"auth_secret\": \"...\"}'")
     up.add_argument("--ready-file", default=None, help="write the cluster's addresses as JSON here once ready")

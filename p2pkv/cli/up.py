@@ -58,7 +58,7 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
         role = "kv_producer" if is_prefill else "kv_consumer"
         name = f"prefill{i}" if is_prefill else f"decode{i - args.prefill}"
         spec = InstanceSpec(role, http_ports[i], kv_ports[i], {**extra, "metrics_port": metrics_ports[i]},
-                            extra_vllm)
+                            extra_vllm, args.kv_load_failure_policy)
         cluster.add_vllm(name, spec)
         address = f"{args.host}:{http_ports[i]}"
         kv = f"{args.host}:{kv_ports[i]}"

@@ -23,6 +23,7 @@ from p2pkv.tinymodel import TinyModelSpec, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 128  # vLLM's CPU default
+TRANSFER_TIMEOUT_S = 5.0
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -93,7 +94,7 @@ def _alive(pid: int) -> bool:
 def up_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
     work = tmp_path_factory.mktemp("up")
     ready = work / "ready.json"
-    extra = json.dumps({"test_fault_injection": True})
+    extra = json.dumps({"test_fault_injection": True, "transfer_timeout_s": TRANSFER_TIMEOUT_S})
     argv = [sys.executable, "-m", "p2pkv", "up", "--model", tiny_model, "--log-dir", str(work / "logs"),
             "--ready-file", str(ready), "--extra-config", extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

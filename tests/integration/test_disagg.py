@@ -11,7 +11,14 @@ import httpx
 import pytest
 
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
-from tests.integration.conftest import BLOCK_SIZE, UpCluster, complete, kv_bytes_per_block_and_layer, metric
+from tests.integration.conftest import (
+    BLOCK_SIZE,
+    TRANSFER_TIMEOUT_S,
+    UpCluster,
+    complete,
+    kv_bytes_per_block_and_layer,
+    metric,
+)
 
 pytestmark = pytest.mark.vllm
 LAYERS = 4
@@ -125,3 +132,39 @@ def test_chat_and_streaming_give_the_same_text(up_cluster: UpCluster) -> None:
     assert chat["choices"][0]["message"]["content"] == plain
     chat_streamed, _ = _stream_text(f"{proxy}/v1/chat/completions", {**base, "messages": messages, "stream": True})
     assert chat_streamed == plain
+
+
+def test_kv_that_never_arrives_is_recomputed_after_the_deadline_without_delaying_others(
+        up_cluster: UpCluster) -> None:
+    import threading
+    import time
+
+    decode = up_cluster.instance("kv_consumer")
+    failed_before = metric(decode["metrics"], 'p2pkv_transfers_total{direction="load",outcome="failed"}')
+    lost_text, other_text = prompt("lost", 300), prompt("other", 200)
+    lost = DecodeParams(uuid.uuid4().hex, 300, None)  # no prefill instance ever pushes this transfer
+    body = {"model": up_cluster.model, "prompt": lost_text, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "logprobs": 1, "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": lost.to_dict()}
+    result: dict[str, Any] = {}
+
+    def send_lost() -> None:
+        started = time.monotonic()
+        result["answer"] = complete(f"http://{decode['http']}", body)
+        result["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=send_lost)
+    thread.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    other = greedy(up_cluster.proxy, up_cluster.model, other_text)
+    other_seconds = time.monotonic() - started
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert other_seconds < TRANSFER_TIMEOUT_S, "a lost transfer held up an unrelated request"
+    assert ids_and_logprobs(other)[0] == ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model,
+                                                                 other_text))[0]
+    assert TRANSFER_TIMEOUT_S - 1 <= result["seconds"] < TRANSFER_TIMEOUT_S + 30
+    reference = greedy(up_cluster.colocated, up_cluster.model, lost_text)
+    assert ids_and_logprobs(result["answer"])[0] == ids_and_logprobs(reference)[0]
+    failed_after = metric(decode["metrics"], 'p2pkv_transfers_total{direction="load",outcome="failed"}')
+    assert failed_after - failed_before == 1
