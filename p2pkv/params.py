@@ -38,15 +38,21 @@ class Address:
 
 @dataclass(frozen=True)
 class PrefillParams:
-    """Sent by the proxy to a prefill instance: compute, then push the KV to `decode_kv` (rank-0 address)."""
+    """Sent by the proxy to a prefill instance: compute, then push the KV to `decode_kv` (rank-0 address).
+
+    With `pull` (or no `decode_kv`) the prefill instance holds the blocks instead, for the decode side to pull.
+    """
 
     transfer_id: str
     decode_kv: Address | None
+    pull: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {MARKER: PARAMS_VERSION, "transfer_id": self.transfer_id, "do_remote_decode": True}
         if self.decode_kv is not None:
             out["decode_kv_address"] = str(self.decode_kv)
+        if self.pull:
+            out["send_type"] = "GET"
         return out
 
 
@@ -62,6 +68,7 @@ class DecodeParams:
     num_prompt_tokens: int
     prefill_kv: Address | None
     test_corrupt: bool = False
+    pull: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -74,6 +81,8 @@ class DecodeParams:
             out["prefill_kv_address"] = str(self.prefill_kv)
         if self.test_corrupt:
             out["test_corrupt"] = True
+        if self.pull:
+            out["send_type"] = "GET"
         return out
 
 
@@ -97,6 +106,13 @@ class ProbeAnswer:
 AnyParams = PrefillParams | DecodeParams | ProbeParams
 
 
+def _pull(raw: dict[str, Any]) -> bool:
+    mode = raw.get("send_type", "PUT_ASYNC")
+    if mode not in ("PUT", "PUT_ASYNC", "GET"):
+        raise ConfigError(f"kv_transfer_params.send_type: expected PUT, PUT_ASYNC or GET, got {mode!r}")
+    return bool(mode == "GET")
+
+
 def parse_transfer_params(raw: Any) -> AnyParams | None:
     """Turn vLLM's `kv_transfer_params` into typed params; None when the request is not a p2pkv transfer.
 
@@ -113,16 +129,16 @@ def parse_transfer_params(raw: Any) -> AnyParams | None:
         raise ConfigError(f"kv_transfer_params.transfer_id: expected 1-128 of [A-Za-z0-9_.:-], got {transfer_id!r}")
     if raw.get("do_remote_decode"):
         decode = raw.get("decode_kv_address")
-        return PrefillParams(transfer_id, Address.parse(decode) if isinstance(decode, str) else None)
+        return PrefillParams(transfer_id, Address.parse(decode) if isinstance(decode, str) else None,
+                             _pull(raw))
     if raw.get("load_remote_kv"):
         tokens = raw.get("num_prompt_tokens")
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
             raise ConfigError(f"kv_transfer_params.num_prompt_tokens: expected a positive integer, got {tokens!r}")
         prefill = raw.get("prefill_kv_address")
-        return DecodeParams(
-            transfer_id,
-            tokens,
-            Address.parse(prefill) if isinstance(prefill, str) else None,
-            bool(raw.get("test_corrupt", False)),
-        )
+        params = DecodeParams(transfer_id, tokens, Address.parse(prefill) if isinstance(prefill, str) else None,
+                              bool(raw.get("test_corrupt", False)), _pull(raw))
+        if params.pull and params.prefill_kv is None:
+            raise ConfigError("kv_transfer_params: send_type GET needs prefill_kv_address")
+        return params
     raise ConfigError("kv_transfer_params: p2pkv params need do_remote_decode or load_remote_kv")

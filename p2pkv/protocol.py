@@ -74,7 +74,23 @@ class PushAbort(msgspec.Struct, tag="abort", frozen=True):
     reason: str
 
 
-Message = Hello | HelloReply | PushBlocks | PushAbort
+class PullRequest(msgspec.Struct, tag="pull", frozen=True):
+    """GET mode: the decode side asks for blocks `first_block .. first_block+num_blocks` of an offered transfer."""
+
+    transfer_id: str
+    first_block: int
+    num_blocks: int
+
+
+class PullReply(msgspec.Struct, tag="pull_reply", frozen=True):
+    """Answer to a pull; when accepted, one PushBlocks frame per layer follows on the same connection."""
+
+    transfer_id: str
+    accepted: bool
+    reason: str = ""
+
+
+Message = Hello | HelloReply | PushBlocks | PushAbort | PullRequest | PullReply
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

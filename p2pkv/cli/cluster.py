@@ -137,8 +137,15 @@ class Cluster:
         return env
 
     def add_vllm(self, name: str, spec: InstanceSpec) -> Process:
+        env = self._env()
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vLLM's CPU build pins every instance to the same cores by default, where their idle loops spin;
+            # spread the instances of this host over its cores instead.
+            cores = sorted(os.sched_getaffinity(0))
+            index = sum(1 for p in self.processes if p.name != "proxy")
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[index % len(cores)])
         proc = Process(name, vllm_argv(self.model, spec, self.host, self.dtype), self.log_dir / f"{name}.log",
-                       self._env(), f"http://{self.host}:{spec.http_port}/health")
+                       env, f"http://{self.host}:{spec.http_port}/health")
         self.processes.append(proc)
         return proc
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from p2pkv.config import ExtraConfig
 from p2pkv.engine.metrics import EngineMetrics
+from p2pkv.engine.offers import OfferState, OfferTable, ViewSource
+from p2pkv.engine.puller import Puller, PullJob, PullResult
 from p2pkv.engine.receiver import Receiver
 from p2pkv.engine.sender import Outgoing, PushJob, Sender
 from p2pkv.engine.store import ReceiveStore, StagedTransfer, StageState
@@ -60,8 +62,10 @@ class TransferEngine:
         self.metrics = EngineMetrics()
         self.store = ReceiveStore(settings.staging_budget_bytes, settings.staging_expiry_s, layout.block_bytes,
                                   layout.num_layers, self.metrics)
+        self.offers = OfferTable()
         self._receiver: Receiver | None = None
         self._sender: Sender | None = None
+        self._puller: Puller | None = None
         self._metrics_server: object | None = None
         self._metrics_thread: threading.Thread | None = None
         self._closed = False
@@ -73,11 +77,13 @@ class TransferEngine:
             log.warning("the KV port binds %s without auth_secret: anyone who reaches it can push KV", s.host)
         listener = TcpListener(s.host, s.port, s.secret, s.limits)
         self.address = listener.address
-        self._receiver = Receiver(listener, self.store, self.layout, self.metrics, s.transfer_timeout_s)
+        self._receiver = Receiver(listener, self.store, self.offers, self.layout, self.metrics, s.transfer_timeout_s)
         self._receiver.start()
         hello = Hello(engine_id=self.engine_id, rank=self.rank, layout=self.layout)
         self._sender = Sender(self._connect, hello, self.metrics)
         self._sender.start()
+        self._puller = Puller(self._connect, hello, self.metrics)
+        self._puller.start()
         if s.metrics_port:
             from prometheus_client import start_http_server
 
@@ -107,6 +113,27 @@ class TransferEngine:
         assert self._sender is not None, "engine not started"
         self._sender.forget(transfer_id)
 
+    # GET mode.
+    def offer(self, transfer_id: str, total_blocks: int, source: ViewSource, lease_s: float) -> None:
+        """Hold blocks for a decode engine to pull, until it does or the lease runs out."""
+        self.offers.offer(transfer_id, total_blocks, source, lease_s)
+
+    def offer_state(self, transfer_id: str) -> OfferState | None:
+        return self.offers.poll(transfer_id)
+
+    def pull(self, transfer_id: str, peer: Address, first_block: int, num_blocks: int, sink: ViewSource,
+             deadline: float) -> None:
+        assert self._puller is not None, "engine not started"
+        self._puller.submit(PullJob(transfer_id, peer, first_block, num_blocks, sink, deadline))
+
+    def pull_result(self, transfer_id: str) -> PullResult | None:
+        assert self._puller is not None, "engine not started"
+        return self._puller.poll(transfer_id)
+
+    def forget_pull(self, transfer_id: str) -> None:
+        assert self._puller is not None, "engine not started"
+        self._puller.forget(transfer_id)
+
     # Receiving side.
     def staged_state(self, transfer_id: str) -> StageState | None:
         return self.store.state(transfer_id)
@@ -120,6 +147,7 @@ class TransferEngine:
     def housekeeping(self) -> None:
         """Expire stale staging and overdue sends; cheap, called once per step by the owner."""
         self.store.expire()
+        self.offers.expire()
         if self._sender is not None:
             self._sender.expire()
 
@@ -130,6 +158,8 @@ class TransferEngine:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()  # type: ignore[attr-defined]
             self._metrics_server.server_close()  # type: ignore[attr-defined]
+        if self._puller is not None:
+            self._puller.close()
         if self._sender is not None:
             self._sender.close()
         if self._receiver is not None:

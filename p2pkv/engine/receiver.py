@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 
 from p2pkv.engine.metrics import EngineMetrics
+from p2pkv.engine.offers import OfferTable
 from p2pkv.engine.store import ReceiveStore
+from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import ProtocolError, TransferError
-from p2pkv.protocol import Hello, HelloReply, LayoutDigest, PushAbort, PushBlocks
+from p2pkv.protocol import Hello, HelloReply, LayoutDigest, PullReply, PullRequest, PushAbort, PushBlocks
 from p2pkv.transport.base import Connection, Listener
 
 log = logging.getLogger(__name__)
@@ -19,17 +22,18 @@ _POLL_S = 0.2
 class Receiver:
     """Owns the listener thread and the reader threads it starts; `close()` stops and joins them all."""
 
-    def __init__(self, listener: Listener, store: ReceiveStore, layout: LayoutDigest, metrics: EngineMetrics,
-                 frame_timeout_s: float) -> None:
+    def __init__(self, listener: Listener, store: ReceiveStore, offers: OfferTable, layout: LayoutDigest,
+                 metrics: EngineMetrics, frame_timeout_s: float) -> None:
         self._listener = listener
         self._store = store
+        self._offers = offers
         self._layout = layout
         self._metrics = metrics
         self._frame_timeout_s = frame_timeout_s
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._readers: dict[threading.Thread, Connection] = {}
-        self._thread = threading.Thread(target=self._accept_loop, name="p2pkv-listener", daemon=True)
+        self._thread = engine_thread(self._accept_loop, "p2pkv-listener")
         self._warned_bad_frame = False
 
     def start(self) -> None:
@@ -45,8 +49,7 @@ class Receiver:
                 return
             if conn is None:
                 continue
-            thread = threading.Thread(target=self._serve, args=(conn,), name=f"p2pkv-reader-{conn.peer}",
-                                      daemon=True)
+            thread = engine_thread(functools.partial(self._serve, conn), f"p2pkv-reader-{conn.peer}")
             with self._lock:
                 if self._stop.is_set():
                     conn.close()
@@ -93,6 +96,9 @@ class Receiver:
                 deadline = time.monotonic() + self._frame_timeout_s
                 if isinstance(message, PushBlocks):
                     self._receive_chunk(conn, message, payload_len, source, deadline)
+                elif isinstance(message, PullRequest):
+                    conn.discard_payload(payload_len, deadline)
+                    self._serve_pull(conn, message, deadline)
                 elif isinstance(message, PushAbort):
                     conn.discard_payload(payload_len, deadline)
                     self._store.fail(message.transfer_id, f"sender aborted: {message.reason}")
@@ -119,6 +125,30 @@ class Receiver:
         self._store.finish_chunk(push.transfer_id, push.num_blocks)
         self._metrics.bytes_received.labels(conn.name).inc(payload_len)
         self._metrics.add("bytes_received", payload_len)
+
+    def _serve_pull(self, conn: Connection, pull: PullRequest, deadline: float) -> None:
+        claim = self._offers.claim(pull.transfer_id, pull.first_block, pull.num_blocks)
+        if isinstance(claim, str):
+            log.warning("transfer %s: refusing a pull from %s: %s", pull.transfer_id, conn.peer, claim)
+            conn.send_frame(PullReply(pull.transfer_id, False, claim), (), deadline)
+            return
+        started, nbytes = time.monotonic(), 0
+        try:
+            conn.send_frame(PullReply(pull.transfer_id, True), (), deadline)
+            for layer in range(self._layout.num_layers):
+                views = claim.source(layer, pull.first_block, pull.num_blocks)
+                push = PushBlocks(pull.transfer_id, layer, 0, pull.num_blocks, pull.num_blocks,
+                                  self._layout.num_layers)
+                conn.send_frame(push, views, deadline)
+                nbytes += sum(v.nbytes for v in views)
+        finally:
+            # Sent bytes sit in the socket's buffers, so the blocks are free to go; if sending failed, the
+            # decode side reports load errors and recomputes.
+            self._offers.finish(claim)
+            self._metrics.bytes_sent.labels(conn.name).inc(nbytes)
+            self._metrics.add("bytes_sent", nbytes)
+            log.info("transfer %s served peer=%s bytes=%d ms=%.1f transport=%s", pull.transfer_id, conn.peer,
+                     nbytes, (time.monotonic() - started) * 1000, conn.name)
 
     def close(self) -> None:
         self._stop.set()

@@ -10,10 +10,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from p2pkv.engine.handshake import client_handshake
 from p2pkv.engine.metrics import EngineMetrics
-from p2pkv.errors import IncompatiblePeerError, P2pkvError, TransferError
+from p2pkv.engine.threads import engine_thread
+from p2pkv.errors import P2pkvError, TransferError
 from p2pkv.params import Address
-from p2pkv.protocol import Hello, HelloReply, PushAbort, PushBlocks
+from p2pkv.protocol import Hello, PushAbort, PushBlocks
 from p2pkv.transport.base import Connection
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,7 @@ class Sender:
         self._idle = threading.Condition(self._lock)
         self._pending = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="p2pkv-sender", daemon=True)
+        self._thread = engine_thread(self._loop, "p2pkv-sender")
 
     def start(self) -> None:
         self._thread.start()
@@ -114,6 +116,12 @@ class Sender:
                 continue
             try:
                 self._handle(job)
+            except Exception as exc:  # a bug must fail the transfer, not kill the thread
+                log.exception("transfer %s: push crashed", job.transfer_id)
+                with self._lock:
+                    item = self._transfers.get(job.transfer_id)
+                    if item is not None and item.state is OutState.SENDING:
+                        self._finish_locked(item, OutState.FAILED, f"internal error: {exc!r}")
             finally:
                 with self._idle:
                     self._pending -= 1
@@ -181,16 +189,7 @@ class Sender:
             log.info("connection to %s was closed by the peer; reconnecting", peer)
             self._drop(peer)
         conn = self._connect(peer, deadline)
-        try:
-            conn.send_frame(self._hello, (), deadline)
-            got = conn.recv_frame(max(0.0, deadline - time.monotonic()), deadline)
-            if got is None or not isinstance(got[0], HelloReply):
-                raise TransferError(f"no handshake reply from {peer}")
-            if not got[0].accepted:
-                raise IncompatiblePeerError(f"peer {peer} refused us: {got[0].reason}")
-        except P2pkvError:
-            conn.close()
-            raise
+        client_handshake(conn, self._hello, deadline)
         with self._lock:
             self._conns[peer] = conn
         return conn

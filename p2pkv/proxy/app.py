@@ -70,9 +70,11 @@ class Router:
         transfer_id = uuid.uuid4().hex
         prefill, decode = self.prefill.pick(), self.decode.pick()
         try:
-            decode_kv = await self.kv_address(decode, headers)
+            decode_kv: Address | None = await self.kv_address(decode, headers)
         except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as exc:
-            return _error(502, f"decode instance {decode.http} unavailable: {exc}")
+            # Without the decode side's KV address the prefill side cannot push; it holds the KV for a pull.
+            log.warning("decode instance %s did not report its KV address (%s); using GET", decode.http, exc)
+            decode_kv = None
         pre = dict(body)
         pre.update(max_tokens=1, stream=False, kv_transfer_params=PrefillParams(transfer_id, decode_kv).to_dict())
         if "max_completion_tokens" in pre:

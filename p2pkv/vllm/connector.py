@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from p2pkv.config import SendType, parse_connector_config
-from p2pkv.errors import ConfigError
+from p2pkv.config import parse_connector_config
 from p2pkv.vllm.metadata import P2pkvMetadata
 from p2pkv.vllm.scheduler import SchedulerSide
 from p2pkv.vllm.worker import WorkerSide
@@ -48,8 +47,6 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tc = vllm_config.kv_transfer_config
         self.config = parse_connector_config(tc.kv_role, tc.kv_port, getattr(tc, "kv_load_failure_policy", "fail"),
                                              tc.kv_connector_extra_config)
-        if self.config.extra.send_type is SendType.GET:
-            raise ConfigError("send_type: GET is not available in this p2pkv release; use PUT_ASYNC or PUT")
         block_size = vllm_config.cache_config.block_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

@@ -11,23 +11,26 @@ from p2pkv.params import Address
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Push the first `len(block_ids)` blocks of a finished prefill to the decode instance at `peer` (rank 0)."""
+    """Push the first `len(block_ids)` blocks of a finished prefill to the decode instance at `peer` (rank 0),
+    or, when `peer` is None (GET mode), hold them for the decode instance to pull."""
 
     req_id: str
     transfer_id: str
-    peer: Address
+    peer: Address | None
     block_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Land staged blocks `first_block ..` of a transfer in the local `block_ids`; empty means just discard."""
+    """Land staged blocks `first_block ..` of a transfer in the local `block_ids`; empty means just discard.
+    With `pull_from` (GET mode) the blocks are pulled from that prefill engine (rank 0) instead."""
 
     req_id: str
     transfer_id: str
     first_block: int
     block_ids: tuple[int, ...]
     corrupt: bool = False
+    pull_from: Address | None = None
 
 
 @dataclass

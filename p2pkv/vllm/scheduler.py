@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from p2pkv.config import ConnectorConfig, Role
+from p2pkv.config import ConnectorConfig, Role, SendType
 from p2pkv.errors import ConfigError
 from p2pkv.params import (
     Address,
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Producer:
     transfer_id: str
-    peer: Address
+    peer: Address | None  # None: GET mode, the decode side pulls
     num_prompt_tokens: int
     block_ids: list[int] = field(default_factory=list)
     saved: bool = False
@@ -51,6 +52,10 @@ class SchedulerSide:
         self._producers: dict[str, _Producer] = {}
         self._consumed: set[str] = set()
         self._loads: list[LoadSpec] = []
+        host = config.extra.kv_host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostbyname(socket.gethostname())
+        self._own_address = Address(host, config.kv_port)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
@@ -74,13 +79,11 @@ class SchedulerSide:
         params = _params(request)
         req_id = request.request_id
         if isinstance(params, PrefillParams) and self._config.role is not Role.CONSUMER:
-            if params.decode_kv is None:
-                log.error("transfer %s: no decode_kv_address in kv_transfer_params; not pushing",
-                          params.transfer_id)
-                return
             if req_id not in self._producers:
+                pull = params.pull or params.decode_kv is None or self._config.extra.send_type is SendType.GET
                 num_prompt = len(request.prompt_token_ids or ())
-                self._producers[req_id] = _Producer(params.transfer_id, params.decode_kv, num_prompt)
+                self._producers[req_id] = _Producer(params.transfer_id, None if pull else params.decode_kv,
+                                                    num_prompt)
             return
         if not isinstance(params, DecodeParams) or req_id in self._consumed:
             return
@@ -94,7 +97,7 @@ class SchedulerSide:
         last = (num_prompt - 2) // self._block_size
         block_ids = blocks.get_block_ids()[0]
         self._loads.append(LoadSpec(req_id, params.transfer_id, first, tuple(block_ids[first : last + 1]),
-                                    params.test_corrupt))
+                                    params.test_corrupt, params.prefill_kv if params.pull else None))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pkvMetadata:
         meta = P2pkvMetadata(loads=self._loads)
@@ -138,6 +141,8 @@ class SchedulerSide:
         producer = self._producers.pop(req_id, None)
         if producer is None or not producer.saved:
             return False, None
-        # Keep the blocks until the workers report the push finished (finished_sending).
-        params = DecodeParams(producer.transfer_id, producer.num_prompt_tokens, None)
+        # Keep the blocks until the workers report the push finished or the pull served (finished_sending).
+        pull = producer.peer is None
+        params = DecodeParams(producer.transfer_id, producer.num_prompt_tokens, self._own_address if pull else None,
+                              pull=pull)
         return True, params.to_dict()

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 from p2pkv.config import ConnectorConfig, SendType
 from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.offers import OfferState, ViewSource
+from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import StageState
 from p2pkv.layout import KvBlocks
@@ -71,6 +73,9 @@ class WorkerSide:
         deadline = time.monotonic() + self._config.extra.transfer_timeout_s
         for spec in meta.loads:
             self._loads[spec.req_id] = _Load(spec, deadline)
+            if spec.pull_from is not None and spec.block_ids:
+                self.engine.pull(spec.transfer_id, spec.pull_from.offset(self._rank), spec.first_block,
+                                 len(spec.block_ids), self._views_of(spec.block_ids), deadline)
 
     def save_layer(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
@@ -79,8 +84,19 @@ class WorkerSide:
         for spec in self._meta.saves:
             self._push(spec, layer)
 
+    def _views_of(self, block_ids: tuple[int, ...]) -> ViewSource:
+        blocks = self._blocks
+        assert blocks is not None
+
+        def views(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
+            return blocks.block_views(layer, block_ids[first : first + count])
+
+        return views
+
     def _push(self, spec: SaveSpec, layer: int) -> None:
         assert self._blocks is not None
+        if spec.peer is None:
+            return
         pushed = self._pushed[spec.transfer_id]
         if layer in pushed:
             return
@@ -94,6 +110,12 @@ class WorkerSide:
     def wait_for_save(self) -> None:
         # Layers whose hook did not fire this step (none in normal runs) are pushed here so no transfer is short.
         for spec in self._meta.saves:
+            if spec.peer is None:
+                # GET: every layer is final now that the forward has run; hold the blocks for the pull.
+                self._sending[spec.req_id] = spec.transfer_id
+                self.engine.offer(spec.transfer_id, len(spec.block_ids), self._views_of(spec.block_ids),
+                                  self._config.extra.lease_s)
+                continue
             for layer in range(len(self._layer_index)):
                 self._push(spec, layer)
         if self._meta.saves and self._config.extra.send_type is SendType.PUT:
@@ -109,18 +131,30 @@ class WorkerSide:
         self._finished |= finished_req_ids & self._sending.keys()
         done: set[str] = set()
         for req_id in self._finished:
-            out = self.engine.outgoing(self._sending[req_id])
+            tid = self._sending[req_id]
+            offered = self.engine.offer_state(tid)
+            if offered is not None:
+                if offered in (OfferState.SERVED, OfferState.EXPIRED):
+                    done.add(req_id)
+                continue
+            out = self.engine.outgoing(tid)
             if out is None or out.state is not OutState.SENDING:
                 done.add(req_id)
         for req_id in done:
             self._finished.discard(req_id)
-            self.engine.forget_outgoing(self._sending.pop(req_id))
+            tid = self._sending.pop(req_id)
+            self.engine.forget_outgoing(tid)
+            self.engine.offers.forget(tid)
         return done
 
     def _finished_loading(self) -> set[str]:
         done: set[str] = set()
         now = time.monotonic()
         for req_id, load in self._loads.items():
+            if load.spec.pull_from is not None:
+                if self._pull_finished(load):
+                    done.add(req_id)
+                continue
             state = self.engine.staged_state(load.spec.transfer_id)
             if state is StageState.COMPLETE:
                 self._land(load.spec)
@@ -138,6 +172,28 @@ class WorkerSide:
         for req_id in done:
             del self._loads[req_id]
         return done
+
+    def _pull_finished(self, load: _Load) -> bool:
+        spec = load.spec
+        if not spec.block_ids:
+            return True
+        result = self.engine.pull_result(spec.transfer_id)
+        if result is not None and result.state is PullState.DONE:
+            self.engine.metrics.bytes_loaded.inc(result.nbytes)
+            self.engine.metrics.add("bytes_loaded", result.nbytes)
+            self.engine.metrics.transfers.labels("load", "ok").inc()
+            self.engine.forget_pull(spec.transfer_id)
+            return True
+        # Only a finished pull is reported: vLLM may free and reuse the blocks of a failed load, so the puller
+        # (which honours the same deadline) must be done writing into them first.
+        if result is None or result.state is PullState.FAILED:
+            log.warning("transfer %s: pull failed (%s); reporting %d blocks", spec.transfer_id,
+                        result.reason if result is not None else "deadline passed", len(spec.block_ids))
+            self._load_errors.update(spec.block_ids)
+            self.engine.metrics.transfers.labels("load", "failed").inc()
+            self.engine.forget_pull(spec.transfer_id)
+            return True
+        return False
 
     def _land(self, spec: LoadSpec) -> None:
         assert self._blocks is not None

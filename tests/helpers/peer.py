@@ -2,6 +2,8 @@
 
     python tests/helpers/peer.py push HOST:PORT TRANSFER_ID SEED LAYERS BLOCKS BLOCK_BYTES
     python tests/helpers/peer.py stall HOST:PORT TRANSFER_ID BLOCK_BYTES   (sends half a payload, then waits)
+    python tests/helpers/peer.py offer LAYERS BLOCKS BLOCK_BYTES LEASE_S TRANSFER_ID SEED   (GET mode: holds the
+        blocks; stdin lines "TRANSFER_ID" are answered with the offer's state)
     python tests/helpers/peer.py serve LAYERS BLOCK_BYTES SECRET   (one engine; stdin lines
         "push HOST:PORT TRANSFER_ID SEED BLOCKS" each answered with a JSON line)
 
@@ -87,8 +89,29 @@ def stall(peer: Address, transfer_id: str, block_bytes: int) -> None:
     time.sleep(600)
 
 
+def offer(layers: int, blocks: int, block_bytes: int, lease_s: float, tid: str, seed: int) -> None:
+    engine = start_engine(layers, block_bytes)
+    data = payload(seed, layers, blocks, block_bytes)
+
+    def views(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
+        return (data[layer].data[first * block_bytes : (first + count) * block_bytes],)
+
+    engine.offer(tid, blocks, views, lease_s)
+    print(json.dumps({"address": engine.address}), flush=True)
+    try:
+        for line in sys.stdin:
+            engine.housekeeping()
+            state = engine.offer_state(line.strip())
+            print(json.dumps({"state": None if state is None else state.value}), flush=True)
+    finally:
+        engine.close()
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
+    if mode == "offer":
+        offer(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6], int(sys.argv[7]))
+        sys.exit(0)
     if mode == "serve":
         serve(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else "")
         sys.exit(0)

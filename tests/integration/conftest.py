@@ -24,6 +24,7 @@ from p2pkv.tinymodel import TinyModelSpec, write_tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 128  # vLLM's CPU default
 TRANSFER_TIMEOUT_S = 5.0
+MAX_BATCHED_TOKENS = 256
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -96,7 +97,9 @@ def up_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     ready = work / "ready.json"
     extra = json.dumps({"test_fault_injection": True, "transfer_timeout_s": TRANSFER_TIMEOUT_S})
     argv = [sys.executable, "-m", "p2pkv", "up", "--model", tiny_model, "--log-dir", str(work / "logs"),
-            "--ready-file", str(ready), "--extra-config", extra]
+            "--ready-file", str(ready), "--extra-config", extra,
+            # Chunked prefill: prompts longer than this take several steps on the prefill instance.
+            "--", "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     log = (work / "up.log").open("wb")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -168,3 +168,45 @@ def test_kv_that_never_arrives_is_recomputed_after_the_deadline_without_delaying
     assert ids_and_logprobs(result["answer"])[0] == ids_and_logprobs(reference)[0]
     failed_after = metric(decode["metrics"], 'p2pkv_transfers_total{direction="load",outcome="failed"}')
     assert failed_after - failed_before == 1
+
+
+def test_get_mode_decode_pulls_from_prefill(up_cluster: UpCluster) -> None:
+    """send_type GET per request: the prefill instance holds the blocks under a lease, the decode side pulls."""
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
+    sent_before = metric(prefill["metrics"], "p2pkv_bytes_sent_total")
+    length = 385
+    text = prompt("get", length)
+    params = PrefillParams(uuid.uuid4().hex, None, pull=True)
+    body = {"model": up_cluster.model, "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
+    returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
+    assert isinstance(returned, DecodeParams) and returned.pull
+    assert returned.prefill_kv == Address.parse(prefill["kv"])
+    body = {"model": up_cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": returned.to_dict()}
+    answer = complete(f"http://{decode['http']}", body)
+    reference = greedy(up_cluster.colocated, up_cluster.model, text)
+    assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
+    per_block = kv_bytes_per_block_and_layer() * LAYERS
+    pulled = math.ceil((length - 1) / BLOCK_SIZE) * per_block  # only the blocks the decode side needs
+    assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") - loaded_before == pulled
+    assert metric(prefill["metrics"], "p2pkv_bytes_sent_total") - sent_before == pulled
+
+
+def test_repeated_prompts_with_prefix_caching_on_both_sides(up_cluster: UpCluster) -> None:
+    """The second and third runs hit both instances' prefix caches; outputs must not change (vllm#22965)."""
+    decode = up_cluster.instance("kv_consumer")
+    text = prompt("repeat", 520)  # also longer than --max-num-batched-tokens: chunked on the prefill side
+    reference = ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, text))[0]
+    loaded = []
+    for _ in range(3):
+        before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
+        answer = greedy(up_cluster.proxy, up_cluster.model, text)
+        loaded.append(metric(decode["metrics"], "p2pkv_bytes_loaded_total") - before)
+        assert ids_and_logprobs(answer)[0] == reference
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 519
+    per_block = kv_bytes_per_block_and_layer() * LAYERS
+    assert loaded[0] == math.ceil(519 / BLOCK_SIZE) * per_block
+    # Later runs find the full blocks in the decode instance's own cache and load only the partial last one.
+    assert loaded[1] == loaded[2] == per_block

@@ -221,3 +221,77 @@ def test_frames_without_the_shared_secret_are_refused_and_counted() -> None:
             good.close()
     finally:
         engine.close()
+
+
+class Offerer:
+    """A prefill-side engine in another process holding one transfer for pulling (GET mode)."""
+
+    def __init__(self, tid: str, seed: int, lease_s: float) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        args = ["offer", str(LAYERS), str(BLOCKS), str(BLOCK_BYTES), str(lease_s), tid, str(seed)]
+        self.proc = subprocess.Popen([sys.executable, str(HELPER), *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        assert self.proc.stdout is not None
+        self.address = json.loads(self.proc.stdout.readline())["address"]
+
+    def state(self, tid: str) -> str | None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(tid + "\n")
+        self.proc.stdin.flush()
+        state: str | None = json.loads(self.proc.stdout.readline())["state"]
+        return state
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=20)
+
+
+def _wait_pull(engine: TransferEngine, tid: str) -> str:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        result = engine.pull_result(tid)
+        assert result is not None
+        if result.state.value != "pending":
+            return f"{result.state.value} {result.reason}"
+        time.sleep(0.02)
+    return "pending"
+
+
+def test_pull_lands_the_requested_blocks_in_place_and_frees_the_offer(receiver: TransferEngine) -> None:
+    offerer = Offerer("g-1", seed=11, lease_s=30)
+    try:
+        assert offerer.state("g-1") == "offered"
+        local = [bytearray(3 * BLOCK_BYTES) for _ in range(LAYERS)]
+
+        def sink(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
+            return (memoryview(local[layer])[first * BLOCK_BYTES : (first + count) * BLOCK_BYTES],)
+
+        from p2pkv.params import Address
+
+        receiver.pull("g-1", Address.parse(offerer.address), 2, 3, sink, time.monotonic() + 10)
+        assert _wait_pull(receiver, "g-1") == "done "
+        expected = payload(11, LAYERS, BLOCKS, BLOCK_BYTES)
+        for layer in range(LAYERS):
+            assert bytes(local[layer]) == expected[layer][2 * BLOCK_BYTES : 5 * BLOCK_BYTES].tobytes()
+        assert offerer.state("g-1") == "served"
+        # A second pull of the same transfer is refused: the blocks were released.
+        receiver.pull("g-1", Address.parse(offerer.address), 0, 1, sink, time.monotonic() + 10)
+        assert _wait_pull(receiver, "g-1").startswith("failed")
+    finally:
+        offerer.close()
+
+
+def test_lease_expires_when_nobody_pulls(receiver: TransferEngine) -> None:
+    offerer = Offerer("g-2", seed=1, lease_s=0.5)
+    try:
+        time.sleep(1.0)
+        assert offerer.state("g-2") == "expired"
+        from p2pkv.params import Address
+
+        sink_buf = bytearray(BLOCK_BYTES)
+        receiver.pull("g-2", Address.parse(offerer.address), 0, 1, lambda *_: (memoryview(sink_buf),),
+                      time.monotonic() + 10)
+        assert "transfer is expired" in _wait_pull(receiver, "g-2")
+    finally:
+        offerer.close()

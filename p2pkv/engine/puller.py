@@ -1,0 +1,140 @@
+"""GET mode, receiving side: pulls offered blocks from a prefill engine straight into local memory."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from p2pkv.engine.handshake import client_handshake
+from p2pkv.engine.metrics import EngineMetrics
+from p2pkv.engine.offers import ViewSource
+from p2pkv.engine.sender import Connect
+from p2pkv.engine.threads import engine_thread
+from p2pkv.errors import P2pkvError, ProtocolError, TransferError
+from p2pkv.params import Address
+from p2pkv.protocol import Hello, Message, PullReply, PullRequest, PushBlocks
+from p2pkv.transport.base import Connection
+
+log = logging.getLogger(__name__)
+_POLL_S = 0.2
+
+
+class PullState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class PullJob:
+    """Fetch blocks `first_block ..` of a transfer into `sink(layer, 0, num_blocks)`, the local blocks."""
+
+    transfer_id: str
+    peer: Address
+    first_block: int
+    num_blocks: int
+    sink: ViewSource
+    deadline: float
+
+
+@dataclass
+class PullResult:
+    state: PullState = PullState.PENDING
+    reason: str = ""
+    nbytes: int = 0
+
+
+class Puller:
+    def __init__(self, connect: Connect, hello: Hello, metrics: EngineMetrics) -> None:
+        self._connect = connect
+        self._hello = hello
+        self._metrics = metrics
+        self._queue: queue.Queue[PullJob] = queue.Queue()
+        self._lock = threading.Lock()
+        self._results: dict[str, PullResult] = {}
+        self._stop = threading.Event()
+        self._thread = engine_thread(self._loop, "p2pkv-puller")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: PullJob) -> None:
+        with self._lock:
+            self._results[job.transfer_id] = PullResult()
+        self._queue.put(job)
+
+    def poll(self, transfer_id: str) -> PullResult | None:
+        with self._lock:
+            return self._results.get(transfer_id)
+
+    def forget(self, transfer_id: str) -> None:
+        with self._lock:
+            self._results.pop(transfer_id, None)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            started = time.monotonic()
+            try:
+                nbytes = self._pull(job)
+                result = PullResult(PullState.DONE, "", nbytes)
+            except P2pkvError as exc:
+                result = PullResult(PullState.FAILED, str(exc))
+            except Exception as exc:  # a bug must fail the transfer, not kill the thread and hang the load
+                log.exception("transfer %s: pull crashed", job.transfer_id)
+                result = PullResult(PullState.FAILED, f"internal error: {exc!r}")
+            ms = (time.monotonic() - started) * 1000
+            outcome = "ok" if result.state is PullState.DONE else "failed"
+            self._metrics.transfers.labels("pull", outcome).inc()
+            log.info("transfer %s pull %s peer=%s bytes=%d ms=%.1f transport=tcp%s", job.transfer_id, outcome,
+                     job.peer, result.nbytes, ms, f" reason={result.reason}" if result.reason else "")
+            with self._lock:
+                if job.transfer_id in self._results:
+                    self._results[job.transfer_id] = result
+
+    def _pull(self, job: PullJob) -> int:
+        if time.monotonic() >= job.deadline:
+            raise TransferError("deadline passed before the pull started")
+        conn = self._connect(job.peer, job.deadline)
+        try:
+            client_handshake(conn, self._hello, job.deadline)
+            conn.send_frame(PullRequest(job.transfer_id, job.first_block, job.num_blocks), (), job.deadline)
+            reply = self._next(conn, job.deadline)
+            if not isinstance(reply[0], PullReply) or reply[0].transfer_id != job.transfer_id:
+                raise ProtocolError(f"expected a pull reply, got {type(reply[0]).__name__}")
+            if not reply[0].accepted:
+                raise TransferError(f"{job.peer} refused the pull: {reply[0].reason}")
+            nbytes = 0
+            for layer in range(self._hello.layout.num_layers):
+                message, payload_len = self._next(conn, job.deadline)
+                expected = job.num_blocks * self._hello.layout.block_bytes
+                if (not isinstance(message, PushBlocks) or message.transfer_id != job.transfer_id
+                        or message.layer != layer or payload_len != expected):
+                    raise ProtocolError(f"unexpected frame while pulling layer {layer}: {message!r}")
+                for view in job.sink(layer, 0, job.num_blocks):
+                    conn.recv_payload_into(view, job.deadline)
+                nbytes += payload_len
+            self._metrics.bytes_received.labels(conn.name).inc(nbytes)
+            self._metrics.add("bytes_received", nbytes)
+            return nbytes
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _next(conn: Connection, deadline: float) -> tuple[Message, int]:
+        got = conn.recv_frame(max(0.0, deadline - time.monotonic()), deadline)
+        if got is None:
+            raise TransferError("deadline passed waiting for the peer")
+        return got
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
