@@ -67,6 +67,15 @@ class PushBlocks(msgspec.Struct, tag="push", frozen=True):
     num_layers: int
 
 
+class PushAck(msgspec.Struct, tag="push_ack", frozen=True):
+    """The receiver's verdict on a pushed transfer, sent once, on its first chunk: staged, or refused for lack
+    of space (the sender then keeps the blocks for the receiver to pull)."""
+
+    transfer_id: str
+    accepted: bool
+    reason: str = ""
+
+
 class PushAbort(msgspec.Struct, tag="abort", frozen=True):
     """The sender gave up on a transfer; the receiver drops what it staged."""
 
@@ -90,7 +99,7 @@ class PullReply(msgspec.Struct, tag="pull_reply", frozen=True):
     reason: str = ""
 
 
-Message = Hello | HelloReply | PushBlocks | PushAbort | PullRequest | PullReply
+Message = Hello | HelloReply | PushBlocks | PushAck | PushAbort | PullRequest | PullReply
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

@@ -15,6 +15,7 @@ from p2pkv.engine.puller import Puller, PullJob, PullResult
 from p2pkv.engine.receiver import Receiver
 from p2pkv.engine.sender import Outgoing, PushJob, Sender
 from p2pkv.engine.store import ReceiveStore, StagedTransfer, StageState
+from p2pkv.memory import HostPool
 from p2pkv.params import Address
 from p2pkv.protocol import FrameLimits, Hello, LayoutDigest
 from p2pkv.transport.base import Connection
@@ -35,6 +36,7 @@ class EngineSettings:
     connect_timeout_s: float
     metrics_port: int
     limits: FrameLimits
+    pool_bytes: int = 0
 
     @classmethod
     def from_config(cls, extra: ExtraConfig, port: int, metrics_port: int) -> EngineSettings:
@@ -48,6 +50,7 @@ class EngineSettings:
             connect_timeout_s=extra.connect_timeout_s,
             metrics_port=metrics_port,
             limits=FrameLimits(max_message_bytes=extra.max_frame_bytes),
+            pool_bytes=int(extra.mem_pool_size_gb * (1 << 30)),
         )
 
 
@@ -60,8 +63,10 @@ class TransferEngine:
         self.rank = rank
         self.engine_id = uuid.uuid4().hex[:12]
         self.metrics = EngineMetrics()
+        # The pool's memory is taken on first use only, when staging first overflows kv_buffer_size.
+        self.pool = HostPool(settings.pool_bytes) if settings.pool_bytes >= 4096 else None
         self.store = ReceiveStore(settings.staging_budget_bytes, settings.staging_expiry_s, layout.block_bytes,
-                                  layout.num_layers, self.metrics)
+                                  layout.num_layers, self.metrics, self.pool)
         self.offers = OfferTable()
         self._receiver: Receiver | None = None
         self._sender: Sender | None = None

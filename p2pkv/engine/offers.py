@@ -13,6 +13,7 @@ log = logging.getLogger(__name__)
 
 # views(layer, first_block, num_blocks) -> the bytes of those blocks of that layer, in order.
 ViewSource = Callable[[int, int, int], tuple[memoryview, ...]]
+UNKNOWN_TRANSFER = "unknown transfer"
 
 
 class OfferState(enum.Enum):
@@ -49,7 +50,7 @@ class OfferTable:
         with self._lock:
             offer = self._offers.get(transfer_id)
             if offer is None:
-                return "unknown transfer"
+                return UNKNOWN_TRANSFER
             if offer.state is not OfferState.OFFERED:
                 return f"transfer is {offer.state.value}"
             if not (0 <= first_block and num_blocks > 0 and first_block + num_blocks <= offer.total_blocks):

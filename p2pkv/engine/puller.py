@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from p2pkv.engine.handshake import client_handshake
 from p2pkv.engine.metrics import EngineMetrics
-from p2pkv.engine.offers import ViewSource
+from p2pkv.engine.offers import UNKNOWN_TRANSFER, ViewSource
 from p2pkv.engine.sender import Connect
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
@@ -21,6 +21,11 @@ from p2pkv.transport.base import Connection
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
+_RETRY_S = 0.02
+
+
+class NotOfferedYet(TransferError):
+    pass
 
 
 class PullState(enum.Enum):
@@ -83,7 +88,7 @@ class Puller:
                 continue
             started = time.monotonic()
             try:
-                nbytes = self._pull(job)
+                nbytes = self._pull_until_offered(job)
                 result = PullResult(PullState.DONE, "", nbytes)
             except P2pkvError as exc:
                 result = PullResult(PullState.FAILED, str(exc))
@@ -99,6 +104,16 @@ class Puller:
                 if job.transfer_id in self._results:
                     self._results[job.transfer_id] = result
 
+    def _pull_until_offered(self, job: PullJob) -> int:
+        """A push refused for lack of space is offered by the sender moments later: retry until the deadline."""
+        while True:
+            try:
+                return self._pull(job)
+            except NotOfferedYet:
+                if time.monotonic() + _RETRY_S >= job.deadline:
+                    raise TransferError("the sender never offered the transfer") from None
+                time.sleep(_RETRY_S)
+
     def _pull(self, job: PullJob) -> int:
         if time.monotonic() >= job.deadline:
             raise TransferError("deadline passed before the pull started")
@@ -109,6 +124,8 @@ class Puller:
             reply = self._next(conn, job.deadline)
             if not isinstance(reply[0], PullReply) or reply[0].transfer_id != job.transfer_id:
                 raise ProtocolError(f"expected a pull reply, got {type(reply[0]).__name__}")
+            if not reply[0].accepted and reply[0].reason == UNKNOWN_TRANSFER:
+                raise NotOfferedYet(job.transfer_id)
             if not reply[0].accepted:
                 raise TransferError(f"{job.peer} refused the pull: {reply[0].reason}")
             nbytes = 0

@@ -117,7 +117,9 @@ class Receiver:
 
     def _receive_chunk(self, conn: Connection, push: PushBlocks, payload_len: int, source: str,
                        deadline: float) -> None:
-        view = self._store.begin_chunk(push, payload_len, source)
+        view, ack = self._store.begin_chunk(push, payload_len, source)
+        if ack is not None:
+            conn.send_frame(ack, (), deadline)
         if view is None:
             conn.discard_payload(payload_len, deadline)
             return

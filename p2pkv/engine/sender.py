@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from p2pkv.engine.handshake import client_handshake
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.threads import engine_thread
-from p2pkv.errors import P2pkvError, TransferError
+from p2pkv.errors import P2pkvError, ProtocolError, TransferError
 from p2pkv.params import Address
-from p2pkv.protocol import Hello, PushAbort, PushBlocks
+from p2pkv.protocol import Hello, PushAbort, PushAck, PushBlocks
 from p2pkv.transport.base import Connection
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
+_ACK_POLL_S = 0.002
 
 Connect = Callable[[Address, float], Connection]
 
@@ -39,8 +40,9 @@ class PushJob:
 
 class OutState(enum.Enum):
     SENDING = "sending"
-    DONE = "done"
+    DONE = "done"  # every layer sent and the receiver accepted the transfer
     FAILED = "failed"
+    REFUSED = "refused"  # the receiver had no space: keep the blocks for it to pull
 
 
 @dataclass
@@ -54,6 +56,11 @@ class Outgoing:
     nbytes: int = 0
     state: OutState = OutState.SENDING
     reason: str = ""
+    acked: bool = False
+
+    @property
+    def awaiting_ack(self) -> bool:
+        return self.state is OutState.SENDING and bool(self.layers_sent) and not self.acked
 
 
 class Sender:
@@ -110,9 +117,13 @@ class Sender:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            with self._lock:
+                waiting = {t.peer for t in self._transfers.values() if t.awaiting_ack}
             try:
-                job = self._queue.get(timeout=_POLL_S)
+                job = self._queue.get(timeout=_ACK_POLL_S if waiting else _POLL_S)
             except queue.Empty:
+                for peer in waiting:
+                    self._poll_acks(peer)
                 continue
             try:
                 self._handle(job)
@@ -145,13 +156,48 @@ class Sender:
         with self._lock:
             item.nbytes += nbytes
             item.layers_sent.add(job.layer)
-            if len(item.layers_sent) == item.num_layers and item.state is OutState.SENDING:
-                self._finish_locked(item, OutState.DONE, "")
+            self._maybe_done_locked(item)
+        self._poll_acks(job.peer)
+
+    def _maybe_done_locked(self, item: Outgoing) -> None:
+        if item.state is OutState.SENDING and item.acked and len(item.layers_sent) == item.num_layers:
+            self._finish_locked(item, OutState.DONE, "")
+
+    def _poll_acks(self, peer: Address) -> None:
+        """Read the receiver's verdicts that have arrived on this peer's connection, without blocking."""
+        with self._lock:
+            conn = self._conns.get(peer)
+        if conn is None:
+            return
+        try:
+            while (got := conn.recv_frame(0, time.monotonic() + 5)) is not None:
+                message, payload_len = got
+                conn.discard_payload(payload_len, time.monotonic() + 5)
+                if not isinstance(message, PushAck):
+                    raise ProtocolError(f"unexpected {type(message).__name__} frame from a receiver")
+                self._on_ack(message)
+        except P2pkvError as exc:
+            self._drop(peer)
+            with self._lock:
+                for item in self._transfers.values():
+                    if item.peer == peer and item.awaiting_ack:
+                        self._finish_locked(item, OutState.FAILED, f"connection lost before the verdict: {exc}")
+
+    def _on_ack(self, ack: PushAck) -> None:
+        with self._lock:
+            item = self._transfers.get(ack.transfer_id)
+            if item is None or item.state is not OutState.SENDING:
+                return
+            if ack.accepted:
+                item.acked = True
+                self._maybe_done_locked(item)
+            else:
+                self._finish_locked(item, OutState.REFUSED, ack.reason)
 
     def _finish_locked(self, item: Outgoing, state: OutState, reason: str) -> None:
         item.state, item.reason = state, reason
         ms = (time.monotonic() - item.started) * 1000
-        outcome = "ok" if state is OutState.DONE else "failed"
+        outcome = {OutState.DONE: "ok", OutState.REFUSED: "refused"}.get(state, "failed")
         self._metrics.transfers.labels("send", outcome).inc()
         self._metrics.transfer_seconds.labels("send").observe(ms / 1000)
         log.info("transfer %s send %s peer=%s bytes=%d ms=%.1f transport=tcp%s", item.transfer_id, outcome,

@@ -9,9 +9,12 @@ import time
 from dataclasses import dataclass, field
 
 from p2pkv.engine.metrics import EngineMetrics
-from p2pkv.protocol import PushBlocks
+from p2pkv.memory import HostPool, PoolBuffer
+from p2pkv.protocol import PushAck, PushBlocks
 
 log = logging.getLogger(__name__)
+NO_SPACE = "no staging space (kv_buffer_size and the host pool are full)"
+_EMPTY = memoryview(b"")
 
 
 class StageState(enum.Enum):
@@ -27,28 +30,30 @@ class StagedTransfer:
     total_blocks: int
     block_bytes: int
     source: str
-    buffer: bytearray
+    buffer: memoryview
     created: float
     blocks_received: int = 0
     state: StageState = StageState.RECEIVING
     reason: str = ""
     done_at: float = 0.0
     chunks: set[tuple[int, int]] = field(default_factory=set)
+    pooled: PoolBuffer | None = None
 
     @property
     def nbytes(self) -> int:
-        return len(self.buffer)
+        return self.buffer.nbytes
 
     def layer_view(self, layer: int) -> memoryview:
         size = self.total_blocks * self.block_bytes
-        return memoryview(self.buffer)[layer * size : (layer + 1) * size]
+        return self.buffer[layer * size : (layer + 1) * size]
 
 
 class ReceiveStore:
     """Thread-safe map of transfer id to staged bytes. Payloads are written outside the lock."""
 
     def __init__(self, budget_bytes: int, expiry_s: float, block_bytes: int, num_layers: int,
-                 metrics: EngineMetrics) -> None:
+                 metrics: EngineMetrics, pool: HostPool | None = None) -> None:
+        self._pool = pool
         self._budget = budget_bytes
         self._num_layers = num_layers
         self._expiry_s = expiry_s
@@ -67,40 +72,57 @@ class ReceiveStore:
         with self._lock:
             return len(self._items)
 
-    def begin_chunk(self, push: PushBlocks, payload_len: int, source: str) -> memoryview | None:
-        """Where the payload of `push` goes, or None when it is refused (invalid, or over the budget)."""
+    def begin_chunk(self, push: PushBlocks, payload_len: int, source: str) -> tuple[memoryview | None, PushAck | None]:
+        """Where the payload of `push` goes (None: drop it), and the verdict to send on a transfer's first chunk.
+
+        Staging takes ordinary memory up to `kv_buffer_size`, then spills into the host pool; with neither, the
+        transfer is refused and the sender falls back to holding the blocks for a pull.
+        """
         if not (push.num_layers == self._num_layers and 0 <= push.layer < push.num_layers and push.num_blocks > 0
                 and 0 <= push.first_block and push.first_block + push.num_blocks <= push.total_blocks
                 and payload_len == push.num_blocks * self._block_bytes):
             self.fail(push.transfer_id, f"invalid chunk {push!r} with {payload_len} payload bytes")
-            return None
+            return None, None
+        ack = None
         with self._lock:
             item = self._items.get(push.transfer_id)
             if item is None:
-                size = push.num_layers * push.total_blocks * self._block_bytes
-                if self._in_use + size > self._budget:
-                    log.warning("transfer %s refused: %d bytes would exceed the staging budget of %d",
-                                push.transfer_id, size, self._budget)
-                    item = self._new(push, source, bytearray(0))
-                    item.state, item.reason = StageState.FAILED, "staging budget exceeded"
-                    return None
-                item = self._new(push, source, bytearray(size))
-                self._in_use += size
-                self._metrics.staging_bytes.set(self._in_use)
+                item = self._admit(push, source)
+                accepted = item.state is StageState.RECEIVING
+                ack = PushAck(push.transfer_id, accepted, "" if accepted else item.reason)
             if item.state is not StageState.RECEIVING:
-                return None
+                return None, ack
             if (item.num_layers, item.total_blocks) != (push.num_layers, push.total_blocks):
                 self._fail_locked(item, "chunk disagrees with the transfer's shape")
-                return None
+                return None, ack
             key = (push.layer, push.first_block)
             if key in item.chunks:
                 self._fail_locked(item, f"duplicate chunk {key}")
-                return None
+                return None, ack
             item.chunks.add(key)
             start = push.first_block * self._block_bytes
-            return item.layer_view(push.layer)[start : start + payload_len]
+            return item.layer_view(push.layer)[start : start + payload_len], ack
 
-    def _new(self, push: PushBlocks, source: str, buffer: bytearray) -> StagedTransfer:
+    def _admit(self, push: PushBlocks, source: str) -> StagedTransfer:
+        size = push.num_layers * push.total_blocks * self._block_bytes
+        if self._in_use + size <= self._budget:
+            self._in_use += size
+            self._metrics.staging_bytes.set(self._in_use)
+            return self._new(push, source, memoryview(bytearray(size)))
+        pooled = self._pool.allocate(size) if self._pool is not None else None
+        if pooled is not None:
+            item = self._new(push, source, pooled.view)
+            item.pooled = pooled
+            self._metrics.add("pool_spills", 1)
+            return item
+        log.warning("transfer %s refused: %d bytes do not fit; the sender keeps them for a pull",
+                    push.transfer_id, size)
+        self._metrics.add("refused", 1)
+        item = self._new(push, source, _EMPTY)
+        item.state, item.reason, item.done_at = StageState.FAILED, NO_SPACE, time.monotonic()
+        return item
+
+    def _new(self, push: PushBlocks, source: str, buffer: memoryview) -> StagedTransfer:
         item = StagedTransfer(push.transfer_id, push.num_layers, push.total_blocks, self._block_bytes, source,
                               buffer, time.monotonic())
         self._items[push.transfer_id] = item
@@ -120,7 +142,7 @@ class ReceiveStore:
         with self._lock:
             item = self._items.get(transfer_id)
             if item is None:
-                item = StagedTransfer(transfer_id, 0, 0, self._block_bytes, "", bytearray(0), time.monotonic())
+                item = StagedTransfer(transfer_id, 0, 0, self._block_bytes, "", _EMPTY, time.monotonic())
                 self._items[transfer_id] = item
             self._fail_locked(item, reason)
 
@@ -139,14 +161,29 @@ class ReceiveStore:
         self._release_locked(item)
 
     def _release_locked(self, item: StagedTransfer) -> None:
-        self._in_use -= len(item.buffer)
-        item.buffer = bytearray(0)
+        if item.pooled is not None:
+            assert self._pool is not None
+            self._pool.release(item.pooled)
+            item.pooled = None
+        else:
+            self._in_use -= item.buffer.nbytes
+        item.buffer = _EMPTY
         self._metrics.staging_bytes.set(self._in_use)
+
+    @property
+    def pool_bytes_in_use(self) -> int:
+        stats = self._pool.stats() if self._pool is not None else None
+        return 0 if stats is None else stats.bytes_in_use
 
     def state(self, transfer_id: str) -> StageState | None:
         with self._lock:
             item = self._items.get(transfer_id)
             return None if item is None else item.state
+
+    def reason(self, transfer_id: str) -> str:
+        with self._lock:
+            item = self._items.get(transfer_id)
+            return "" if item is None else item.reason
 
     def take(self, transfer_id: str) -> StagedTransfer | None:
         """Remove and return a transfer; the caller frees its bytes with `release` once it has copied them."""

@@ -31,6 +31,7 @@ class LoadSpec:
     block_ids: tuple[int, ...]
     corrupt: bool = False
     pull_from: Address | None = None
+    fallback_from: Address | None = None  # where to pull from if this side refused the push (no space)
 
 
 @dataclass

@@ -97,7 +97,8 @@ class SchedulerSide:
         last = (num_prompt - 2) // self._block_size
         block_ids = blocks.get_block_ids()[0]
         self._loads.append(LoadSpec(req_id, params.transfer_id, first, tuple(block_ids[first : last + 1]),
-                                    params.test_corrupt, params.prefill_kv if params.pull else None))
+                                    params.test_corrupt, params.prefill_kv if params.pull else None,
+                                    params.prefill_kv))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pkvMetadata:
         meta = P2pkvMetadata(loads=self._loads)
@@ -143,6 +144,6 @@ class SchedulerSide:
             return False, None
         # Keep the blocks until the workers report the push finished or the pull served (finished_sending).
         pull = producer.peer is None
-        params = DecodeParams(producer.transfer_id, producer.num_prompt_tokens, self._own_address if pull else None,
-                              pull=pull)
+        # The prefill address goes along in push mode too: a decode side without staging space pulls instead.
+        params = DecodeParams(producer.transfer_id, producer.num_prompt_tokens, self._own_address, pull=pull)
         return True, params.to_dict()

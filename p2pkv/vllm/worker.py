@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from p2pkv.config import ConnectorConfig, SendType
@@ -12,7 +12,7 @@ from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.offers import OfferState, ViewSource
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
-from p2pkv.engine.store import StageState
+from p2pkv.engine.store import NO_SPACE, StageState
 from p2pkv.layout import KvBlocks
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
 
@@ -47,6 +47,7 @@ class WorkerSide:
         self._meta = P2pkvMetadata()
         self._pushed: dict[str, set[int]] = {}
         self._sending: dict[str, str] = {}
+        self._specs: dict[str, SaveSpec] = {}
         self._finished: set[str] = set()
         self._loads: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
@@ -102,6 +103,7 @@ class WorkerSide:
             return
         pushed.add(layer)
         self._sending[spec.req_id] = spec.transfer_id
+        self._specs[spec.req_id] = spec
         deadline = time.monotonic() + self._config.extra.transfer_timeout_s
         views = self._blocks.block_views(layer, spec.block_ids)
         self.engine.push_layer(spec.transfer_id, spec.peer.offset(self._rank), layer, len(spec.block_ids), views,
@@ -129,6 +131,14 @@ class WorkerSide:
 
     def _finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         self._finished |= finished_req_ids & self._sending.keys()
+        for req_id, tid in self._sending.items():
+            out = self.engine.outgoing(tid)
+            if out is not None and out.state is OutState.REFUSED and self.engine.offer_state(tid) is None:
+                # The decode side had no room to stage the push: hold the blocks for it to pull instead.
+                spec = self._specs[req_id]
+                log.info("transfer %s: push refused (%s); holding the blocks for a pull", tid, out.reason)
+                self.engine.offer(tid, len(spec.block_ids), self._views_of(spec.block_ids),
+                                  self._config.extra.lease_s)
         done: set[str] = set()
         for req_id in self._finished:
             tid = self._sending[req_id]
@@ -143,6 +153,7 @@ class WorkerSide:
         for req_id in done:
             self._finished.discard(req_id)
             tid = self._sending.pop(req_id)
+            self._specs.pop(req_id, None)
             self.engine.forget_outgoing(tid)
             self.engine.offers.forget(tid)
         return done
@@ -156,6 +167,8 @@ class WorkerSide:
                     done.add(req_id)
                 continue
             state = self.engine.staged_state(load.spec.transfer_id)
+            if state is StageState.FAILED and self._fall_back_to_pull(load):
+                continue
             if state is StageState.COMPLETE:
                 self._land(load.spec)
                 done.add(req_id)
@@ -172,6 +185,20 @@ class WorkerSide:
         for req_id in done:
             del self._loads[req_id]
         return done
+
+    def _fall_back_to_pull(self, load: _Load) -> bool:
+        """This side refused the push for lack of space: pull the blocks straight into the cache instead."""
+        spec = load.spec
+        if self.engine.store.reason(spec.transfer_id) != NO_SPACE or spec.fallback_from is None or not spec.block_ids:
+            return False
+        item = self.engine.take_staged(spec.transfer_id)
+        if item is not None:
+            self.engine.release_staged(item)
+        log.info("transfer %s: no staging space here; pulling from %s", spec.transfer_id, spec.fallback_from)
+        load.spec = replace(spec, pull_from=spec.fallback_from)
+        self.engine.pull(spec.transfer_id, spec.fallback_from.offset(self._rank), spec.first_block,
+                         len(spec.block_ids), self._views_of(spec.block_ids), load.deadline)
+        return True
 
     def _pull_finished(self, load: _Load) -> bool:
         spec = load.spec

@@ -91,41 +91,54 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def start_up(model: str, work: Path, extra: dict[str, Any], vllm_args: list[str]) -> tuple[subprocess.Popen[bytes],
+                                                                                       Path]:
+    """Start `p2pkv up` (1P1D behind the proxy); returns the process and where its ready file will appear."""
+    ready = work / "ready.json"
+    argv = [sys.executable, "-m", "p2pkv", "up", "--model", model, "--log-dir", str(work / "logs"),
+            "--ready-file", str(ready), "--extra-config", json.dumps(extra), "--", *vllm_args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with (work / "up.log").open("wb") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env), ready
+
+
+def wait_ready(proc: subprocess.Popen[bytes], ready: Path, timeout_s: float = 900) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        assert proc.poll() is None, (ready.parent / "up.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "p2pkv up did not become ready"
+        time.sleep(1)
+    info: dict[str, Any] = json.loads(ready.read_text())
+    return info
+
+
+def stop_up(proc: subprocess.Popen[bytes], expect_code: int = 0) -> None:
+    """SIGTERM to `p2pkv up` must leave none of its processes (vLLM's own children included)."""
+    family = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == expect_code
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in family if _alive(p)], "p2pkv up left processes behind"
+
+
 @pytest.fixture(scope="module")
 def up_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
     work = tmp_path_factory.mktemp("up")
-    ready = work / "ready.json"
-    extra = json.dumps({"test_fault_injection": True, "transfer_timeout_s": TRANSFER_TIMEOUT_S})
-    argv = [sys.executable, "-m", "p2pkv", "up", "--model", tiny_model, "--log-dir", str(work / "logs"),
-            "--ready-file", str(ready), "--extra-config", extra,
-            # Chunked prefill: prompts longer than this take several steps on the prefill instance.
-            "--", "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    log = (work / "up.log").open("wb")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    extra = {"test_fault_injection": True, "transfer_timeout_s": TRANSFER_TIMEOUT_S}
+    # Chunked prefill: prompts longer than this take several steps on the prefill instance.
+    proc, ready = start_up(tiny_model, work, extra, ["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)])
     colocated = Cluster(model=tiny_model, log_dir=work / "colocated")
     port = free_port()
     colocated.add_vllm("colocated", InstanceSpec("", port))
     try:
         colocated.start(timeout_s=900)
-        deadline = time.monotonic() + 900
-        while not ready.exists():
-            assert proc.poll() is None, (work / "up.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "p2pkv up did not become ready"
-            time.sleep(1)
-        info = json.loads(ready.read_text())
+        info = wait_ready(proc, ready)
         yield UpCluster(proc, info, f"http://127.0.0.1:{port}", tiny_model)
-        # Clean stop: SIGTERM to `p2pkv up` must leave none of its processes (vLLM's own children included).
-        family = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-        assert len(family) >= 3
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-        deadline = time.monotonic() + 30
-        while any(_alive(p) for p in family) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not [p for p in family if _alive(p)], "p2pkv up left processes behind"
+        assert len(psutil.Process(proc.pid).children(recursive=True)) >= 3
+        stop_up(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
         colocated.stop()
-        log.close()

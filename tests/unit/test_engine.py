@@ -295,3 +295,56 @@ def test_lease_expires_when_nobody_pulls(receiver: TransferEngine) -> None:
         assert "transfer is expired" in _wait_pull(receiver, "g-2")
     finally:
         offerer.close()
+
+
+def _small_receiver(buffer_bytes: int, pool_gb: float, expiry_s: float = 120) -> TransferEngine:
+    extra = ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=5, kv_buffer_size=buffer_bytes,
+                        mem_pool_size_gb=pool_gb, staging_expiry_s=expiry_s)
+    engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), layout(LAYERS, BLOCK_BYTES))
+    engine.start()
+    return engine
+
+
+def test_staging_spills_into_the_pool_beyond_kv_buffer_size() -> None:
+    engine = _small_receiver(BLOCK_BYTES, pool_gb=0.001)
+    try:
+        assert engine.pool is not None and not engine.pool.allocated  # nothing taken at start-up
+        assert run_helper("push", engine.address, "s-1", "4", str(LAYERS), str(BLOCKS), str(BLOCK_BYTES))[
+            "state"] == "done"
+        assert wait_state(engine, "s-1") is StageState.COMPLETE
+        assert engine.store.pool_bytes_in_use >= LAYERS * BLOCKS * BLOCK_BYTES
+        assert engine.store.bytes_in_use == 0
+        item = engine.take_staged("s-1")
+        assert item is not None
+        assert bytes(item.layer_view(1)) == payload(4, LAYERS, BLOCKS, BLOCK_BYTES)[1].tobytes()
+        engine.release_staged(item)
+        assert engine.store.pool_bytes_in_use == 0
+    finally:
+        engine.close()
+
+
+def test_push_without_space_is_refused_so_the_sender_can_fall_back_to_get() -> None:
+    engine = _small_receiver(BLOCK_BYTES, pool_gb=0)
+    try:
+        result = run_helper("push", engine.address, "s-2", "4", str(LAYERS), str(BLOCKS), str(BLOCK_BYTES))
+        assert result["state"] == "refused"
+        assert "no staging space" in str(result["reason"])
+        assert engine.staged_state("s-2") is StageState.FAILED
+        assert engine.store.reason("s-2").startswith("no staging space")
+        assert engine.store.bytes_in_use == 0
+    finally:
+        engine.close()
+
+
+def test_staging_nobody_claims_expires() -> None:
+    engine = _small_receiver(1 << 20, pool_gb=0, expiry_s=0.5)
+    try:
+        assert run_helper("push", engine.address, "s-3", "4", str(LAYERS), str(BLOCKS), str(BLOCK_BYTES))[
+            "state"] == "done"
+        assert engine.store.bytes_in_use == LAYERS * BLOCKS * BLOCK_BYTES
+        time.sleep(0.7)
+        engine.housekeeping()
+        assert engine.staged_state("s-3") is None
+        assert engine.store.bytes_in_use == 0
+    finally:
+        engine.close()

@@ -47,7 +47,7 @@ def step(new: list[SimpleNamespace] = (), cached: Cached | None = None,
 
 
 def side(role: str) -> SchedulerSide:
-    return SchedulerSide(parse_connector_config(role, 21001, "recompute", {}), BS)
+    return SchedulerSide(parse_connector_config(role, 21001, "recompute", {"kv_host": "127.0.0.1"}), BS)
 
 
 def decode_req(n: int, tid: str = "t1", claimed: int | None = None) -> Req:
@@ -105,7 +105,7 @@ def test_producer_saves_once_when_a_chunked_prompt_completes() -> None:
     assert s.build_connector_meta(step(cached=cached, scheduled={req.request_id: 1})).saves == []
     delay, params = s.request_finished(req, [1, 2, 3])
     assert delay is True
-    assert params == DecodeParams("t9", 300, None).to_dict()
+    assert params == DecodeParams("t9", 300, Address("127.0.0.1", 21001)).to_dict()
 
 
 def test_producer_aborted_before_its_prompt_completed_holds_nothing() -> None:
@@ -121,7 +121,7 @@ def test_probe_is_answered_with_the_kv_port() -> None:
     s = side("kv_consumer")
     req = Req("probe", [0], {"p2pkv": 1, "probe": True})
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert s.request_finished(req, []) == (False, {"p2pkv": 1, "kv_port": 21001, "kv_host": ""})
+    assert s.request_finished(req, []) == (False, {"p2pkv": 1, "kv_port": 21001, "kv_host": "127.0.0.1"})
 
 
 def test_invalid_params_are_ignored_not_fatal() -> None:

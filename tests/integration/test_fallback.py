@@ -1,0 +1,76 @@
+"""A decode instance with no staging space: pushes are refused and the KV is pulled instead (GET fallback);
+then the prefill instance is killed while it holds KV for a pull. The prefill instance itself, asked without
+p2pkv params, is the colocated reference."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port
+from p2pkv.params import DecodeParams, PrefillParams, parse_transfer_params
+from tests.integration.conftest import complete, metric
+from tests.integration.test_disagg import MAX_TOKENS, greedy, ids_and_logprobs, prompt
+
+pytestmark = pytest.mark.vllm
+TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def tight(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """1P1D started directly (not through `p2pkv up`, which would stop the rest when the prefill dies)."""
+    work = tmp_path_factory.mktemp("tight")
+    cluster = Cluster(model=tiny_model, log_dir=work)
+    extra = {"kv_buffer_size": 1, "mem_pool_size_gb": 0, "transfer_timeout_s": TIMEOUT_S}
+    p_http, p_kv, p_metrics, d_http, d_kv, d_metrics, proxy = (free_port() for _ in range(7))
+    cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv, {**extra, "metrics_port": p_metrics}))
+    cluster.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_kv, {**extra, "metrics_port": d_metrics}))
+    cluster.add_proxy(proxy, [f"127.0.0.1:{p_http}"], [f"127.0.0.1:{d_http}"])
+    try:
+        cluster.start(timeout_s=900)
+        yield {"model": tiny_model, "proxy": f"http://127.0.0.1:{proxy}", "cluster": cluster, "instances": [
+            {"role": "kv_producer", "http": f"127.0.0.1:{p_http}", "metrics": f"127.0.0.1:{p_metrics}"},
+            {"role": "kv_consumer", "http": f"127.0.0.1:{d_http}", "metrics": f"127.0.0.1:{d_metrics}"}]}
+    finally:
+        cluster.stop()
+
+
+def role(info: dict[str, Any], name: str) -> dict[str, str]:
+    found: dict[str, str] = next(i for i in info["instances"] if i["role"] == name)
+    return found
+
+
+def test_refused_push_falls_back_to_get_and_the_request_succeeds(tight: dict[str, Any]) -> None:
+    prefill, decode = role(tight, "kv_producer"), role(tight, "kv_consumer")
+    pulls_before = metric(decode["metrics"], 'p2pkv_transfers_total{direction="pull",outcome="ok"}')
+    for i, length in enumerate((90, 300)):
+        text = prompt(f"tight{i}", length)
+        answer = greedy(tight["proxy"], tight["model"], text)
+        reference = greedy(f"http://{prefill['http']}", tight["model"], text)
+        assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
+    assert metric(decode["metrics"], 'p2pkv_transfers_total{direction="pull",outcome="ok"}') - pulls_before == 2
+    assert metric(prefill["metrics"], 'p2pkv_transfers_total{direction="send",outcome="refused"}') >= 2
+    assert metric(decode["metrics"], "p2pkv_staging_bytes") == 0
+
+
+def test_prefill_killed_while_holding_kv_decode_recomputes_within_the_deadline(tight: dict[str, Any]) -> None:
+    prefill, decode = role(tight, "kv_producer"), role(tight, "kv_consumer")
+    text = prompt("killed", 300)
+    reference = ids_and_logprobs(greedy(f"http://{prefill['http']}", tight["model"], text))[0]
+    params = PrefillParams("killed-transfer", None, pull=True)
+    body = {"model": tight["model"], "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
+    returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
+    assert isinstance(returned, DecodeParams) and returned.pull
+    tight["cluster"].processes[0].kill()  # SIGKILL to the prefill server and its engine and worker
+
+    started = time.monotonic()
+    body = {"model": tight["model"], "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": returned.to_dict()}
+    answer = complete(f"http://{decode['http']}", body)
+    assert time.monotonic() - started < TIMEOUT_S + 30
+    assert ids_and_logprobs(answer)[0] == reference
+    assert metric(decode["metrics"], 'p2pkv_transfers_total{direction="load",outcome="failed"}') >= 1
