@@ -41,6 +41,12 @@ def _bench_pool(args: argparse.Namespace) -> int:
     return bench_pool(args.capacity, args.pairs)
 
 
+def _bench_soak(args: argparse.Namespace) -> int:
+    from p2pkv.bench.soak import main as bench_soak
+
+    return bench_soak(args.model, args.requests, args.concurrency)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="p2pkv", description="KV cache transfer for disaggregated vLLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--capacity", type=int, default=1 << 30, help="arena bytes")
     pool.add_argument("--pairs", type=int, default=200_000)
     pool.set_defaults(func=_bench_pool)
+    soak = bench.add_parser("soak", help="many requests through a local 1P1D cluster: failures, leaks, memory")
+    soak.add_argument("--model", default=None, help="model directory (default: the tiny model)")
+    soak.add_argument("--requests", type=int, default=1000)
+    soak.add_argument("--concurrency", type=int, default=16)
+    soak.set_defaults(func=_bench_soak)
 
     tiny = sub.add_parser("tiny-model", help="write the tiny test model (deterministic, no network) to DIR")
     tiny.add_argument("dir")

@@ -22,6 +22,7 @@ class EngineMetrics:
         self.bad_frames = Counter("p2pkv_bad_frames", "Malformed or unauthenticated frames dropped", registry=r)
         self.refused_peers = Counter("p2pkv_refused_peers", "Peers refused at the handshake", registry=r)
         self.staging_bytes = Gauge("p2pkv_staging_bytes", "Bytes of received KV waiting to be loaded", registry=r)
+        self.pool_bytes = Gauge("p2pkv_pool_bytes", "Bytes of the host pool holding staged KV", registry=r)
         self.transfer_seconds = Histogram("p2pkv_transfer_seconds", "Push time per transfer", ["direction"],
                                           registry=r)
         self._lock = threading.Lock()

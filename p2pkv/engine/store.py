@@ -114,6 +114,7 @@ class ReceiveStore:
             item = self._new(push, source, pooled.view)
             item.pooled = pooled
             self._metrics.add("pool_spills", 1)
+            self._metrics.pool_bytes.inc(pooled.size)
             return item
         log.warning("transfer %s refused: %d bytes do not fit; the sender keeps them for a pull",
                     push.transfer_id, size)
@@ -164,6 +165,7 @@ class ReceiveStore:
         if item.pooled is not None:
             assert self._pool is not None
             self._pool.release(item.pooled)
+            self._metrics.pool_bytes.dec(item.pooled.size)
             item.pooled = None
         else:
             self._in_use -= item.buffer.nbytes

@@ -1,0 +1,140 @@
+"""`p2pkv bench soak`: many requests through a local 1P1D cluster; checks that every request succeeds, that
+staging and pool usage return to zero, and that no vLLM process keeps growing (resident memory between the
+warm-up mark and the end)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from p2pkv.cli.cluster import Cluster, InstanceSpec, Process, free_port
+
+RSS_GROWTH_LIMIT = 0.05
+
+
+@dataclass
+class SoakResult:
+    requests: int
+    failures: int
+    seconds: float
+    rss_mark_mb: dict[str, float] = field(default_factory=dict)
+    rss_end_mb: dict[str, float] = field(default_factory=dict)
+    staging_bytes: float = 0.0
+    pool_bytes: float = 0.0
+
+    def growth(self, name: str) -> float:
+        return self.rss_end_mb[name] / self.rss_mark_mb[name] - 1.0
+
+    @property
+    def ok(self) -> bool:
+        return (self.failures == 0 and self.staging_bytes == 0 and self.pool_bytes == 0
+                and all(self.growth(n) < RSS_GROWTH_LIMIT for n in self.rss_mark_mb))
+
+
+def tree_rss_mb(proc: Process) -> float:
+    """Resident memory of a vLLM server with its engine and worker processes."""
+    import psutil  # a dependency of vLLM, so present wherever this benchmark can run
+
+    assert proc.popen is not None
+    root = psutil.Process(proc.popen.pid)
+    total = 0
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total / 2**20
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+async def _drive(proxy: str, model: str, requests: int, concurrency: int, mark: int,
+                 on_mark: asyncio.Event, result: SoakResult) -> None:
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz "
+    sem = asyncio.Semaphore(concurrency)
+    done = 0
+    async with httpx.AsyncClient(timeout=120) as client:
+
+        async def one(i: int) -> None:
+            nonlocal done
+            length = rng.randint(20, 700)
+            body = {"model": model, "prompt": f"{i} " + "".join(rng.choice(letters) for _ in range(length)),
+                    "max_tokens": rng.randint(4, 16), "temperature": 0}
+            async with sem:
+                try:
+                    resp = await client.post(f"{proxy}/v1/completions", json=body)
+                    if resp.status_code != 200 or not resp.json().get("choices"):
+                        result.failures += 1
+                except httpx.HTTPError:
+                    result.failures += 1
+            done += 1
+            if done == mark:
+                on_mark.set()
+
+        await asyncio.gather(*(one(i) for i in range(requests)))
+
+
+def run_soak(model: str, requests: int, concurrency: int, log_dir: Path) -> SoakResult:
+    cluster = Cluster(model=model, log_dir=log_dir)
+    p_http, p_kv, d_http, d_kv, d_metrics, proxy_port = (free_port() for _ in range(6))
+    prefill = cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv))
+    decode = cluster.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_kv, {"metrics_port": d_metrics}))
+    cluster.add_proxy(proxy_port, [f"127.0.0.1:{p_http}"], [f"127.0.0.1:{d_http}@127.0.0.1:{d_kv}"])
+    result = SoakResult(requests, 0, 0.0)
+    try:
+        cluster.start(progress=lambda line: print(f"[soak] {line}", flush=True))
+        mark = min(200, requests // 5)
+        marked = asyncio.Event()
+
+        async def main() -> None:
+            task = asyncio.create_task(_drive(f"http://127.0.0.1:{proxy_port}", model, requests, concurrency,
+                                              mark, marked, result))
+            await marked.wait()
+            result.rss_mark_mb = {p.name: tree_rss_mb(p) for p in (prefill, decode)}
+            print(f"[soak] {mark} requests done; resident memory noted", flush=True)
+            await task
+
+        started = time.monotonic()
+        asyncio.run(main())
+        result.seconds = time.monotonic() - started
+        time.sleep(1.0)  # let the last transfers' bookkeeping settle
+        result.rss_end_mb = {p.name: tree_rss_mb(p) for p in (prefill, decode)}
+        text = httpx.get(f"http://127.0.0.1:{d_metrics}/metrics", timeout=10).text
+        result.staging_bytes = _metric(text, "p2pkv_staging_bytes")
+        result.pool_bytes = _metric(text, "p2pkv_pool_bytes")
+    finally:
+        cluster.stop()
+    return result
+
+
+def main(model: str | None, requests: int, concurrency: int) -> int:
+    if model is None:
+        from p2pkv.cli.up import default_model_dir
+        from p2pkv.tinymodel import write_tiny_model
+
+        model = str(write_tiny_model(default_model_dir()))
+    log_dir = Path(tempfile.mkdtemp(prefix="p2pkv-soak-"))
+    r = run_soak(model, requests, concurrency, log_dir)
+    print(f"{'metric':<46}{'value':>14}")
+    print(f"{'requests':<46}{r.requests:>14}")
+    print(f"{'failed requests':<46}{r.failures:>14}")
+    print(f"{'requests per second':<46}{r.requests / r.seconds:>14.1f}")
+    print(f"{'decode staging bytes at the end':<46}{r.staging_bytes:>14.0f}")
+    print(f"{'decode pool bytes at the end':<46}{r.pool_bytes:>14.0f}")
+    for name in r.rss_mark_mb:
+        print(f"{name + ' RSS at mark / end (MiB)':<46}{r.rss_mark_mb[name]:>6.0f} /{r.rss_end_mb[name]:>6.0f}")
+        print(f"{name + ' RSS growth after the mark':<46}{r.growth(name):>14.1%}")
+    print(f"result: {'PASS' if r.ok else 'FAIL'} (logs in {log_dir})")
+    return 0 if r.ok else 1
