@@ -46,6 +46,7 @@ class PrefillParams:
     transfer_id: str
     decode_kv: Address | None
     pull: bool = False
+    inline: bool = False  # PUT: the prefill step waits until its push is sent
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {MARKER: PARAMS_VERSION, "transfer_id": self.transfer_id, "do_remote_decode": True}
@@ -53,6 +54,8 @@ class PrefillParams:
             out["decode_kv_address"] = str(self.decode_kv)
         if self.pull:
             out["send_type"] = "GET"
+        elif self.inline:
+            out["send_type"] = "PUT"
         return out
 
 
@@ -130,7 +133,7 @@ def parse_transfer_params(raw: Any) -> AnyParams | None:
     if raw.get("do_remote_decode"):
         decode = raw.get("decode_kv_address")
         return PrefillParams(transfer_id, Address.parse(decode) if isinstance(decode, str) else None,
-                             _pull(raw))
+                             _pull(raw), raw.get("send_type") == "PUT")
     if raw.get("load_remote_kv"):
         tokens = raw.get("num_prompt_tokens")
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:

@@ -18,6 +18,7 @@ class SaveSpec:
     transfer_id: str
     peer: Address | None
     block_ids: tuple[int, ...]
+    inline: bool = False  # PUT: the step waits in wait_for_save until the push is sent
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class _Producer:
     transfer_id: str
     peer: Address | None  # None: GET mode, the decode side pulls
     num_prompt_tokens: int
+    inline: bool
     block_ids: list[int] = field(default_factory=list)
     saved: bool = False
 
@@ -82,8 +83,9 @@ class SchedulerSide:
             if req_id not in self._producers:
                 pull = params.pull or params.decode_kv is None or self._config.extra.send_type is SendType.GET
                 num_prompt = len(request.prompt_token_ids or ())
+                inline = params.inline or self._config.extra.send_type is SendType.PUT
                 self._producers[req_id] = _Producer(params.transfer_id, None if pull else params.decode_kv,
-                                                    num_prompt)
+                                                    num_prompt, inline)
             return
         if not isinstance(params, DecodeParams) or req_id in self._consumed:
             return
@@ -130,7 +132,7 @@ class SchedulerSide:
             # The prompt completes in this step: every block of it holds final KV once the forward has run.
             producer.saved = True
             blocks = tuple(producer.block_ids[: self._blocks_for(producer.num_prompt_tokens)])
-            meta.saves.append(SaveSpec(req_id, producer.transfer_id, producer.peer, blocks))
+            meta.saves.append(SaveSpec(req_id, producer.transfer_id, producer.peer, blocks, producer.inline))
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

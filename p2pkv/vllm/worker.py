@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from p2pkv.config import ConnectorConfig, SendType
+from p2pkv.config import ConnectorConfig
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.offers import OfferState, ViewSource
 from p2pkv.engine.puller import PullState
@@ -120,7 +120,7 @@ class WorkerSide:
                 continue
             for layer in range(len(self._layer_index)):
                 self._push(spec, layer)
-        if self._meta.saves and self._config.extra.send_type is SendType.PUT:
+        if any(spec.inline and spec.peer is not None for spec in self._meta.saves):
             self.engine.wait_sent(time.monotonic() + self._config.extra.transfer_timeout_s)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

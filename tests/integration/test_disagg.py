@@ -210,3 +210,25 @@ def test_repeated_prompts_with_prefix_caching_on_both_sides(up_cluster: UpCluste
     assert loaded[0] == math.ceil(519 / BLOCK_SIZE) * per_block
     # Later runs find the full blocks in the decode instance's own cache and load only the partial last one.
     assert loaded[1] == loaded[2] == per_block
+
+
+def test_put_mode_pushes_inline(up_cluster: UpCluster) -> None:
+    """send_type PUT per request: the prefill step waits until the push is sent; output as colocated."""
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    received_before = metric(decode["metrics"], "p2pkv_bytes_received_total")
+    length = 300
+    text = prompt("put", length)
+    params = PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]), inline=True)
+    assert params.to_dict()["send_type"] == "PUT"
+    body = {"model": up_cluster.model, "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
+    returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
+    assert isinstance(returned, DecodeParams) and not returned.pull
+    body = {"model": up_cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": returned.to_dict()}
+    answer = complete(f"http://{decode['http']}", body)
+    reference = greedy(up_cluster.colocated, up_cluster.model, text)
+    assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
+    per_block = kv_bytes_per_block_and_layer() * LAYERS
+    assert metric(decode["metrics"], "p2pkv_bytes_received_total") - received_before == math.ceil(
+        length / BLOCK_SIZE) * per_block
