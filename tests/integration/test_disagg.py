@@ -72,10 +72,11 @@ def test_disaggregated_equals_colocated_and_kv_was_transferred(up_cluster: UpClu
     assert metric(decode["metrics"], "p2pkv_staging_bytes") == 0
 
 
-def _by_hand(cluster: UpCluster, text: str, corrupt: bool) -> dict[str, Any]:
-    """The proxy's two steps done by hand, so the decode request can ask for its KV to be corrupted."""
+def _two_steps(cluster: UpCluster, text: str, params: PrefillParams | None = None,
+               corrupt: bool = False) -> tuple[DecodeParams, dict[str, Any]]:
+    """The proxy's two steps done by hand, so a request can choose its mode or ask for corrupted KV."""
     prefill, decode = cluster.instance("kv_producer"), cluster.instance("kv_consumer")
-    params = PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]))
+    params = params or PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]))
     body = {"model": cluster.model, "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
     returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
     assert isinstance(returned, DecodeParams)
@@ -83,7 +84,11 @@ def _by_hand(cluster: UpCluster, text: str, corrupt: bool) -> dict[str, Any]:
         returned = DecodeParams(returned.transfer_id, returned.num_prompt_tokens, None, test_corrupt=True)
     body = {"model": cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
             "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": returned.to_dict()}
-    return complete(f"http://{decode['http']}", body)
+    return returned, complete(f"http://{decode['http']}", body)
+
+
+def _by_hand(cluster: UpCluster, text: str, corrupt: bool) -> dict[str, Any]:
+    return _two_steps(cluster, text, corrupt=corrupt)[1]
 
 
 def test_negative_control_corrupted_kv_changes_the_output(up_cluster: UpCluster) -> None:
@@ -177,14 +182,9 @@ def test_get_mode_decode_pulls_from_prefill(up_cluster: UpCluster) -> None:
     sent_before = metric(prefill["metrics"], "p2pkv_bytes_sent_total")
     length = 385
     text = prompt("get", length)
-    params = PrefillParams(uuid.uuid4().hex, None, pull=True)
-    body = {"model": up_cluster.model, "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
-    returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
-    assert isinstance(returned, DecodeParams) and returned.pull
+    returned, answer = _two_steps(up_cluster, text, PrefillParams(uuid.uuid4().hex, None, pull=True))
+    assert returned.pull
     assert returned.prefill_kv == Address.parse(prefill["kv"])
-    body = {"model": up_cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
-            "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": returned.to_dict()}
-    answer = complete(f"http://{decode['http']}", body)
     reference = greedy(up_cluster.colocated, up_cluster.model, text)
     assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
@@ -214,18 +214,14 @@ def test_repeated_prompts_with_prefix_caching_on_both_sides(up_cluster: UpCluste
 
 def test_put_mode_pushes_inline(up_cluster: UpCluster) -> None:
     """send_type PUT per request: the prefill step waits until the push is sent; output as colocated."""
-    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    decode = up_cluster.instance("kv_consumer")
     received_before = metric(decode["metrics"], "p2pkv_bytes_received_total")
     length = 300
     text = prompt("put", length)
     params = PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]), inline=True)
     assert params.to_dict()["send_type"] == "PUT"
-    body = {"model": up_cluster.model, "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
-    returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
-    assert isinstance(returned, DecodeParams) and not returned.pull
-    body = {"model": up_cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
-            "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": returned.to_dict()}
-    answer = complete(f"http://{decode['http']}", body)
+    returned, answer = _two_steps(up_cluster, text, params)
+    assert not returned.pull
     reference = greedy(up_cluster.colocated, up_cluster.model, text)
     assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
