@@ -34,22 +34,23 @@ class SoakResult:
     @property
     def ok(self) -> bool:
         return (self.failures == 0 and self.staging_bytes == 0 and self.pool_bytes == 0
-                and all(self.growth(n) < RSS_GROWTH_LIMIT for n in self.rss_mark_mb))
+                and all(self.growth(n) < RSS_GROWTH_LIMIT for n in self.rss_mark_mb if n in self.rss_end_mb))
 
 
-def tree_rss_mb(proc: Process) -> float:
-    """Resident memory of a vLLM server with its engine and worker processes."""
+def tree_rss_mb(proc: Process) -> dict[str, float]:
+    """Resident memory of a vLLM server and of each of its engine and worker processes."""
     import psutil  # a dependency of vLLM, so present wherever this benchmark can run
 
     assert proc.popen is not None
     root = psutil.Process(proc.popen.pid)
-    total = 0
+    out: dict[str, float] = {}
     for p in [root, *root.children(recursive=True)]:
         try:
-            total += p.memory_info().rss
+            name = "api" if p.pid == root.pid else p.name().removeprefix("VLLM::").lower()
+            out[f"{proc.name}.{name}"] = p.memory_info().rss / 2**20
         except psutil.NoSuchProcess:
             pass
-    return total / 2**20
+    return out
 
 
 def _metric(text: str, name: str) -> float:
@@ -102,7 +103,7 @@ def run_soak(model: str, requests: int, concurrency: int, log_dir: Path) -> Soak
             task = asyncio.create_task(_drive(f"http://127.0.0.1:{proxy_port}", model, requests, concurrency,
                                               mark, marked, result))
             await marked.wait()
-            result.rss_mark_mb = {p.name: tree_rss_mb(p) for p in (prefill, decode)}
+            result.rss_mark_mb = {**tree_rss_mb(prefill), **tree_rss_mb(decode)}
             print(f"[soak] {mark} requests done; resident memory noted", flush=True)
             await task
 
@@ -110,7 +111,7 @@ def run_soak(model: str, requests: int, concurrency: int, log_dir: Path) -> Soak
         asyncio.run(main())
         result.seconds = time.monotonic() - started
         time.sleep(1.0)  # let the last transfers' bookkeeping settle
-        result.rss_end_mb = {p.name: tree_rss_mb(p) for p in (prefill, decode)}
+        result.rss_end_mb = {**tree_rss_mb(prefill), **tree_rss_mb(decode)}
         text = httpx.get(f"http://127.0.0.1:{d_metrics}/metrics", timeout=10).text
         result.staging_bytes = _metric(text, "p2pkv_staging_bytes")
         result.pool_bytes = _metric(text, "p2pkv_pool_bytes")
@@ -133,8 +134,10 @@ def main(model: str | None, requests: int, concurrency: int) -> int:
     print(f"{'requests per second':<46}{r.requests / r.seconds:>14.1f}")
     print(f"{'decode staging bytes at the end':<46}{r.staging_bytes:>14.0f}")
     print(f"{'decode pool bytes at the end':<46}{r.pool_bytes:>14.0f}")
-    for name in r.rss_mark_mb:
-        print(f"{name + ' RSS at mark / end (MiB)':<46}{r.rss_mark_mb[name]:>6.0f} /{r.rss_end_mb[name]:>6.0f}")
-        print(f"{name + ' RSS growth after the mark':<46}{r.growth(name):>14.1%}")
+    print(f"{'process: RSS at the mark / at the end (MiB)':<46}{'growth':>14}")
+    for name in sorted(r.rss_mark_mb):
+        if name in r.rss_end_mb:
+            mib = f"{r.rss_mark_mb[name]:.0f} / {r.rss_end_mb[name]:.0f}"
+            print(f"{'  ' + name + ': ' + mib:<46}{r.growth(name):>14.1%}")
     print(f"result: {'PASS' if r.ok else 'FAIL'} (logs in {log_dir})")
     return 0 if r.ok else 1
