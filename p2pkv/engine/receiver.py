@@ -101,7 +101,7 @@ class Receiver:
                     self._serve_pull(conn, message, deadline)
                 elif isinstance(message, PushAbort):
                     conn.discard_payload(payload_len, deadline)
-                    self._store.fail(message.transfer_id, f"sender aborted: {message.reason}")
+                    self._store.fail(message.transfer_id, f"sender aborted: {message.reason}", create=False)
                 else:
                     raise ProtocolError(f"unexpected {type(message).__name__} frame")
         except ProtocolError as exc:

@@ -139,9 +139,12 @@ class ReceiveStore:
                 item.state = StageState.COMPLETE
                 item.done_at = time.monotonic()
 
-    def fail(self, transfer_id: str, reason: str) -> None:
+    def fail(self, transfer_id: str, reason: str, create: bool = True) -> None:
+        """Fail a transfer; with `create`, record the failure even for an unknown id so its load fails fast."""
         with self._lock:
             item = self._items.get(transfer_id)
+            if item is None and not create:
+                return
             if item is None:
                 item = StagedTransfer(transfer_id, 0, 0, self._block_bytes, "", _EMPTY, time.monotonic())
                 self._items[transfer_id] = item

@@ -99,10 +99,14 @@ def test_garbage_is_counted_and_dropped(receiver: TransferEngine) -> None:
     huge = bytearray(encode_frame(PushBlocks("t", 0, 0, 1, 1, 1), 0, b""))
     huge[12:20] = (1 << 60).to_bytes(8, "big")
     _raw(receiver.address, bytes(huge))
+    # Another protocol version.
+    other = bytearray(encode_frame(PushBlocks("t", 0, 0, 1, 1, 1), 0, b""))
+    other[4:6] = (99).to_bytes(2, "big")
+    _raw(receiver.address, bytes(other))
     deadline = time.monotonic() + 5
-    while receiver.metrics.totals().get("bad_frames", 0) < 3 and time.monotonic() < deadline:
+    while receiver.metrics.totals().get("bad_frames", 0) < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert receiver.metrics.totals()["bad_frames"] == 3
+    assert receiver.metrics.totals()["bad_frames"] == 4
     assert receiver.store.bytes_in_use == 0
     result = run_helper("push", receiver.address, "t-3", "3", str(LAYERS), str(BLOCKS), str(BLOCK_BYTES))
     assert result["state"] == "done"
@@ -348,3 +352,19 @@ def test_staging_nobody_claims_expires() -> None:
         assert engine.store.bytes_in_use == 0
     finally:
         engine.close()
+
+
+def test_binding_a_public_address_without_a_secret_warns(caplog: pytest.LogCaptureFixture) -> None:
+    settings = EngineSettings.from_config(ExtraConfig(kv_host="0.0.0.0"), 0, 0)
+    engine = TransferEngine(settings, layout(LAYERS, BLOCK_BYTES))
+    with caplog.at_level("WARNING", logger="p2pkv.engine.engine"):
+        engine.start()
+    engine.close()
+    assert any("without auth_secret" in r.message for r in caplog.records)
+    caplog.clear()
+    quiet = TransferEngine(EngineSettings.from_config(ExtraConfig(kv_host="0.0.0.0", auth_secret="s"), 0, 0),
+                           layout(LAYERS, BLOCK_BYTES))
+    with caplog.at_level("WARNING", logger="p2pkv.engine.engine"):
+        quiet.start()
+    quiet.close()
+    assert not any("without auth_secret" in r.message for r in caplog.records)
