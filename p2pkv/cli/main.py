@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -17,7 +18,9 @@ def _proxy(args: argparse.Namespace) -> int:
 
     config = ProxyConfig(prefill=tuple(Instance.parse(p) for p in args.prefill),
                          decode=tuple(Instance.parse(d) for d in args.decode), host=args.host, port=args.port,
-                         request_timeout_s=args.request_timeout)
+                         request_timeout_s=args.request_timeout, prefill_timeout_s=args.prefill_timeout,
+                         prefill_retries=args.prefill_retries, prefill_policy=args.prefill_policy,
+                         decode_policy=args.decode_policy, api_key=os.environ.get("P2PKV_PROXY_API_KEY", ""))
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -51,13 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="p2pkv", description="KV cache transfer for disaggregated vLLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    proxy = sub.add_parser("proxy", help="run the prefill/decode routing proxy")
+    proxy = sub.add_parser("proxy", help="run the prefill/decode routing proxy",
+                           epilog="Set P2PKV_PROXY_API_KEY to require 'Authorization: Bearer <key>' from clients.")
     proxy.add_argument("--host", default="127.0.0.1")
     proxy.add_argument("--port", type=int, default=10001)
     proxy.add_argument("--prefill", nargs="+", required=True, metavar="HOST:PORT")
     proxy.add_argument("--decode", nargs="+", required=True, metavar="HOST:PORT[@KVHOST:KVPORT]",
                        help="decode instances; the KV address is asked of the instance when not given")
-    proxy.add_argument("--request-timeout", type=float, default=600.0, help="seconds per upstream request")
+    proxy.add_argument("--request-timeout", type=float, default=600.0, help="seconds per decode request")
+    proxy.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds per prefill attempt")
+    proxy.add_argument("--prefill-retries", type=int, default=2, help="other prefill instances to try on failure")
+    policies = ["least-outstanding", "round-robin"]
+    proxy.add_argument("--prefill-policy", choices=policies, default="least-outstanding")
+    proxy.add_argument("--decode-policy", choices=policies, default="least-outstanding")
     proxy.set_defaults(func=_proxy)
 
     up = sub.add_parser("up", help="start a local xPyD cluster and the proxy; Ctrl-C stops everything")

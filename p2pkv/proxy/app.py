@@ -1,9 +1,15 @@
-"""The proxy app factory: prefill with `max_tokens=1`, then decode with the `kv_transfer_params` it returned."""
+"""The proxy app factory: prefill with `max_tokens=1`, then decode with the `kv_transfer_params` it returned.
+
+A prefill that fails (refused, 5xx, timeout) is retried on another prefill instance a bounded number of times;
+with no prefill left, the request goes to a decode instance alone, which prefills locally. Decode failures come
+back as OpenAI-style error JSON, never as an empty 200.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -12,9 +18,12 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from p2pkv.params import Address, PrefillParams, ProbeParams
-from p2pkv.proxy.instances import Instance, ProxyConfig, RoundRobin
+from p2pkv.proxy.instances import Instance, ProxyConfig
+from p2pkv.proxy.metrics import ProxyMetrics
+from p2pkv.proxy.registry import InstanceState, Policy, Pool, static_pool
 
 log = logging.getLogger(__name__)
 _DROP_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
@@ -29,15 +38,32 @@ def _forward_headers(request: Request) -> dict[str, str]:
     return {"authorization": auth} if auth else {}
 
 
-class Router:
-    """Per-app state: the HTTP client, the pairing policies and the learned KV addresses."""
+def _prefill_body(body: dict[str, Any], params: PrefillParams) -> dict[str, Any]:
+    pre = dict(body)
+    pre.update(max_tokens=1, stream=False, kv_transfer_params=params.to_dict())
+    if "max_completion_tokens" in pre:
+        pre["max_completion_tokens"] = 1
+    for key in _DROP_FOR_PREFILL:
+        pre.pop(key, None)
+    return pre
 
-    def __init__(self, config: ProxyConfig, client: httpx.AsyncClient) -> None:
+
+class Router:
+    """Per-app state: the HTTP client, the instance pools, the learned KV addresses and the metrics."""
+
+    def __init__(self, config: ProxyConfig, client: httpx.AsyncClient, metrics: ProxyMetrics) -> None:
         self.config = config
         self.client = client
-        self.prefill = RoundRobin(config.prefill)
-        self.decode = RoundRobin(config.decode)
+        self.metrics = metrics
+        self.prefill = static_pool("prefill", config.prefill, Policy(config.prefill_policy))
+        self.decode = static_pool("decode", config.decode, Policy(config.decode_policy))
         self._kv: dict[Instance, Address] = {d: d.kv for d in config.decode if d.kv is not None}
+        for pool in (self.prefill, self.decode):
+            metrics.instances.labels(pool.role).set(len(pool.states))
+
+    @property
+    def pools(self) -> tuple[Pool, Pool]:
+        return self.prefill, self.decode
 
     async def kv_address(self, instance: Instance, headers: dict[str, str]) -> Address:
         """The decode instance's KV address; asked of the instance itself once when not configured."""
@@ -47,8 +73,7 @@ class Router:
         models = await self.client.get(f"{instance.url}/v1/models", headers=headers)
         models.raise_for_status()
         model = models.json()["data"][0]["id"]
-        probe = {"model": model, "prompt": [0], "max_tokens": 1,
-                 "kv_transfer_params": ProbeParams().to_dict()}
+        probe = {"model": model, "prompt": [0], "max_tokens": 1, "kv_transfer_params": ProbeParams().to_dict()}
         resp = await self.client.post(f"{instance.url}/v1/completions", json=probe, headers=headers)
         resp.raise_for_status()
         answer = resp.json().get("kv_transfer_params") or {}
@@ -59,64 +84,119 @@ class Router:
         log.info("decode instance %s has its KV port at %s", instance.http, address)
         return address
 
+    def authorized(self, request: Request) -> bool:
+        key = self.config.api_key
+        return not key or request.headers.get("authorization") == f"Bearer {key}"
+
     async def handle(self, request: Request, path: str) -> Response:
+        started = time.monotonic()
         try:
             body: Any = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
+            self.metrics.requests.labels("bad_request").inc()
             return _error(400, "request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
+            self.metrics.requests.labels("bad_request").inc()
             return _error(400, "request body must be a JSON object", "invalid_request_error")
         headers = _forward_headers(request)
-        transfer_id = uuid.uuid4().hex
-        prefill, decode = self.prefill.pick(), self.decode.pick()
+        decode = self.decode.pick()
+        if decode is None:
+            self.metrics.requests.labels("no_instance").inc()
+            return _error(503, "no decode instance is available")
         try:
-            decode_kv: Address | None = await self.kv_address(decode, headers)
+            decode_kv: Address | None = await self.kv_address(decode.instance, headers)
         except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as exc:
             # Without the decode side's KV address the prefill side cannot push; it holds the KV for a pull.
-            log.warning("decode instance %s did not report its KV address (%s); using GET", decode.http, exc)
+            log.warning("decode instance %s did not report its KV address (%s); using GET", decode.instance.http, exc)
             decode_kv = None
-        pre = dict(body)
-        pre.update(max_tokens=1, stream=False, kv_transfer_params=PrefillParams(transfer_id, decode_kv).to_dict())
-        if "max_completion_tokens" in pre:
-            pre["max_completion_tokens"] = 1
-        for key in _DROP_FOR_PREFILL:
-            pre.pop(key, None)
-        try:
-            answer = await self.client.post(f"{prefill.url}{path}", json=pre, headers=headers)
-        except httpx.HTTPError as exc:
-            return _error(502, f"prefill instance {prefill.http} failed: {exc!r}")
-        if answer.status_code != 200:
-            return Response(answer.content, status_code=answer.status_code, media_type="application/json")
-        kv_params = answer.json().get("kv_transfer_params")
-        if not isinstance(kv_params, dict):
-            return _error(502, f"prefill instance {prefill.http} returned no kv_transfer_params")
-        log.info("transfer %s prefill=%s decode=%s", transfer_id, prefill.http, decode.http)
-        body["kv_transfer_params"] = kv_params
-        if body.get("stream"):
-            return await self._stream(f"{decode.url}{path}", body, headers)
-        try:
-            final = await self.client.post(f"{decode.url}{path}", json=body, headers=headers)
-        except httpx.HTTPError as exc:
-            return _error(502, f"decode instance {decode.http} failed: {exc!r}")
-        return Response(final.content, status_code=final.status_code, media_type="application/json")
+        transfer_id = uuid.uuid4().hex
+        outcome = await self._prefill(_prefill_body(body, PrefillParams(transfer_id, decode_kv)), path, headers)
+        if isinstance(outcome, Response):
+            self.metrics.requests.labels("prefill_rejected").inc()
+            return outcome
+        if outcome is None:
+            self.metrics.fallbacks.inc()
+            log.warning("transfer %s: no prefill instance succeeded; decode instance %s prefills locally",
+                        transfer_id, decode.instance.http)
+            body.pop("kv_transfer_params", None)
+        else:
+            body["kv_transfer_params"] = outcome
+        return await self._decode(decode, f"{decode.instance.url}{path}", body, headers, started)
 
-    async def _stream(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
+    async def _prefill(self, body: dict[str, Any], path: str,
+                       headers: dict[str, str]) -> dict[str, Any] | Response | None:
+        """The prefill's kv_transfer_params; a Response to pass on for a request the instance rejected (4xx);
+        None when every attempt failed."""
+        tried: set[Instance] = set()
+        for attempt in range(self.config.prefill_retries + 1):
+            state = self.prefill.pick(frozenset(tried))
+            if state is None:
+                return None
+            tried.add(state.instance)
+            if attempt:
+                self.metrics.retries.inc()
+            started = time.monotonic()
+            with self.prefill.busy(state):
+                try:
+                    answer = await self.client.post(f"{state.instance.url}{path}", json=body, headers=headers,
+                                                    timeout=self.config.prefill_timeout_s)
+                except httpx.HTTPError as exc:
+                    state.failures += 1
+                    log.warning("prefill instance %s failed: %r", state.instance.http, exc)
+                    continue
+            self.metrics.prefill_seconds.observe(time.monotonic() - started)
+            if 400 <= answer.status_code < 500:
+                return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+            params = answer.json().get("kv_transfer_params") if answer.status_code == 200 else None
+            if isinstance(params, dict):
+                return params
+            state.failures += 1
+            log.warning("prefill instance %s answered %d without kv_transfer_params", state.instance.http,
+                        answer.status_code)
+        return None
+
+    async def _decode(self, state: InstanceState, url: str, body: dict[str, Any], headers: dict[str, str],
+                      started: float) -> Response:
+        state.in_flight += 1
         try:
             upstream = await self.client.send(self.client.build_request("POST", url, json=body, headers=headers),
                                               stream=True)
+        except httpx.TimeoutException as exc:
+            state.in_flight -= 1
+            self.metrics.requests.labels("decode_error").inc()
+            return _error(504, f"decode instance {state.instance.http} timed out: {exc!r}")
         except httpx.HTTPError as exc:
-            return _error(502, f"decode instance failed: {exc!r}")
-        if upstream.status_code != 200:
-            content = await upstream.aread()
-            await upstream.aclose()
+            state.in_flight -= 1
+            state.failures += 1
+            self.metrics.requests.labels("decode_error").inc()
+            return _error(502, f"decode instance {state.instance.http} failed: {exc!r}")
+        self.metrics.ttft_seconds.observe(time.monotonic() - started)
+        if upstream.status_code != 200 or not body.get("stream"):
+            try:
+                content = await upstream.aread()
+            except httpx.HTTPError as exc:
+                content = b""
+                log.warning("decode instance %s broke off its answer: %r", state.instance.http, exc)
+            finally:
+                await upstream.aclose()
+                state.in_flight -= 1
+            self.metrics.decode_seconds.observe(time.monotonic() - started)
+            if not content:
+                self.metrics.requests.labels("decode_error").inc()
+                return _error(502, f"decode instance {state.instance.http} returned an empty answer")
+            self.metrics.requests.labels("ok" if upstream.status_code == 200 else "decode_error").inc()
             return Response(content, status_code=upstream.status_code, media_type="application/json")
 
         async def chunks() -> AsyncIterator[bytes]:
+            # Cancelled when the client goes away, which closes the upstream request too.
             try:
                 async for chunk in upstream.aiter_raw():
                     yield chunk
+                self.metrics.requests.labels("ok").inc()
             finally:
                 await upstream.aclose()
+                state.in_flight -= 1
+                self.metrics.decode_seconds.observe(time.monotonic() - started)
 
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
@@ -127,29 +207,47 @@ def create_app(config: ProxyConfig) -> FastAPI:
         timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            app.state.router = Router(config, client)
+            app.state.router = Router(config, client, ProxyMetrics())
             yield
 
     app = FastAPI(title="p2pkv proxy", lifespan=lifespan)
 
+    async def route(request: Request, path: str) -> Response:
+        router: Router = request.app.state.router
+        if not router.authorized(request):
+            return _error(401, "missing or wrong API key", "authentication_error")
+        return await router.handle(request, path)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        router: Router = request.app.state.router
-        return await router.handle(request, "/v1/completions")
+        return await route(request, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        router: Router = request.app.state.router
-        return await router.handle(request, "/v1/chat/completions")
+        return await route(request, "/v1/chat/completions")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         router: Router = request.app.state.router
-        try:
-            resp = await router.client.get(f"{config.decode[0].url}/v1/models", headers=_forward_headers(request))
-        except httpx.HTTPError as exc:
-            return _error(502, f"decode instance unavailable: {exc!r}")
-        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        if not router.authorized(request):
+            return _error(401, "missing or wrong API key", "authentication_error")
+        for state in router.decode.states:
+            try:
+                resp = await router.client.get(f"{state.instance.url}/v1/models", headers=_forward_headers(request))
+            except httpx.HTTPError:
+                continue
+            return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        return _error(502, "no decode instance answered /v1/models")
+
+    @app.get("/instances")
+    async def instances(request: Request) -> dict[str, list[dict[str, object]]]:
+        router: Router = request.app.state.router
+        return {"instances": [s.describe() for pool in router.pools for s in pool.states]}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        router: Router = request.app.state.router
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

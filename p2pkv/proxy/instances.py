@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from p2pkv.errors import ConfigError
 from p2pkv.params import Address
@@ -38,21 +37,20 @@ class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 10001
     request_timeout_s: float = 600.0
+    prefill_timeout_s: float = 120.0
     connect_timeout_s: float = 5.0
+    prefill_retries: int = 2
+    prefill_policy: str = "least-outstanding"
+    decode_policy: str = "least-outstanding"
+    api_key: str = ""
 
     def __post_init__(self) -> None:
         if not self.prefill:
             raise ConfigError("--prefill: at least one prefill instance is required")
         if not self.decode:
             raise ConfigError("--decode: at least one decode instance is required")
-
-
-@dataclass
-class RoundRobin:
-    """Pairing policy of the old proxy, one counter per role; richer policies arrive with discovery."""
-
-    instances: tuple[Instance, ...]
-    _counter: itertools.count[int] = field(default_factory=itertools.count)
-
-    def pick(self) -> Instance:
-        return self.instances[next(self._counter) % len(self.instances)]
+        for name in ("prefill_policy", "decode_policy"):
+            if getattr(self, name) not in ("least-outstanding", "round-robin"):
+                raise ConfigError(f"--{name.replace('_', '-')}: expected least-outstanding or round-robin")
+        if self.prefill_retries < 0:
+            raise ConfigError("--prefill-retries: expected 0 or more")

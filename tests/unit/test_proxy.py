@@ -114,22 +114,100 @@ def test_chat_max_completion_tokens_and_streaming(backends: Any) -> None:
     assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]) == "abc"
 
 
-def test_prefill_error_is_returned_not_sent_to_decode() -> None:
-    p_seen: list[dict[str, Any]] = []
-    d_seen: list[dict[str, Any]] = []
-    with serve(stub_prefill(p_seen, fail=True)) as p, serve(stub_decode(d_seen)) as d, serve(proxy_for(p, d)) as px:
-        resp = httpx.post(f"http://{px}/v1/completions", json={"prompt": "x"})
-    assert resp.status_code == 500
+def stub_prefill_status(status: int, seen: list[dict[str, Any]]) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def complete(request: Request) -> JSONResponse:
+        seen.append(await request.json())
+        return JSONResponse({"error": {"message": f"status {status}"}}, status_code=status)
+
+    return app
+
+
+def proxy_with(prefill: list[str], decode: str, **options: Any) -> FastAPI:
+    return create_app(ProxyConfig(prefill=tuple(Instance.parse(p) for p in prefill),
+                                  decode=(Instance.parse(decode),), **options))
+
+
+def test_failed_prefill_is_retried_on_another_instance(backends: Any) -> None:
+    good, d, good_seen, d_seen = backends
+    bad_seen: list[dict[str, Any]] = []
+    with serve(stub_prefill_status(500, bad_seen)) as bad, serve(proxy_with([bad, good], d)) as proxy:
+        resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        metrics = httpx.get(f"http://{proxy}/metrics").text
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "abc"
+    assert len(bad_seen) == 1 and len(good_seen) == 1
+    assert d_seen[0]["kv_transfer_params"]["transfer_id"] == good_seen[0]["body"]["kv_transfer_params"][
+        "transfer_id"]
+    assert "p2pkv_proxy_prefill_retries_total 1.0" in metrics
+
+
+def test_no_healthy_prefill_falls_back_to_the_decode_instance_alone(backends: Any) -> None:
+    _, d, _, d_seen = backends
+    with serve(proxy_with(["127.0.0.1:1", "127.0.0.1:2"], d)) as proxy:
+        resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        metrics = httpx.get(f"http://{proxy}/metrics").text
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "abc"
+    assert "kv_transfer_params" not in d_seen[0] and d_seen[0]["max_tokens"] == 3
+    assert "p2pkv_proxy_decode_only_fallbacks_total 1.0" in metrics
+    assert "p2pkv_proxy_prefill_retries_total 1.0" in metrics
+
+
+def test_a_request_the_prefill_instance_rejects_is_answered_not_retried(backends: Any) -> None:
+    _, d, _, d_seen = backends
+    seen: list[dict[str, Any]] = []
+    with serve(stub_prefill_status(400, seen)) as p, serve(proxy_with([p, p], d)) as proxy:
+        resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x"})
+    assert resp.status_code == 400 and len(seen) == 1
     assert d_seen == []
 
 
-def test_unreachable_prefill_gives_openai_error_json(backends: Any) -> None:
-    _, d, _, d_seen = backends
-    with serve(proxy_for("127.0.0.1:1", d)) as proxy:
+def test_decode_failure_is_an_openai_error_not_an_empty_200(backends: Any) -> None:
+    p, _, _, _ = backends
+    with serve(proxy_for(p, "127.0.0.1:1@127.0.0.1:2")) as proxy:
         resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x"})
     assert resp.status_code == 502
-    assert "prefill instance 127.0.0.1:1 failed" in resp.json()["error"]["message"]
-    assert d_seen == []
+    assert "decode instance 127.0.0.1:1 failed" in resp.json()["error"]["message"]
+
+
+def test_api_key_is_required_and_passed_on(backends: Any) -> None:
+    p, d, p_seen, _ = backends
+    with serve(proxy_with([p], d, api_key="k1")) as proxy:
+        assert httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x"}).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x"}, headers=wrong).status_code == 401
+        ok = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x"},
+                        headers={"Authorization": "Bearer k1"})
+    assert ok.status_code == 200
+    assert p_seen[0]["auth"] == "Bearer k1"
+
+
+def test_instances_endpoint_lists_roles_and_load(backends: Any) -> None:
+    p, d, _, _ = backends
+    with serve(proxy_with([p], d + "@127.0.0.1:9")) as proxy:
+        httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x"})
+        listed = httpx.get(f"http://{proxy}/instances").json()["instances"]
+        models = httpx.get(f"http://{proxy}/v1/models").json()
+    assert [(i["role"], i["address"], i["in_flight"]) for i in listed] == [("prefill", p, 0), ("decode", d, 0)]
+    assert listed[1]["kv_address"] == "127.0.0.1:9"
+    assert models["data"][0]["id"] == "tiny"
+
+
+def test_policies() -> None:
+    from p2pkv.proxy.registry import Policy, static_pool
+
+    a, b, c = (Instance.parse(f"h:{i}") for i in (1, 2, 3))
+    least = static_pool("prefill", (a, b, c), Policy.LEAST_OUTSTANDING)
+    first = least.pick()
+    assert first is not None
+    with least.busy(first):
+        picks = {least.pick().instance for _ in range(4)}
+        assert first.instance not in picks and len(picks) == 2
+    assert least.pick(frozenset({a, b})).instance == c
+    assert least.pick(frozenset({a, b, c})) is None
+    rr = static_pool("decode", (a, b), Policy.ROUND_ROBIN)
+    assert [rr.pick().instance for _ in range(4)] == [a, b, a, b]
 
 
 def test_bad_json_body(backends: Any) -> None:

@@ -1,0 +1,26 @@
+"""Prometheus metrics of one proxy app, in a registry of its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+@dataclass
+class ProxyMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter("p2pkv_proxy_requests", "Client requests by outcome", ["outcome"], registry=r)
+        self.prefill_seconds = Histogram("p2pkv_proxy_prefill_seconds", "Prefill request latency", registry=r)
+        self.decode_seconds = Histogram("p2pkv_proxy_decode_seconds", "Decode request latency (to the end)",
+                                        registry=r)
+        self.ttft_seconds = Histogram("p2pkv_proxy_time_to_first_token_seconds",
+                                      "From the client's request to the first decode bytes", registry=r)
+        self.retries = Counter("p2pkv_proxy_prefill_retries", "Prefill attempts retried on another instance",
+                               registry=r)
+        self.fallbacks = Counter("p2pkv_proxy_decode_only_fallbacks",
+                                 "Requests sent to a decode instance alone because no prefill succeeded", registry=r)
+        self.instances = Gauge("p2pkv_proxy_instances", "Known instances by role", ["role"], registry=r)
