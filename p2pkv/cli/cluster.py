@@ -128,7 +128,7 @@ class Cluster:
     kv_cache_gb: float = 1.0
     processes: list[Process] = field(default_factory=list)
 
-    def _env(self) -> dict[str, str]:
+    def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.kv_cache_gb:g}")
         # The package must import in vLLM's spawned EngineCore and worker processes.
@@ -137,7 +137,7 @@ class Cluster:
         return env
 
     def add_vllm(self, name: str, spec: InstanceSpec) -> Process:
-        env = self._env()
+        env = self.env()
         if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             # vLLM's CPU build pins every instance to the same cores by default, where their idle loops spin;
             # spread the instances of this host over its cores instead.
@@ -152,7 +152,7 @@ class Cluster:
     def add_proxy(self, port: int, prefill: Sequence[str], decode: Sequence[str]) -> Process:
         argv = [sys.executable, "-m", "p2pkv", "proxy", "--host", self.host, "--port", str(port)]
         argv += ["--prefill", *prefill, "--decode", *decode]
-        proc = Process("proxy", argv, self.log_dir / "proxy.log", self._env(), f"http://{self.host}:{port}/health")
+        proc = Process("proxy", argv, self.log_dir / "proxy.log", self.env(), f"http://{self.host}:{port}/health")
         self.processes.append(proc)
         return proc
 

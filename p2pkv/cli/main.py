@@ -50,6 +50,12 @@ def _bench_soak(args: argparse.Namespace) -> int:
     return bench_soak(args.model, args.requests, args.concurrency)
 
 
+def _bench_proxy(args: argparse.Namespace) -> int:
+    from p2pkv.bench.proxy import main as bench_proxy
+
+    return bench_proxy(args.requests, args.concurrency)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="p2pkv", description="KV cache transfer for disaggregated vLLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--requests", type=int, default=1000)
     soak.add_argument("--concurrency", type=int, default=16)
     soak.set_defaults(func=_bench_soak)
+    bproxy = bench.add_parser("proxy", help="the proxy against stub backends: added latency and throughput")
+    bproxy.add_argument("--requests", type=int, default=2000)
+    bproxy.add_argument("--concurrency", type=int, default=16)
+    bproxy.set_defaults(func=_bench_proxy)
 
     tiny = sub.add_parser("tiny-model", help="write the tiny test model (deterministic, no network) to DIR")
     tiny.add_argument("dir")

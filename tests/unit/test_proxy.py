@@ -226,3 +226,12 @@ def test_instance_parsing() -> None:
         Instance.parse("nope")
     with pytest.raises(ConfigError, match="at least one prefill"):
         ProxyConfig(prefill=(), decode=(inst,))
+
+
+def test_bench_proxy_measures_every_path() -> None:
+    from p2pkv.bench.proxy import run
+
+    results = run(requests=60, concurrency=4)
+    assert set(results) == {"backend directly", "prefill then decode, by hand", "through the proxy"}
+    for figures in results.values():
+        assert 0 < figures.p50_ms <= figures.p99_ms and figures.per_second > 0
