@@ -18,7 +18,7 @@ import uuid
 from multiprocessing.connection import Connection
 from typing import Any
 
-from p2pkv.cli.cluster import free_port
+from p2pkv.cli.cluster import free_ports
 from p2pkv.params import Address, PrefillParams
 
 PROMPTS = [
@@ -91,7 +91,7 @@ def main() -> int:
         from p2pkv.tinymodel import write_tiny_model
 
         model = str(write_tiny_model(default_model_dir()))
-    producer_port, consumer_port = free_port(), free_port()
+    producer_port, consumer_port = free_ports(2)
     ctx = mp.get_context("spawn")
     p_here, p_there = ctx.Pipe()
     c_here, c_there = ctx.Pipe()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from p2pkv.cli.cluster import Cluster, Process, free_port
+from p2pkv.cli.cluster import Cluster, Process, free_ports
 
 BODY = {"model": "stub", "prompt": "hello", "max_tokens": 4}
 
@@ -52,7 +52,7 @@ async def _measure(call: Callable[[httpx.AsyncClient], Awaitable[None]], request
 def run(requests: int, concurrency: int) -> dict[str, Figures]:
     log_dir = Path(tempfile.mkdtemp(prefix="p2pkv-bench-proxy-"))
     cluster = Cluster(model="stub", log_dir=log_dir)
-    p_port, d_port, proxy_port = free_port(), free_port(), free_port()
+    p_port, d_port, proxy_port = free_ports(3)
     for name, port in (("prefill-stub", p_port), ("decode-stub", d_port)):
         cluster.processes.append(Process(name, [sys.executable, "-m", "p2pkv.bench.stub", str(port)],
                                          log_dir / f"{name}.log", cluster.env(), f"http://127.0.0.1:{port}/health"))

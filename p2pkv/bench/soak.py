@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from p2pkv.cli.cluster import Cluster, InstanceSpec, Process, free_port
+from p2pkv.cli.cluster import Cluster, InstanceSpec, Process, free_ports
 
 RSS_GROWTH_LIMIT = 0.05
 
@@ -89,7 +89,7 @@ async def _drive(proxy: str, model: str, requests: int, concurrency: int, mark: 
 
 def run_soak(model: str, requests: int, concurrency: int, log_dir: Path) -> SoakResult:
     cluster = Cluster(model=model, log_dir=log_dir)
-    p_http, p_kv, d_http, d_kv, d_metrics, proxy_port = (free_port() for _ in range(6))
+    p_http, p_kv, d_http, d_kv, d_metrics, proxy_port = free_ports(6)
     prefill = cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv))
     decode = cluster.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_kv, {"metrics_port": d_metrics}))
     cluster.add_proxy(proxy_port, [f"127.0.0.1:{p_http}"], [f"127.0.0.1:{d_http}@127.0.0.1:{d_kv}"])

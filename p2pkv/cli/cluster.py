@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,11 +27,37 @@ from p2pkv.errors import P2pkvError
 _PR_SET_PDEATHSIG = 1
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports that are free now, below the ephemeral range.
+
+    Ports from the ephemeral range (what binding port 0 gives) can be taken by any process's outgoing connection
+    or auto-bound socket in the minute before vLLM binds them; seen here as "Address already in use".
+    """
+    low, high = 10000, _ephemeral_low()
+    rng = random.SystemRandom()
+    chosen: list[int] = []
+    while len(chosen) < count:
+        port = rng.randrange(low, high)
+        if port in chosen:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        chosen.append(port)
+    return chosen
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_ports(1, host)[0]
 
 
 def _die_with_parent() -> None:

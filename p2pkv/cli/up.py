@@ -13,7 +13,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port
+from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port, free_ports
 from p2pkv.config import parse_extra_config
 from p2pkv.errors import ConfigError
 
@@ -29,7 +29,7 @@ def _say(text: str) -> None:
 
 
 def _ports(base: int, count: int, host: str) -> list[int]:
-    return [base + i for i in range(count)] if base else [free_port(host) for _ in range(count)]
+    return [base + i for i in range(count)] if base else free_ports(count, host)
 
 
 def _extra_config(text: str) -> dict[str, Any]:
@@ -47,9 +47,12 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
     """The cluster to start, and what the ready file will say about it."""
     cluster = Cluster(model=model, log_dir=log_dir, host=args.host, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb)
     n = args.prefill + args.decode
-    http_ports = _ports(args.base_port, n, args.host)
-    kv_ports = _ports(args.base_port + 1000 if args.base_port else 0, n, args.host)
-    metrics_ports = _ports(args.base_port + 2000 if args.base_port else 0, n, args.host)
+    if args.base_port:
+        http_ports, kv_ports, metrics_ports = (_ports(args.base_port + k * 1000, n, args.host) for k in range(3))
+    else:
+        ports = free_ports(3 * n + 1, args.host)
+        http_ports, kv_ports, metrics_ports = ports[:n], ports[n : 2 * n], ports[2 * n : 3 * n]
+        args.port = args.port or ports[-1]
     extra_vllm = tuple(a for a in args.vllm_args if a != "--")
     extra = {"send_type": args.send_type, **_extra_config(args.extra_config)}
     prefill, decode, described = [], [], []
@@ -120,12 +123,20 @@ def run_up(args: argparse.Namespace) -> int:
             if args.exit_after_demo:
                 return 0
         _say("serving; Ctrl-C stops everything")
+        reported: set[str] = set()
         while not stop.is_set():
             for proc in cluster.processes:
                 code = proc.exited()
-                if code is not None:
-                    _say(f"{proc.name} exited with code {code}; stopping. Last log lines:\n{proc.log_tail()}")
-                    return 1
+                if code is None or proc.name in reported:
+                    continue
+                reported.add(proc.name)
+                _say(f"{proc.name} exited with code {code}. Last log lines:\n{proc.log_tail()}")
+            # The proxy routes around lost prefill instances (a decode instance then prefills locally), so the
+            # cluster serves on while the proxy and at least one decode instance are up.
+            alive = {p.name for p in cluster.processes if p.exited() is None}
+            if "proxy" not in alive or not any(n.startswith("decode") for n in alive):
+                _say("the proxy or every decode instance is gone; stopping")
+                return 1
             stop.wait(1.0)
         return 0
     except KeyboardInterrupt:

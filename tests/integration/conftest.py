@@ -91,12 +91,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def start_up(model: str, work: Path, extra: dict[str, Any], vllm_args: list[str]) -> tuple[subprocess.Popen[bytes],
-                                                                                       Path]:
-    """Start `p2pkv up` (1P1D behind the proxy); returns the process and where its ready file will appear."""
+def start_up(model: str, work: Path, extra: dict[str, Any], vllm_args: list[str],
+             up_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start `p2pkv up` (1P1D unless `up_args` say otherwise); returns the process and its ready file's path."""
     ready = work / "ready.json"
     argv = [sys.executable, "-m", "p2pkv", "up", "--model", model, "--log-dir", str(work / "logs"),
-            "--ready-file", str(ready), "--extra-config", json.dumps(extra), "--", *vllm_args]
+            "--ready-file", str(ready), "--extra-config", json.dumps(extra), *up_args, "--", *vllm_args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with (work / "up.log").open("wb") as log:
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env), ready

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port
+from p2pkv.cli.cluster import Cluster, InstanceSpec, free_ports
 from p2pkv.params import DecodeParams, PrefillParams, parse_transfer_params
 from tests.integration.conftest import complete, metric
 from tests.integration.test_disagg import MAX_TOKENS, greedy, ids_and_logprobs, prompt
@@ -25,7 +25,7 @@ def tight(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     work = tmp_path_factory.mktemp("tight")
     cluster = Cluster(model=tiny_model, log_dir=work)
     extra = {"kv_buffer_size": 1, "mem_pool_size_gb": 0, "transfer_timeout_s": TIMEOUT_S}
-    p_http, p_kv, p_metrics, d_http, d_kv, d_metrics, proxy = (free_port() for _ in range(7))
+    p_http, p_kv, p_metrics, d_http, d_kv, d_metrics, proxy = free_ports(7)
     cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv, {**extra, "metrics_port": p_metrics}))
     cluster.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_kv, {**extra, "metrics_port": d_metrics}))
     cluster.add_proxy(proxy, [f"127.0.0.1:{p_http}"], [f"127.0.0.1:{d_http}"])

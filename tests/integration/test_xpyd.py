@@ -1,0 +1,58 @@
+"""`p2pkv up --prefill 2 --decode 2` on real vLLM: concurrent requests all succeed with output equal to a
+colocated instance, and keep succeeding after one prefill instance is killed mid-run."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port
+from tests.integration.conftest import start_up, stop_up, wait_ready
+from tests.integration.test_disagg import greedy, ids_and_logprobs, prompt
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def cluster_2p2d(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    work = tmp_path_factory.mktemp("xpyd")
+    proc, ready = start_up(tiny_model, work, {}, [], ("--prefill", "2", "--decode", "2"))
+    colocated = Cluster(model=tiny_model, log_dir=work / "colocated")
+    port = free_port()
+    colocated.add_vllm("colocated", InstanceSpec("", port))
+    try:
+        colocated.start(timeout_s=900)
+        info = wait_ready(proc, ready)
+        info.update(model=tiny_model, colocated=f"http://127.0.0.1:{port}", up=proc)
+        yield info
+        stop_up(proc)  # still serving after losing a prefill instance: a clean stop exits 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        colocated.stop()
+
+
+def _run_batch(info: dict[str, Any], tags: list[str]) -> None:
+    texts = [prompt(tag, 40 + (i * 37) % 400) for i, tag in enumerate(tags)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        answers = list(pool.map(lambda t: greedy(info["proxy"], info["model"], t), texts))
+    for text, answer in zip(texts, answers, strict=True):
+        reference = greedy(info["colocated"], info["model"], text)
+        assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
+
+
+def test_2p2d_serves_concurrent_requests_and_survives_a_dead_prefill(cluster_2p2d: dict[str, Any]) -> None:
+    assert sum(i["role"] == "kv_producer" for i in cluster_2p2d["instances"]) == 2
+    assert sum(i["role"] == "kv_consumer" for i in cluster_2p2d["instances"]) == 2
+    _run_batch(cluster_2p2d, [f"x{i}" for i in range(64)])
+    listed = httpx.get(cluster_2p2d["proxy"].replace("/v1", "") + "/instances").json()["instances"]
+    assert all(i["in_flight"] == 0 for i in listed)
+    os.killpg(cluster_2p2d["pids"][0], signal.SIGKILL)  # prefill0 with its engine and worker
+    _run_batch(cluster_2p2d, [f"y{i}" for i in range(32)])
+    assert cluster_2p2d["up"].poll() is None, "p2pkv up must keep serving with one prefill instance left"
