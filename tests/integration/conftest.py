@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,22 +124,30 @@ def stop_up(proc: subprocess.Popen[bytes], expect_code: int = 0) -> None:
     assert not [p for p in family if _alive(p)], "p2pkv up left processes behind"
 
 
-@pytest.fixture(scope="module")
-def up_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
-    work = tmp_path_factory.mktemp("up")
-    extra = {"test_fault_injection": True, "transfer_timeout_s": TRANSFER_TIMEOUT_S}
-    # Chunked prefill: prompts longer than this take several steps on the prefill instance.
-    proc, ready = start_up(tiny_model, work, extra, ["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)])
-    colocated = Cluster(model=tiny_model, log_dir=work / "colocated")
+@contextmanager
+def up_with_colocated(model: str, work: Path, extra: dict[str, Any], vllm_args: list[str],
+                      up_args: tuple[str, ...] = ()) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any], str]]:
+    """`p2pkv up` plus one colocated vLLM without a connector (the oracle); stopped cleanly afterwards."""
+    proc, ready = start_up(model, work, extra, vllm_args, up_args)
+    colocated = Cluster(model=model, log_dir=work / "colocated")
     port = free_port()
     colocated.add_vllm("colocated", InstanceSpec("", port))
     try:
         colocated.start(timeout_s=900)
         info = wait_ready(proc, ready)
-        yield UpCluster(proc, info, f"http://127.0.0.1:{port}", tiny_model)
+        yield proc, info, f"http://127.0.0.1:{port}"
         assert len(psutil.Process(proc.pid).children(recursive=True)) >= 3
         stop_up(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
         colocated.stop()
+
+
+@pytest.fixture(scope="module")
+def up_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
+    extra = {"test_fault_injection": True, "transfer_timeout_s": TRANSFER_TIMEOUT_S}
+    # Chunked prefill: prompts longer than this take several steps on the prefill instance.
+    vllm_args = ["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]
+    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("up"), extra, vllm_args) as (proc, info, colocated):
+        yield UpCluster(proc, info, colocated, tiny_model)

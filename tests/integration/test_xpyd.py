@@ -12,8 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port
-from tests.integration.conftest import start_up, stop_up, wait_ready
+from tests.integration.conftest import up_with_colocated
 from tests.integration.test_disagg import greedy, ids_and_logprobs, prompt
 
 pytestmark = pytest.mark.vllm
@@ -21,21 +20,11 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def cluster_2p2d(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    # The clean stop at the end also checks that `p2pkv up` still serves after losing a prefill instance.
     work = tmp_path_factory.mktemp("xpyd")
-    proc, ready = start_up(tiny_model, work, {}, [], ("--prefill", "2", "--decode", "2"))
-    colocated = Cluster(model=tiny_model, log_dir=work / "colocated")
-    port = free_port()
-    colocated.add_vllm("colocated", InstanceSpec("", port))
-    try:
-        colocated.start(timeout_s=900)
-        info = wait_ready(proc, ready)
-        info.update(model=tiny_model, colocated=f"http://127.0.0.1:{port}", up=proc)
+    with up_with_colocated(tiny_model, work, {}, [], ("--prefill", "2", "--decode", "2")) as (proc, info, coloc):
+        info.update(model=tiny_model, colocated=coloc, up=proc)
         yield info
-        stop_up(proc)  # still serving after losing a prefill instance: a clean stop exits 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        colocated.stop()
 
 
 def _run_batch(info: dict[str, Any], tags: list[str]) -> None:
