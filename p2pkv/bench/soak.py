@@ -87,11 +87,12 @@ async def _drive(proxy: str, model: str, requests: int, concurrency: int, mark: 
         await asyncio.gather(*(one(i) for i in range(requests)))
 
 
-def run_soak(model: str, requests: int, concurrency: int, log_dir: Path) -> SoakResult:
+def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_type: str = "PUT_ASYNC") -> SoakResult:
     cluster = Cluster(model=model, log_dir=log_dir)
     p_http, p_kv, d_http, d_kv, d_metrics, proxy_port = free_ports(6)
-    prefill = cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv))
-    decode = cluster.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_kv, {"metrics_port": d_metrics}))
+    mode = {"send_type": send_type}
+    prefill = cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv, mode))
+    decode = cluster.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_kv, {**mode, "metrics_port": d_metrics}))
     cluster.add_proxy(proxy_port, [f"127.0.0.1:{p_http}"], [f"127.0.0.1:{d_http}@127.0.0.1:{d_kv}"])
     result = SoakResult(requests, 0, 0.0)
     try:
@@ -120,14 +121,14 @@ def run_soak(model: str, requests: int, concurrency: int, log_dir: Path) -> Soak
     return result
 
 
-def main(model: str | None, requests: int, concurrency: int) -> int:
+def main(model: str | None, requests: int, concurrency: int, send_type: str = "PUT_ASYNC") -> int:
     if model is None:
         from p2pkv.cli.up import default_model_dir
         from p2pkv.tinymodel import write_tiny_model
 
         model = str(write_tiny_model(default_model_dir()))
     log_dir = Path(tempfile.mkdtemp(prefix="p2pkv-soak-"))
-    r = run_soak(model, requests, concurrency, log_dir)
+    r = run_soak(model, requests, concurrency, log_dir, send_type)
     print(f"{'metric':<46}{'value':>14}")
     print(f"{'requests':<46}{r.requests:>14}")
     print(f"{'failed requests':<46}{r.failures:>14}")

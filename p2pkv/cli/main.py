@@ -47,7 +47,7 @@ def _bench_pool(args: argparse.Namespace) -> int:
 def _bench_soak(args: argparse.Namespace) -> int:
     from p2pkv.bench.soak import main as bench_soak
 
-    return bench_soak(args.model, args.requests, args.concurrency)
+    return bench_soak(args.model, args.requests, args.concurrency, args.send_type)
 
 
 def _bench_proxy(args: argparse.Namespace) -> int:
@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--model", default=None, help="model directory (default: the tiny model)")
     soak.add_argument("--requests", type=int, default=1000)
     soak.add_argument("--concurrency", type=int, default=16)
+    soak.add_argument("--send-type", default="PUT_ASYNC", choices=["PUT", "PUT_ASYNC", "GET"])
     soak.set_defaults(func=_bench_soak)
     bproxy = bench.add_parser("proxy", help="the proxy against stub backends: added latency and throughput")
     bproxy.add_argument("--requests", type=int, default=2000)
