@@ -35,7 +35,6 @@ class StagedTransfer:
     blocks_received: int = 0
     state: StageState = StageState.RECEIVING
     reason: str = ""
-    done_at: float = 0.0
     chunks: set[tuple[int, int]] = field(default_factory=set)
     pooled: PoolBuffer | None = None
 
@@ -67,10 +66,6 @@ class ReceiveStore:
     def bytes_in_use(self) -> int:
         with self._lock:
             return self._in_use
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._items)
 
     def begin_chunk(self, push: PushBlocks, payload_len: int, source: str) -> tuple[memoryview | None, PushAck | None]:
         """Where the payload of `push` goes (None: drop it), and the verdict to send on a transfer's first chunk.
@@ -120,7 +115,7 @@ class ReceiveStore:
                     push.transfer_id, size)
         self._metrics.add("refused", 1)
         item = self._new(push, source, _EMPTY)
-        item.state, item.reason, item.done_at = StageState.FAILED, NO_SPACE, time.monotonic()
+        item.state, item.reason = StageState.FAILED, NO_SPACE
         return item
 
     def _new(self, push: PushBlocks, source: str, buffer: memoryview) -> StagedTransfer:
@@ -137,7 +132,6 @@ class ReceiveStore:
             item.blocks_received += num_blocks
             if item.blocks_received == item.num_layers * item.total_blocks:
                 item.state = StageState.COMPLETE
-                item.done_at = time.monotonic()
 
     def fail(self, transfer_id: str, reason: str, create: bool = True) -> None:
         """Fail a transfer; with `create`, record the failure even for an unknown id so its load fails fast."""
@@ -161,7 +155,7 @@ class ReceiveStore:
         if item.state is StageState.FAILED:
             return
         log.warning("transfer %s failed while receiving: %s", item.transfer_id, reason)
-        item.state, item.reason, item.done_at = StageState.FAILED, reason, time.monotonic()
+        item.state, item.reason = StageState.FAILED, reason
         self._release_locked(item)
 
     def _release_locked(self, item: StagedTransfer) -> None:

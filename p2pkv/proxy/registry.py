@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -62,7 +61,3 @@ class Pool:
 
 def static_pool(role: str, instances: tuple[Instance, ...], policy: Policy) -> Pool:
     return Pool(role, policy, [InstanceState(i, role) for i in instances])
-
-
-def now() -> float:
-    return time.time()

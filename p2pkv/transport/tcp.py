@@ -7,7 +7,7 @@ import socket
 import time
 from collections.abc import Sequence
 
-from p2pkv.errors import ProtocolError, TransferError, TransferTimeout
+from p2pkv.errors import TransferError, TransferTimeout
 from p2pkv.params import Address
 from p2pkv.protocol import PREFIX_BYTES, FrameLimits, Message, decode_message, decode_prefix, encode_frame
 
@@ -155,5 +155,3 @@ class TcpListener:
             self._closed = True
             self._sock.close()
 
-
-__all__ = ["ProtocolError", "TcpConnection", "TcpListener"]
