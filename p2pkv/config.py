@@ -60,6 +60,7 @@ class ExtraConfig:
     lease_s: float = 30.0
     staging_expiry_s: float = 120.0
     metrics_port: int = 0
+    heartbeat_interval_s: float = 3.0
     auth_secret: str = ""
     max_frame_bytes: int = 1 << 20
     test_fault_injection: bool = False
@@ -145,6 +146,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "lease_s": _as_float("lease_s", 0.0, 3600.0, open_low=True),
     "staging_expiry_s": _as_float("staging_expiry_s", 0.0, 86400.0, open_low=True),
     "metrics_port": _as_int("metrics_port", 0, 65535),
+    "heartbeat_interval_s": _as_float("heartbeat_interval_s", 0.0, 600.0, open_low=True),
     "auth_secret": _as_str("auth_secret"),
     "max_frame_bytes": _as_int("max_frame_bytes", 1024, 1 << 30),
     "test_fault_injection": _as_bool("test_fault_injection"),

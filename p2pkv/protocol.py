@@ -99,7 +99,18 @@ class PullReply(msgspec.Struct, tag="pull_reply", frozen=True):
     reason: str = ""
 
 
-Message = Hello | HelloReply | PushBlocks | PushAck | PushAbort | PullRequest | PullReply
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+    """An instance announcing itself to the proxy: its role ("prefill", "decode" or "both"), its OpenAI address,
+    its KV address (rank 0's control port) and how often it announces, so the proxy knows when it is overdue."""
+
+    role: str
+    http_address: str
+    kv_address: str
+    interval_s: float
+    engine_id: str = ""
+
+
+Message = Hello | HelloReply | PushBlocks | PushAck | PushAbort | PullRequest | PullReply | Heartbeat
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
@@ -154,3 +165,18 @@ def decode_message(prefix_raw: bytes, prefix: FramePrefix, body: bytes, secret: 
         return _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"undecodable message: {exc}") from None
+
+
+def encode_datagram(message: Message, secret: bytes) -> bytes:
+    """One whole frame without payload, for message transports (the proxy's discovery socket)."""
+    return encode_frame(message, 0, secret)
+
+
+def decode_datagram(raw: bytes, secret: bytes, limits: FrameLimits) -> Message:
+    """The message of one whole frame without payload; ProtocolError for anything else."""
+    prefix = decode_prefix(raw[:PREFIX_BYTES], limits)
+    if prefix.payload_len:
+        raise ProtocolError(f"a datagram carries no payload, this one claims {prefix.payload_len} bytes")
+    if len(raw) != PREFIX_BYTES + prefix.message_len:
+        raise ProtocolError(f"datagram of {len(raw)} bytes, its prefix says {PREFIX_BYTES + prefix.message_len}")
+    return decode_message(raw[:PREFIX_BYTES], prefix, raw[PREFIX_BYTES:], secret)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from p2pkv.config import AUTH_SECRET_ENV
 from p2pkv.errors import P2pkvError
 
 _PR_SET_PDEATHSIG = 1
@@ -158,6 +159,12 @@ class Cluster:
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.kv_cache_gb:g}")
+        # vLLM's CPU linear layers keep their own cache of 32 oneDNN GEMM kernels per layer, keyed by the number of
+        # tokens in the batch. oneDNN's global primitive cache (1024 entries by default) keeps a second copy of each,
+        # about 256 KiB of JIT code apiece: a prefill instance, which sees many batch sizes, grows by ~400 MiB
+        # before that cache is full (found with memray; see docs/benchmarks.md). Without it memory stays flat
+        # and throughput is unchanged.
+        env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")
         # The package must import in vLLM's spawned EngineCore and worker processes.
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
@@ -176,10 +183,20 @@ class Cluster:
         self.processes.append(proc)
         return proc
 
-    def add_proxy(self, port: int, prefill: Sequence[str], decode: Sequence[str]) -> Process:
-        argv = [sys.executable, "-m", "p2pkv", "proxy", "--host", self.host, "--port", str(port)]
-        argv += ["--prefill", *prefill, "--decode", *decode]
-        proc = Process("proxy", argv, self.log_dir / "proxy.log", self.env(), f"http://{self.host}:{port}/health")
+    def add_proxy(self, port: int, prefill: Sequence[str], decode: Sequence[str], discovery_port: int = 0,
+                  secret: str = "") -> Process:
+        """The proxy, with static instance lists, discovery on `discovery_port`, or both; `secret` is the shared
+        secret heartbeats must be signed with."""
+        argv = [sys.executable, "-m", "p2pkv", "proxy", "--host", self.host, "--port", str(port),
+                "--discovery-port", str(discovery_port)]
+        if prefill:
+            argv += ["--prefill", *prefill]
+        if decode:
+            argv += ["--decode", *decode]
+        env = self.env()
+        if secret:
+            env[AUTH_SECRET_ENV] = secret
+        proc = Process("proxy", argv, self.log_dir / "proxy.log", env, f"http://{self.host}:{port}/health")
         self.processes.append(proc)
         return proc
 

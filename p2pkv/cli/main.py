@@ -14,13 +14,16 @@ from p2pkv.errors import P2pkvError
 def _proxy(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from p2pkv.config import AUTH_SECRET_ENV
     from p2pkv.proxy import Instance, ProxyConfig, create_app
 
     config = ProxyConfig(prefill=tuple(Instance.parse(p) for p in args.prefill),
                          decode=tuple(Instance.parse(d) for d in args.decode), host=args.host, port=args.port,
                          request_timeout_s=args.request_timeout, prefill_timeout_s=args.prefill_timeout,
                          prefill_retries=args.prefill_retries, prefill_policy=args.prefill_policy,
-                         decode_policy=args.decode_policy, api_key=os.environ.get("P2PKV_PROXY_API_KEY", ""))
+                         decode_policy=args.decode_policy, api_key=os.environ.get("P2PKV_PROXY_API_KEY", ""),
+                         discovery_host=args.discovery_host, discovery_port=args.discovery_port,
+                         heartbeat_misses=args.heartbeat_misses, secret=os.environ.get(AUTH_SECRET_ENV, ""))
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -61,12 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     proxy = sub.add_parser("proxy", help="run the prefill/decode routing proxy",
-                           epilog="Set P2PKV_PROXY_API_KEY to require 'Authorization: Bearer <key>' from clients.")
+                           epilog="Set P2PKV_PROXY_API_KEY to require 'Authorization: Bearer <key>' from clients, "
+                                  "and P2PKV_AUTH_SECRET to accept only heartbeats signed with that secret.")
     proxy.add_argument("--host", default="127.0.0.1")
     proxy.add_argument("--port", type=int, default=10001)
-    proxy.add_argument("--prefill", nargs="+", required=True, metavar="HOST:PORT")
-    proxy.add_argument("--decode", nargs="+", required=True, metavar="HOST:PORT[@KVHOST:KVPORT]",
-                       help="decode instances; the KV address is asked of the instance when not given")
+    proxy.add_argument("--prefill", nargs="*", default=[], metavar="HOST:PORT",
+                       help="static prefill instances (besides those discovered)")
+    proxy.add_argument("--decode", nargs="*", default=[], metavar="HOST:PORT[@KVHOST:KVPORT]",
+                       help="static decode instances; the KV address is asked of the instance when not given")
+    proxy.add_argument("--discovery-host", default="", help="where heartbeats are received (default: --host)")
+    proxy.add_argument("--discovery-port", type=int, default=30001,
+                       help="ZMQ port for instance heartbeats, old and new format (0: static lists only)")
+    proxy.add_argument("--heartbeat-misses", type=float, default=3.0,
+                       help="heartbeat intervals an instance may miss before it is dropped")
     proxy.add_argument("--request-timeout", type=float, default=600.0, help="seconds per decode request")
     proxy.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds per prefill attempt")
     proxy.add_argument("--prefill-retries", type=int, default=2, help="other prefill instances to try on failure")

@@ -8,6 +8,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import urllib.request
 from pathlib import Path
 from types import FrameType
@@ -15,8 +16,9 @@ from typing import Any
 
 from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port, free_ports
 from p2pkv.config import parse_extra_config
-from p2pkv.errors import ConfigError
+from p2pkv.errors import ConfigError, P2pkvError
 
+DISCOVERY_TIMEOUT_S = 30.0
 DEMO_PROMPT = "Disaggregated serving moves the KV cache from the prefill instance to the decode instance."
 
 
@@ -49,32 +51,47 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
     n = args.prefill + args.decode
     if args.base_port:
         http_ports, kv_ports, metrics_ports = (_ports(args.base_port + k * 1000, n, args.host) for k in range(3))
+        discovery_port = args.base_port + 3000
     else:
-        ports = free_ports(3 * n + 1, args.host)
+        ports = free_ports(3 * n + 2, args.host)
         http_ports, kv_ports, metrics_ports = ports[:n], ports[n : 2 * n], ports[2 * n : 3 * n]
         args.port = args.port or ports[-1]
+        discovery_port = ports[-2]
     extra_vllm = tuple(a for a in args.vllm_args if a != "--")
-    extra = {"send_type": args.send_type, **_extra_config(args.extra_config)}
-    prefill, decode, described = [], [], []
+    # The instances find the proxy by heartbeats, as in a real deployment; nothing is listed statically.
+    extra = {"send_type": args.send_type, "proxy_ip": args.host, "proxy_port": discovery_port,
+             **_extra_config(args.extra_config)}
+    described = []
     for i in range(n):
         is_prefill = i < args.prefill
         role = "kv_producer" if is_prefill else "kv_consumer"
         name = f"prefill{i}" if is_prefill else f"decode{i - args.prefill}"
-        spec = InstanceSpec(role, http_ports[i], kv_ports[i], {**extra, "metrics_port": metrics_ports[i]},
+        spec = InstanceSpec(role, http_ports[i], kv_ports[i],
+                            {**extra, "metrics_port": metrics_ports[i], "http_port": http_ports[i]},
                             extra_vllm, args.kv_load_failure_policy)
         cluster.add_vllm(name, spec)
-        address = f"{args.host}:{http_ports[i]}"
-        kv = f"{args.host}:{kv_ports[i]}"
-        described.append({"name": name, "role": role, "http": address, "kv": kv,
-                          "metrics": f"{args.host}:{metrics_ports[i]}"})
-        if is_prefill:
-            prefill.append(address)
-        else:
-            decode.append(f"{address}@{kv}")
+        described.append({"name": name, "role": role, "http": f"{args.host}:{http_ports[i]}",
+                          "kv": f"{args.host}:{kv_ports[i]}", "metrics": f"{args.host}:{metrics_ports[i]}"})
     proxy_port = args.port or free_port(args.host)
-    cluster.add_proxy(proxy_port, prefill, decode)
-    return cluster, {"proxy": f"http://{args.host}:{proxy_port}", "model": model, "instances": described,
-                     "log_dir": str(log_dir)}
+    cluster.add_proxy(proxy_port, [], [], discovery_port, secret=extra.get("auth_secret", ""))
+    return cluster, {"proxy": f"http://{args.host}:{proxy_port}", "discovery": f"{args.host}:{discovery_port}",
+                     "model": model, "instances": described, "log_dir": str(log_dir)}
+
+
+def wait_discovered(proxy_url: str, expected: int, timeout_s: float) -> None:
+    """Wait until the proxy has heard from every instance."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{proxy_url}/instances", timeout=2) as resp:
+                known = len(json.loads(resp.read())["instances"])
+        except (OSError, ValueError, KeyError):
+            known = 0
+        if known >= expected:
+            return
+        if time.monotonic() > deadline:
+            raise P2pkvError(f"the proxy heard heartbeats from {known} of {expected} instances in {timeout_s:.0f} s")
+        time.sleep(0.2)
 
 
 def send_demo_request(proxy_url: str, model: str) -> str:
@@ -112,7 +129,8 @@ def run_up(args: argparse.Namespace) -> int:
     _say(f"starting {args.prefill} prefill and {args.decode} decode vLLM instances; logs in {log_dir}")
     try:
         cluster.start(args.ready_timeout, progress=_say)
-        _say(f"proxy ready at {proxy_url}")
+        wait_discovered(proxy_url, args.prefill + args.decode, DISCOVERY_TIMEOUT_S)
+        _say(f"proxy ready at {proxy_url}; it found every instance by its heartbeats")
         if args.ready_file:
             description["pids"] = [p.popen.pid for p in cluster.processes if p.popen is not None]
             Path(args.ready_file).write_text(json.dumps(description, indent=2))

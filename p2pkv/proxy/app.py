@@ -7,6 +7,8 @@ back as OpenAI-style error JSON, never as an empty 200.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -20,7 +22,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from p2pkv.discovery import Announcement
 from p2pkv.params import Address, PrefillParams, ProbeParams
+from p2pkv.proxy.discovery import DiscoveryListener, start
 from p2pkv.proxy.instances import Instance, ProxyConfig
 from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.registry import InstanceState, Policy, Pool, static_pool
@@ -31,6 +35,12 @@ _DROP_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
 
 def _error(status: int, message: str, kind: str = "proxy_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+async def _client_gone(request: Request) -> None:
+    """Return once the client disconnects (the request body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _forward_headers(request: Request) -> dict[str, str]:
@@ -57,9 +67,23 @@ class Router:
         self.metrics = metrics
         self.prefill = static_pool("prefill", config.prefill, Policy(config.prefill_policy))
         self.decode = static_pool("decode", config.decode, Policy(config.decode_policy))
-        self._kv: dict[Instance, Address] = {d: d.kv for d in config.decode if d.kv is not None}
+        self._kv: dict[Instance, Address] = {}
         for pool in (self.prefill, self.decode):
-            metrics.instances.labels(pool.role).set(len(pool.states))
+            metrics.instances.labels(pool.role).set_function(pool.count)
+
+    def announce(self, a: Announcement) -> None:
+        """A heartbeat arrived: add the instance to its role's pool, or renew it there."""
+        self.metrics.heartbeats.labels("accepted").inc()
+        instance = Instance(a.http, a.kv)
+        expires_at = time.monotonic() + self.config.heartbeat_misses * a.interval_s
+        wanted = {"prefill": (self.prefill,), "decode": (self.decode,), "both": self.pools}[a.role]
+        for pool in self.pools:
+            if pool in wanted:
+                if pool.heard_from(instance, time.time(), expires_at):
+                    log.info("discovered %s instance %s (KV %s)%s", pool.role, a.http, a.kv,
+                             " from an old-format heartbeat" if a.legacy else "")
+            elif pool.remove(instance):
+                log.info("instance %s is no longer a %s instance", a.http, pool.role)
 
     @property
     def pools(self) -> tuple[Pool, Pool]:
@@ -67,6 +91,8 @@ class Router:
 
     async def kv_address(self, instance: Instance, headers: dict[str, str]) -> Address:
         """The decode instance's KV address; asked of the instance itself once when not configured."""
+        if instance.kv is not None:
+            return instance.kv
         known = self._kv.get(instance)
         if known is not None:
             return known
@@ -170,6 +196,9 @@ class Router:
             state.failures += 1
             self.metrics.requests.labels("decode_error").inc()
             return _error(502, f"decode instance {state.instance.http} failed: {exc!r}")
+        except asyncio.CancelledError:  # the client went away
+            state.in_flight -= 1
+            raise
         self.metrics.ttft_seconds.observe(time.monotonic() - started)
         if upstream.status_code != 200 or not body.get("stream"):
             try:
@@ -207,8 +236,23 @@ def create_app(config: ProxyConfig) -> FastAPI:
         timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            app.state.router = Router(config, client, ProxyMetrics())
-            yield
+            router = Router(config, client, ProxyMetrics())
+            app.state.router = router
+            task: asyncio.Task[None] | None = None
+            if config.discovery_port:
+                host = config.discovery_host or config.host
+                if not config.secret and host not in ("127.0.0.1", "::1", "localhost"):
+                    log.warning("discovery on %s accepts unauthenticated heartbeats; set P2PKV_AUTH_SECRET", host)
+                listener = DiscoveryListener(host, config.discovery_port, config.secret.encode(), router.announce,
+                                             router.metrics.heartbeats.labels("refused").inc)
+                task = start(listener)
+            try:
+                yield
+            finally:
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
 
     app = FastAPI(title="p2pkv proxy", lifespan=lifespan)
 
@@ -216,7 +260,20 @@ def create_app(config: ProxyConfig) -> FastAPI:
         router: Router = request.app.state.router
         if not router.authorized(request):
             return _error(401, "missing or wrong API key", "authentication_error")
-        return await router.handle(request, path)
+        await request.body()  # read whole, so the next receive() can only be the client going away
+        work = asyncio.create_task(router.handle(request, path))
+        gone = asyncio.create_task(_client_gone(request))
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            gone.cancel()
+            return work.result()
+        # Cancelling the work closes whichever upstream request it was waiting on (prefill or decode).
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        router.metrics.requests.labels("client_gone").inc()
+        log.info("client went away; its upstream requests were cancelled")
+        return Response(status_code=499)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -231,6 +288,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         router: Router = request.app.state.router
         if not router.authorized(request):
             return _error(401, "missing or wrong API key", "authentication_error")
+        router.decode.prune()
         for state in router.decode.states:
             try:
                 resp = await router.client.get(f"{state.instance.url}/v1/models", headers=_forward_headers(request))
@@ -242,6 +300,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
     @app.get("/instances")
     async def instances(request: Request) -> dict[str, list[dict[str, object]]]:
         router: Router = request.app.state.router
+        for pool in router.pools:
+            pool.prune()
         return {"instances": [s.describe() for pool in router.pools for s in pool.states]}
 
     @app.get("/metrics")

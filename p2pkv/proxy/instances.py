@@ -43,12 +43,20 @@ class ProxyConfig:
     prefill_policy: str = "least-outstanding"
     decode_policy: str = "least-outstanding"
     api_key: str = ""
+    discovery_host: str = ""  # empty: the same as `host`
+    discovery_port: int = 0  # 0: no discovery, static lists only
+    heartbeat_misses: float = 3.0
+    secret: str = ""  # shared secret: heartbeats must carry a valid HMAC
 
     def __post_init__(self) -> None:
-        if not self.prefill:
-            raise ConfigError("--prefill: at least one prefill instance is required")
-        if not self.decode:
-            raise ConfigError("--decode: at least one decode instance is required")
+        if not self.discovery_port and not self.prefill:
+            raise ConfigError("--prefill: at least one prefill instance is required without discovery")
+        if not self.discovery_port and not self.decode:
+            raise ConfigError("--decode: at least one decode instance is required without discovery")
+        if not 0 <= self.discovery_port < 65536:
+            raise ConfigError("--discovery-port: expected 0 (off) or a port number")
+        if self.heartbeat_misses < 1:
+            raise ConfigError("--heartbeat-misses: expected at least 1")
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in ("least-outstanding", "round-robin"):
                 raise ConfigError(f"--{name.replace('_', '-')}: expected least-outstanding or round-robin")

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from p2pkv.proxy.instances import Instance
+
+log = logging.getLogger(__name__)
 
 
 class Policy(enum.Enum):
@@ -21,13 +25,16 @@ class InstanceState:
     instance: Instance
     role: str
     in_flight: int = 0
-    last_heartbeat: float | None = None  # wall-clock seconds; None for instances from static flags
+    last_heartbeat: float | None = None  # wall-clock seconds of the last heartbeat; None if none came
     failures: int = 0
+    expires_at: float | None = None  # monotonic; None for instances from static flags, which never expire
+    discovered: bool = False
 
     def describe(self) -> dict[str, object]:
         return {"role": self.role, "address": str(self.instance.http),
                 "kv_address": str(self.instance.kv) if self.instance.kv else None,
-                "last_heartbeat": self.last_heartbeat, "in_flight": self.in_flight, "failures": self.failures}
+                "last_heartbeat": self.last_heartbeat, "in_flight": self.in_flight, "failures": self.failures,
+                "source": "heartbeat" if self.discovered else "static"}
 
 
 @dataclass
@@ -39,7 +46,46 @@ class Pool:
     states: list[InstanceState] = field(default_factory=list)
     _turn: itertools.count[int] = field(default_factory=itertools.count)
 
+    def prune(self, now: float | None = None) -> list[InstanceState]:
+        """Drop discovered instances whose heartbeats are overdue; the dropped ones."""
+        now = time.monotonic() if now is None else now
+        gone = [s for s in self.states if s.expires_at is not None and s.expires_at <= now]
+        if gone:
+            self.states = [s for s in self.states if s not in gone]
+            for state in gone:
+                log.warning("%s instance %s missed its heartbeats; dropped", self.role, state.instance.http)
+        return gone
+
+    def count(self) -> int:
+        self.prune()
+        return len(self.states)
+
+    def find(self, instance: Instance) -> InstanceState | None:
+        return next((s for s in self.states if s.instance.http == instance.http), None)
+
+    def heard_from(self, instance: Instance, wall: float, expires_at: float) -> bool:
+        """Record a heartbeat; True when the instance is new to this pool."""
+        state = self.find(instance)
+        if state is None:
+            self.states.append(InstanceState(instance, self.role, last_heartbeat=wall, expires_at=expires_at,
+                                             discovered=True))
+            return True
+        state.last_heartbeat = wall
+        if state.discovered:
+            state.expires_at = expires_at
+            if state.instance != instance:  # restarted with another KV address
+                state.instance = instance
+        return False
+
+    def remove(self, instance: Instance) -> bool:
+        state = self.find(instance)
+        if state is None or not state.discovered:
+            return False
+        self.states.remove(state)
+        return True
+
     def pick(self, exclude: frozenset[Instance] = frozenset()) -> InstanceState | None:
+        self.prune()
         candidates = [s for s in self.states if s.instance not in exclude]
         if not candidates:
             return None

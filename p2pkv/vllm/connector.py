@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from p2pkv.config import parse_connector_config
+from p2pkv.discovery.heartbeat import HeartbeatSender, sender_for
 from p2pkv.vllm.metadata import P2pkvMetadata
 from p2pkv.vllm.scheduler import SchedulerSide
 from p2pkv.vllm.worker import WorkerSide
@@ -50,8 +51,13 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
         block_size = vllm_config.cache_config.block_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._heartbeat: HeartbeatSender | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.config, block_size)
+            # One announcer per instance, whatever its tensor-parallel size: the scheduler side is unique.
+            self._heartbeat = sender_for(self.config)
+            if self._heartbeat is not None:
+                self._heartbeat.start()
         else:
             self._worker = WorkerSide(self.config, _tp_rank(), block_size)
 
@@ -96,6 +102,8 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._heartbeat is not None:
+            self._heartbeat.close()
 
     # Scheduler side.
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:

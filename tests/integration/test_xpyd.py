@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -40,8 +41,26 @@ def test_2p2d_serves_concurrent_requests_and_survives_a_dead_prefill(cluster_2p2
     assert sum(i["role"] == "kv_producer" for i in cluster_2p2d["instances"]) == 2
     assert sum(i["role"] == "kv_consumer" for i in cluster_2p2d["instances"]) == 2
     _run_batch(cluster_2p2d, [f"x{i}" for i in range(64)])
-    listed = httpx.get(cluster_2p2d["proxy"].replace("/v1", "") + "/instances").json()["instances"]
+    listed = _instances(cluster_2p2d)
     assert all(i["in_flight"] == 0 for i in listed)
+    # `p2pkv up` lists nothing statically: the proxy knows every instance from its heartbeats.
+    assert sorted((i["role"], i["address"], i["source"]) for i in listed) == sorted(
+        ("prefill" if i["role"] == "kv_producer" else "decode", i["http"], "heartbeat")
+        for i in cluster_2p2d["instances"])
+    decode_kv = {i["address"]: i["kv_address"] for i in listed if i["role"] == "decode"}
+    assert decode_kv == {i["http"]: i["kv"] for i in cluster_2p2d["instances"] if i["role"] == "kv_consumer"}
     os.killpg(cluster_2p2d["pids"][0], signal.SIGKILL)  # prefill0 with its engine and worker
+    killed = cluster_2p2d["instances"][0]["http"]
     _run_batch(cluster_2p2d, [f"y{i}" for i in range(32)])
     assert cluster_2p2d["up"].poll() is None, "p2pkv up must keep serving with one prefill instance left"
+    # Its heartbeats stopped: the proxy drops it after three missed intervals (3 s each).
+    deadline = time.monotonic() + 30
+    while killed in {i["address"] for i in _instances(cluster_2p2d)}:
+        assert time.monotonic() < deadline, "the killed prefill instance is still listed"
+        time.sleep(0.5)
+    assert len(_instances(cluster_2p2d)) == 3
+
+
+def _instances(info: dict[str, Any]) -> list[dict[str, Any]]:
+    listed: list[dict[str, Any]] = httpx.get(info["proxy"].replace("/v1", "") + "/instances").json()["instances"]
+    return listed

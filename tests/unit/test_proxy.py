@@ -3,61 +3,20 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from p2pkv.errors import ConfigError
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from tests.helpers.servers import serve
-
-
-def stub_prefill(seen: list[dict[str, Any]], fail: bool = False) -> FastAPI:
-    app = FastAPI()
-
-    @app.post("/v1/completions")
-    @app.post("/v1/chat/completions")
-    async def complete(request: Request) -> JSONResponse:
-        body = await request.json()
-        seen.append({"body": body, "auth": request.headers.get("authorization")})
-        if fail:
-            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
-        tid = body["kv_transfer_params"]["transfer_id"]
-        params = {"p2pkv": 1, "transfer_id": tid, "load_remote_kv": True, "num_prompt_tokens": 5}
-        return JSONResponse({"choices": [{"text": "x"}], "kv_transfer_params": params})
-
-    return app
-
-
-def stub_decode(seen: list[dict[str, Any]]) -> FastAPI:
-    app = FastAPI()
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"data": [{"id": "tiny"}]}
-
-    @app.post("/v1/completions")
-    @app.post("/v1/chat/completions")
-    async def complete(request: Request) -> Any:
-        body = await request.json()
-        params = body.get("kv_transfer_params") or {}
-        if params.get("probe"):
-            return {"choices": [{"text": ""}], "kv_transfer_params": {"p2pkv": 1, "kv_port": 23456, "kv_host": ""}}
-        seen.append(body)
-        if body.get("stream"):
-            async def events() -> AsyncIterator[bytes]:
-                for word in ("a", "b", "c"):
-                    yield f"data: {json.dumps({'choices': [{'text': word}]})}\n\n".encode()
-                yield b"data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-        return {"choices": [{"text": "abc"}], "usage": {"prompt_tokens": 5}}
-
-    return app
+from tests.helpers.stubs import USAGE, Observed, stub_decode, stub_prefill, stub_slow
 
 
 @pytest.fixture
@@ -235,3 +194,70 @@ def test_bench_proxy_measures_every_path() -> None:
     assert set(results) == {"backend directly", "prefill then decode, by hand", "through the proxy"}
     for figures in results.values():
         assert 0 < figures.p50_ms <= figures.p99_ms and figures.per_second > 0
+
+
+def wait_set(event: threading.Event, timeout_s: float = 5.0) -> bool:
+    return event.wait(timeout_s)
+
+
+def test_streaming_passes_chunks_as_they_come_and_keeps_usage(backends: Any) -> None:
+    p, _, p_seen, _ = backends
+    obs = Observed()
+    with serve(stub_slow(obs)) as slow, serve(proxy_for(p, slow)) as proxy:
+        body = {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"http://{proxy}/v1/completions", json=body, timeout=10) as resp:
+            lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+            first = next(lines)
+            # The decode backend is still holding the rest: the proxy did not buffer the response.
+            assert not obs.release.is_set()
+            assert json.loads(first[6:])["choices"][0]["text"] == "a"
+            obs.release.set()
+            rest = list(lines)
+    assert rest[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in rest[:-1]]
+    assert chunks[0]["choices"][0]["text"] == "b"
+    assert chunks[-1]["usage"] == USAGE
+    assert obs.bodies[0]["stream_options"] == {"include_usage": True}
+    assert "stream_options" not in p_seen[0]["body"]
+    assert not obs.cancelled.is_set()
+
+
+def test_a_client_leaving_a_stream_cancels_the_decode_request(backends: Any) -> None:
+    p, _, _, _ = backends
+    obs = Observed()
+    with serve(stub_slow(obs)) as slow, serve(proxy_for(p, slow)) as proxy:
+        with httpx.stream("POST", f"http://{proxy}/v1/completions", json={"prompt": "hi", "stream": True},
+                          timeout=10) as resp:
+            next(line for line in resp.iter_lines() if line.startswith("data: "))
+        assert wait_set(obs.cancelled), "the decode backend still streams to a client that left"
+        wait_idle(proxy)
+
+
+def test_a_client_leaving_a_plain_request_cancels_the_decode_request(backends: Any) -> None:
+    p, _, _, _ = backends
+    obs = Observed()
+    with serve(stub_slow(obs)) as slow, serve(proxy_for(p, slow)) as proxy:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "hi"}, timeout=1.0)
+        assert wait_set(obs.cancelled), "the decode backend still works for a client that left"
+        wait_idle(proxy)
+        assert 'p2pkv_proxy_requests_total{outcome="client_gone"} 1.0' in httpx.get(f"http://{proxy}/metrics").text
+
+
+def test_a_client_leaving_during_prefill_cancels_the_prefill_request(backends: Any) -> None:
+    _, d, _, d_seen = backends
+    obs = Observed()
+    with serve(stub_slow(obs)) as slow, serve(proxy_for(slow, d + "@127.0.0.1:9")) as proxy:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "hi"}, timeout=1.0)
+        assert wait_set(obs.cancelled), "the prefill backend still works for a client that left"
+        wait_idle(proxy)
+    assert d_seen == []
+
+
+def wait_idle(proxy: str, timeout_s: float = 5.0) -> None:
+    """Every instance's in-flight count is back to zero."""
+    deadline = time.monotonic() + timeout_s
+    while any(i["in_flight"] for i in httpx.get(f"http://{proxy}/instances").json()["instances"]):
+        assert time.monotonic() < deadline, "requests still counted in flight"
+        time.sleep(0.05)

@@ -1,0 +1,77 @@
+"""What a heartbeat says, read from either wire format the proxy accepts.
+
+- p2pkv's own: one protocol frame holding a `Heartbeat` message, with an HMAC when a shared secret is set.
+- The old connector's: a msgpack map `{"type": "P" | "D", "http_address": "ip:port", "zmq_address": "ip:port"}`,
+  sent every 3 s. It cannot be authenticated, so a proxy with a secret refuses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from p2pkv.errors import ConfigError, ProtocolError
+from p2pkv.params import Address
+from p2pkv.protocol import MAGIC, FrameLimits, Heartbeat, decode_datagram
+
+ROLES = ("prefill", "decode", "both")
+LEGACY_INTERVAL_S = 3.0
+MAX_ANNOUNCEMENT_BYTES = 4096
+_LEGACY_ROLES = {"P": "prefill", "D": "decode"}
+_LIMITS = FrameLimits(max_message_bytes=MAX_ANNOUNCEMENT_BYTES, max_payload_bytes=0)
+
+
+@dataclass(frozen=True)
+class Announcement:
+    role: str
+    http: Address
+    kv: Address | None
+    interval_s: float
+    legacy: bool = False
+
+
+def _address(value: object, key: str) -> Address:
+    if not isinstance(value, str):
+        raise ProtocolError(f"heartbeat {key}: expected 'host:port', got {type(value).__name__}")
+    try:
+        return Address.parse(value)
+    except ConfigError as exc:
+        raise ProtocolError(f"heartbeat {key}: {exc}") from None
+
+
+def _typed(raw: bytes, secret: bytes) -> Announcement:
+    message = decode_datagram(raw, secret, _LIMITS)
+    if not isinstance(message, Heartbeat):
+        raise ProtocolError(f"expected a heartbeat, got {type(message).__name__}")
+    if message.role not in ROLES:
+        raise ProtocolError(f"heartbeat role {message.role!r}: expected one of {', '.join(ROLES)}")
+    if not 0 < message.interval_s <= 3600:
+        raise ProtocolError(f"heartbeat interval {message.interval_s!r} s is out of range")
+    kv = _address(message.kv_address, "kv_address") if message.kv_address else None
+    return Announcement(message.role, _address(message.http_address, "http_address"), kv, message.interval_s)
+
+
+def _legacy(raw: bytes) -> Announcement:
+    try:
+        data = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"heartbeat is neither a p2pkv frame nor msgpack: {exc}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError(f"legacy heartbeat: expected a map, got {type(data).__name__}")
+    role = _LEGACY_ROLES.get(data.get("type"))  # type: ignore[arg-type]
+    if role is None:
+        raise ProtocolError(f"legacy heartbeat type {data.get('type')!r}: expected 'P' or 'D'")
+    http = _address(data.get("http_address"), "http_address")
+    return Announcement(role, http, _address(data.get("zmq_address"), "zmq_address"), LEGACY_INTERVAL_S, True)
+
+
+def parse_announcement(raw: bytes, secret: bytes) -> Announcement:
+    """The announcement in one discovery message; ProtocolError for anything malformed or unauthenticated."""
+    if len(raw) > MAX_ANNOUNCEMENT_BYTES + 64:
+        raise ProtocolError(f"heartbeat of {len(raw)} bytes is too large")
+    if raw.startswith(MAGIC):
+        return _typed(raw, secret)
+    if secret:
+        raise ProtocolError("unauthenticated legacy heartbeat refused: this proxy requires a shared secret")
+    return _legacy(raw)

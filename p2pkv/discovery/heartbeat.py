@@ -1,0 +1,107 @@
+"""The instance side of discovery: one owned thread announcing this instance to the proxy every interval.
+
+An instance announces itself only while its own OpenAI server answers `/health`, so the proxy never routes to
+an instance that is still loading its model. Sends never block: with the proxy down, heartbeats are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import urllib.error
+import urllib.request
+import uuid
+
+import zmq
+
+from p2pkv.config import ConnectorConfig, Role
+from p2pkv.engine.threads import engine_thread
+from p2pkv.params import Address
+from p2pkv.protocol import Heartbeat, encode_datagram
+
+log = logging.getLogger(__name__)
+_WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def local_ip_towards(host: str) -> str:
+    """This host's address on the route to `host` (no packet is sent); loopback when there is no route."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def advertised_host(bound: str, proxy_host: str) -> str:
+    """The address peers should use for a socket bound to `bound`: itself, unless it is a wildcard."""
+    return local_ip_towards(proxy_host) if bound in _WILDCARDS else bound
+
+
+class HeartbeatSender:
+    def __init__(self, proxy: Address, role: str, http: Address, kv: Address, interval_s: float,
+                 secret: bytes) -> None:
+        self.proxy = proxy
+        self.message = Heartbeat(role, str(http), str(kv), interval_s, uuid.uuid4().hex)
+        self.interval_s = interval_s
+        self._secret = secret
+        self._health_url = f"http://{http}/health"
+        self._stop = threading.Event()
+        self._thread = engine_thread(self._run, "p2pkv-heartbeat")
+        self.sent = 0
+
+    def start(self) -> None:
+        log.info("announcing %s %s (KV %s) to the proxy at %s every %.1f s", self.message.role,
+                 self.message.http_address, self.message.kv_address, self.proxy, self.interval_s)
+        self._thread.start()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self._health_url, timeout=min(1.0, self.interval_s)) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def _run(self) -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing while the proxy is unreachable
+        sock.setsockopt(zmq.SNDHWM, 4)
+        sock.connect(f"tcp://{self.proxy}")
+        announced = False
+        try:
+            while not self._stop.is_set():
+                if self._healthy():
+                    try:
+                        sock.send(encode_datagram(self.message, self._secret), zmq.NOBLOCK)
+                        self.sent += 1
+                        if not announced:
+                            log.info("first heartbeat sent to %s", self.proxy)
+                            announced = True
+                    except zmq.Again:
+                        pass  # the proxy is not connected; the next interval tries again
+                self._stop.wait(self.interval_s)
+        finally:
+            sock.close()
+
+
+_ROLE_NAMES = {Role.PRODUCER: "prefill", Role.CONSUMER: "decode", Role.BOTH: "both"}
+
+
+def sender_for(config: ConnectorConfig) -> HeartbeatSender | None:
+    """The heartbeat sender of an instance configured with `proxy_ip`/`proxy_port`; None without a proxy."""
+    extra = config.extra
+    if not extra.proxy_ip:
+        return None
+    host = advertised_host(extra.kv_host, extra.proxy_ip)
+    return HeartbeatSender(Address(extra.proxy_ip, extra.proxy_port), _ROLE_NAMES[config.role],
+                           Address(host, extra.http_port), Address(host, config.worker_port(0)),
+                           extra.heartbeat_interval_s, extra.auth_secret.encode())

@@ -1,0 +1,125 @@
+"""Stub OpenAI backends for the proxy's tests: real HTTP apps that record what they were sent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+
+def stub_prefill(seen: list[dict[str, Any]], fail: bool = False) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    @app.post("/v1/chat/completions")
+    async def complete(request: Request) -> JSONResponse:
+        body = await request.json()
+        seen.append({"body": body, "auth": request.headers.get("authorization")})
+        if fail:
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        tid = body["kv_transfer_params"]["transfer_id"]
+        params = {"p2pkv": 1, "transfer_id": tid, "load_remote_kv": True, "num_prompt_tokens": 5}
+        return JSONResponse({"choices": [{"text": "x"}], "kv_transfer_params": params})
+
+    return app
+
+
+def stub_decode(seen: list[dict[str, Any]]) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"data": [{"id": "tiny"}]}
+
+    @app.post("/v1/completions")
+    @app.post("/v1/chat/completions")
+    async def complete(request: Request) -> Any:
+        body = await request.json()
+        params = body.get("kv_transfer_params") or {}
+        if params.get("probe"):
+            return {"choices": [{"text": ""}], "kv_transfer_params": {"p2pkv": 1, "kv_port": 23456, "kv_host": ""}}
+        seen.append(body)
+        if body.get("stream"):
+            async def events() -> AsyncIterator[bytes]:
+                for word in ("a", "b", "c"):
+                    yield f"data: {json.dumps({'choices': [{'text': word}]})}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return {"choices": [{"text": "abc"}], "usage": {"prompt_tokens": 5}}
+
+    return app
+
+
+@dataclass
+class Observed:
+    """What a slow stub saw: a request started, and whether its client (the proxy) went away before the end."""
+
+    started: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)  # lets a held stream finish
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+
+USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+
+
+async def _until_disconnected(request: Request, obs: Observed, limit_s: float = 20.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if await request.is_disconnected():
+            obs.cancelled.set()
+            return
+        await asyncio.sleep(0.02)
+
+
+def stub_slow(obs: Observed, kv_port: int = 23456) -> FastAPI:
+    """A backend that holds its answers: a stream sends its first chunk and waits for `obs.release`; a plain
+    request waits until its client disconnects (or 20 s). Records disconnects in `obs.cancelled`."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"data": [{"id": "tiny"}]}
+
+    @app.post("/v1/completions")
+    async def complete(request: Request) -> Any:
+        body = await request.json()
+        if (body.get("kv_transfer_params") or {}).get("probe"):
+            return {"choices": [{"text": ""}], "kv_transfer_params": {"p2pkv": 1, "kv_port": kv_port, "kv_host": ""}}
+        obs.bodies.append(body)
+        obs.started.set()
+        if not body.get("stream"):
+            await _until_disconnected(request, obs)
+            return {"choices": [{"text": "late"}]}
+
+        async def events() -> AsyncIterator[bytes]:
+            finished = False
+            try:
+                yield f"data: {json.dumps({'choices': [{'text': 'a'}]})}\n\n".encode()
+                deadline = time.monotonic() + 20
+                while not obs.release.is_set() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                yield f"data: {json.dumps({'choices': [{'text': 'b'}]})}\n\n".encode()
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    yield f"data: {json.dumps({'choices': [], 'usage': USAGE})}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+                finished = True
+            finally:
+                if not finished:
+                    obs.cancelled.set()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app

@@ -1,0 +1,217 @@
+"""Discovery: both heartbeat formats into a real proxy over ZMQ, expiry at request time, authentication, and the
+instance-side sender, against stub OpenAI backends that are real HTTP servers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from p2pkv.cli.cluster import free_port
+from p2pkv.config import parse_connector_config
+from p2pkv.discovery import HeartbeatSender, parse_announcement
+from p2pkv.discovery.heartbeat import advertised_host, sender_for
+from p2pkv.errors import ConfigError, ProtocolError
+from p2pkv.params import Address
+from p2pkv.protocol import Heartbeat, PushAbort, encode_datagram, encode_frame
+from p2pkv.proxy import ProxyConfig, create_app
+from tests.helpers.servers import serve
+from tests.helpers.stubs import stub_decode, stub_prefill
+
+SECRET = b"s3cret"
+
+
+def legacy(kind: str, http: str, zmq_address: str = "127.0.0.1:7000") -> bytes:
+    return msgspec.msgpack.encode({"type": kind, "http_address": http, "zmq_address": zmq_address})
+
+
+def typed(role: str, http: str, kv: str = "127.0.0.1:7000", interval_s: float = 3.0, secret: bytes = b"") -> bytes:
+    return encode_datagram(Heartbeat(role, http, kv, interval_s), secret)
+
+
+def test_both_formats_parse() -> None:
+    old = parse_announcement(legacy("D", "10.0.0.2:8000", "10.0.0.2:14579"), b"")
+    assert (old.role, str(old.http), str(old.kv), old.interval_s, old.legacy) == (
+        "decode", "10.0.0.2:8000", "10.0.0.2:14579", 3.0, True)
+    assert parse_announcement(legacy("P", "h:1"), b"").role == "prefill"
+    new = parse_announcement(typed("both", "h:2", "h:3", 0.5, SECRET), SECRET)
+    assert (new.role, str(new.http), str(new.kv), new.interval_s, new.legacy) == ("both", "h:2", "h:3", 0.5, False)
+
+
+@pytest.mark.parametrize("raw, secret, error", [
+    (b"", b"", "neither"),
+    (b"\xc1garbage", b"", "neither"),
+    (msgspec.msgpack.encode([1, 2]), b"", "expected a map"),
+    (msgspec.msgpack.encode({"type": "X", "http_address": "h:1", "zmq_address": "h:2"}), b"", "'P' or 'D'"),
+    (msgspec.msgpack.encode({"type": "P", "zmq_address": "h:2"}), b"", "http_address"),
+    (msgspec.msgpack.encode({"type": "P", "http_address": "nohost", "zmq_address": "h:2"}), b"", "HOST:PORT"),
+    (legacy("P", "h:1"), SECRET, "requires a shared secret"),
+    (typed("prefill", "h:1"), SECRET, "authentication failed"),
+    (typed("prefill", "h:1", secret=b"other"), SECRET, "authentication failed"),
+    (typed("leader", "h:1"), b"", "role"),
+    (typed("decode", "h:1", interval_s=0), b"", "interval"),
+    (typed("decode", "h:1")[:-3], b"", "datagram"),
+    (encode_datagram(PushAbort("t", "r"), b""), b"", "expected a heartbeat"),
+    (encode_frame(Heartbeat("decode", "h:1", "", 1.0), 10, b""), b"", "payload of 10 bytes"),
+    (b"P2KV" + bytes(10_000), b"", "too large"),
+])
+def test_malformed_or_unauthenticated_messages_are_refused(raw: bytes, secret: bytes, error: str) -> None:
+    with pytest.raises(ProtocolError, match=error):
+        parse_announcement(raw, secret)
+
+
+@contextmanager
+def discovering_proxy(secret: str = "", misses: float = 3.0) -> Iterator[tuple[str, Callable[[bytes], None], int]]:
+    """A proxy with discovery only (no static instances), a ZMQ DEALER that sends it raw messages, and the
+    discovery port."""
+    port = free_port()
+    config = ProxyConfig(prefill=(), decode=(), discovery_port=port, secret=secret, heartbeat_misses=misses)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        with serve(create_app(config)) as proxy:
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            yield proxy, lambda raw: sock.send(raw), port
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def listed(proxy: str) -> list[dict[str, Any]]:
+    instances: list[dict[str, Any]] = httpx.get(f"http://{proxy}/instances").json()["instances"]
+    return instances
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.05)
+
+
+def metric(proxy: str, name: str) -> float:
+    for line in httpx.get(f"http://{proxy}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_old_heartbeats_register_instances_and_garbage_does_not_stop_discovery() -> None:
+    p_seen: list[dict[str, Any]] = []
+    d_seen: list[dict[str, Any]] = []
+    with serve(stub_prefill(p_seen)) as p, serve(stub_decode(d_seen)) as d, discovering_proxy() as (proxy, send, _):
+        assert httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x"}).status_code == 503
+        for raw in (b"\x00garbage", msgspec.msgpack.encode("not a map"), bytes(70_000)):
+            send(raw)
+
+        def beat() -> bool:
+            # The oversized message made the proxy drop this connection; like a real sender, keep beating.
+            send(legacy("P", p))
+            send(legacy("D", d, "127.0.0.1:4321"))
+            return len(listed(proxy)) == 2
+
+        wait_for(beat)
+        instances = {i["role"]: i for i in listed(proxy)}
+        assert instances["prefill"]["address"] == p and instances["decode"]["address"] == d
+        assert instances["decode"]["kv_address"] == "127.0.0.1:4321"
+        assert instances["decode"]["source"] == "heartbeat"
+        assert abs(instances["decode"]["last_heartbeat"] - time.time()) < 10
+        resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "abc"
+        # The heartbeat's KV address is used as is: no probe of the decode instance.
+        assert p_seen[0]["body"]["kv_transfer_params"]["decode_kv_address"] == "127.0.0.1:4321"
+        assert metric(proxy, 'p2pkv_proxy_heartbeats_total{outcome="refused"}') >= 2
+        assert metric(proxy, 'p2pkv_proxy_instances{role="decode"}') == 1
+
+
+def test_overdue_instances_are_dropped_at_request_time() -> None:
+    p_seen: list[dict[str, Any]] = []
+    d_seen: list[dict[str, Any]] = []
+    with serve(stub_prefill(p_seen)) as p, serve(stub_decode(d_seen)) as d, discovering_proxy() as (proxy, send, _):
+        send(typed("prefill", p, interval_s=0.3))
+        send(typed("decode", d, interval_s=60))
+        wait_for(lambda: len(listed(proxy)) == 2)
+        assert httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x"}).status_code == 200
+        assert len(p_seen) == 1
+        time.sleep(1.0)  # three missed intervals of the prefill instance; no other heartbeat arrives meanwhile
+        resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x"})
+        assert resp.status_code == 200  # the decode instance prefilled alone
+        assert len(p_seen) == 1 and "kv_transfer_params" not in d_seen[-1]
+        assert [i["role"] for i in listed(proxy)] == ["decode"]
+        # A new heartbeat brings it back.
+        send(typed("prefill", p, interval_s=0.3))
+        wait_for(lambda: len(listed(proxy)) == 2)
+
+
+def test_an_expired_decode_instance_gives_a_clear_503() -> None:
+    d_seen: list[dict[str, Any]] = []
+    with serve(stub_decode(d_seen)) as d, discovering_proxy(misses=2) as (proxy, send, _):
+        send(typed("decode", d, interval_s=0.2))
+        wait_for(lambda: len(listed(proxy)) == 1)
+        time.sleep(0.6)
+        resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x"})
+        assert resp.status_code == 503 and "no decode instance" in resp.json()["error"]["message"]
+
+
+def test_with_a_secret_only_signed_heartbeats_count() -> None:
+    with serve(stub_decode([])) as d, discovering_proxy(secret=SECRET.decode()) as (proxy, send, _):
+        send(legacy("D", d))
+        send(typed("decode", d))
+        send(typed("decode", d, secret=b"wrong"))
+        wait_for(lambda: metric(proxy, 'p2pkv_proxy_heartbeats_total{outcome="refused"}') == 3)
+        assert listed(proxy) == []
+        send(typed("decode", d, secret=SECRET))
+        wait_for(lambda: len(listed(proxy)) == 1)
+
+
+def test_a_role_change_moves_the_instance() -> None:
+    with serve(stub_decode([])) as d, discovering_proxy() as (proxy, send, _):
+        send(typed("prefill", d))
+        wait_for(lambda: [i["role"] for i in listed(proxy)] == ["prefill"])
+        send(typed("decode", d))
+        wait_for(lambda: [i["role"] for i in listed(proxy)] == ["decode"])
+        send(typed("both", d))
+        wait_for(lambda: sorted(i["role"] for i in listed(proxy)) == ["decode", "prefill"])
+
+
+def test_the_sender_announces_only_while_its_server_is_healthy() -> None:
+    with serve(stub_decode([])) as d, discovering_proxy(secret=SECRET.decode()) as (proxy, _, discovery):
+        http = Address.parse(d)
+        sender = HeartbeatSender(Address("127.0.0.1", discovery), "decode", http, Address("127.0.0.1", 5555), 0.2,
+                                 SECRET)
+        down = HeartbeatSender(Address("127.0.0.1", discovery), "prefill", Address("127.0.0.1", free_port()),
+                               Address("127.0.0.1", 5556), 0.2, SECRET)
+        sender.start()
+        down.start()
+        try:
+            wait_for(lambda: len(listed(proxy)) == 1)
+            time.sleep(1.0)
+            (only,) = listed(proxy)
+            assert (only["role"], only["address"], only["kv_address"]) == ("decode", d, "127.0.0.1:5555")
+            assert sender.sent >= 2 and down.sent == 0
+        finally:
+            sender.close()
+            down.close()
+        wait_for(lambda: listed(proxy) == [], timeout_s=3)  # 3 missed intervals of 0.2 s
+
+
+def test_sender_from_connector_config() -> None:
+    config = parse_connector_config("kv_consumer", 14579, "recompute", {
+        "proxy_ip": "127.0.0.1", "proxy_port": 30001, "http_port": 8100, "kv_host": "0.0.0.0",
+        "heartbeat_interval_s": 1.5})
+    sender = sender_for(config)
+    assert sender is not None
+    assert (sender.message.role, sender.message.http_address, sender.message.kv_address, sender.interval_s) == (
+        "decode", "127.0.0.1:8100", "127.0.0.1:14579", 1.5)
+    assert sender_for(parse_connector_config("kv_producer", 1, "fail", {})) is None
+    assert advertised_host("10.1.2.3", "127.0.0.1") == "10.1.2.3"
+    with pytest.raises(ConfigError, match="http_port"):
+        parse_connector_config("kv_producer", 1, "fail", {"proxy_ip": "h", "proxy_port": 1})
