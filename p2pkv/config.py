@@ -36,8 +36,9 @@ class LoadFailurePolicy(enum.Enum):
 
 
 class Transport(enum.Enum):
-    AUTO = "auto"
+    AUTO = "auto"  # shm with peers on this host, tcp with the others
     TCP = "tcp"
+    SHM = "shm"  # same-host peers; falls back to tcp, with a warning, where it cannot be set up
 
 
 @dataclass(frozen=True)

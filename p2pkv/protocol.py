@@ -43,17 +43,46 @@ class LayoutDigest(msgspec.Struct, frozen=True):
                 if getattr(self, n) != getattr(other, n)]
 
 
+class CmaOffer(msgspec.Struct, frozen=True):
+    """A same-host data path: process `pid` may be read directly; `token` is at `token_address` to prove it."""
+
+    pid: int
+    boot_id: str
+    token_address: int
+    token: bytes
+
+
 class Hello(msgspec.Struct, tag="hello", frozen=True):
-    """First frame on a new connection: who is speaking and what its KV looks like."""
+    """First frame on a new connection: who is speaking, what its KV looks like, and whether it may be read
+    directly (shm transport)."""
 
     engine_id: str
     rank: int
     layout: LayoutDigest
+    cma: CmaOffer | None = None
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):
+    """The verdict; `reads_you`: the listener reads the client's payloads from the client's memory; `cma`: the
+    listener's own offer, which the client answers with a CmaStatus frame."""
+
     accepted: bool
     reason: str = ""
+    cma: CmaOffer | None = None
+    reads_you: bool = False
+
+
+class CmaStatus(msgspec.Struct, tag="cma_status", frozen=True):
+    """Sent by the client right after the handshake when the listener offered: can the client read it?"""
+
+    reads_you: bool
+
+
+class PayloadCopied(msgspec.Struct, tag="copied", frozen=True):
+    """shm transport: the reader has copied this layer's payload out of the sender's memory, which may go."""
+
+    transfer_id: str
+    layer: int
 
 
 class PushBlocks(msgspec.Struct, tag="push", frozen=True):
@@ -110,7 +139,8 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     engine_id: str = ""
 
 
-Message = Hello | HelloReply | PushBlocks | PushAck | PushAbort | PullRequest | PullReply | Heartbeat
+Message = (Hello | HelloReply | PushBlocks | PushAck | PushAbort | PullRequest | PullReply | Heartbeat | CmaStatus
+           | PayloadCopied)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

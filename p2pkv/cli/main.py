@@ -53,6 +53,14 @@ def _bench_soak(args: argparse.Namespace) -> int:
     return bench_soak(args.model, args.requests, args.concurrency, args.send_type)
 
 
+def _bench_transfer(args: argparse.Namespace) -> int:
+    from p2pkv.bench.transfer import SIZES
+    from p2pkv.bench.transfer import main as bench_transfer
+
+    sizes = [int(s) for s in args.sizes] if args.sizes else SIZES
+    return bench_transfer(sizes, args.transports, int(args.budget_mb * (1 << 20)), args.plot)
+
+
 def _bench_proxy(args: argparse.Namespace) -> int:
     from p2pkv.bench.proxy import main as bench_proxy
 
@@ -118,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--concurrency", type=int, default=16)
     soak.add_argument("--send-type", default="PUT_ASYNC", choices=["PUT", "PUT_ASYNC", "GET"])
     soak.set_defaults(func=_bench_soak)
+    btransfer = bench.add_parser("transfer", help="engine transfers per transport against same-run baselines")
+    btransfer.add_argument("--sizes", nargs="+", default=None, metavar="BYTES",
+                           help="transfer sizes (default: 64 KiB to 256 MiB in steps of 4x)")
+    btransfer.add_argument("--transports", nargs="+", default=["tcp", "shm"], choices=["tcp", "shm"])
+    btransfer.add_argument("--budget-mb", type=float, default=512, help="bytes moved per size and measurement")
+    btransfer.add_argument("--plot", default="bench-transfer.png", help="where the PNG plot goes")
+    btransfer.set_defaults(func=_bench_transfer)
+
     bproxy = bench.add_parser("proxy", help="the proxy against stub backends: added latency and throughput")
     bproxy.add_argument("--requests", type=int, default=2000)
     bproxy.add_argument("--concurrency", type=int, default=16)

@@ -8,7 +8,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from p2pkv.config import ExtraConfig
+from p2pkv.config import ExtraConfig, Transport
+from p2pkv.engine.handshake import local_offer
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import OfferState, OfferTable, ViewSource
 from p2pkv.engine.puller import Puller, PullJob, PullResult
@@ -37,6 +38,7 @@ class EngineSettings:
     metrics_port: int
     limits: FrameLimits
     pool_bytes: int = 0
+    transport: Transport = Transport.AUTO
 
     @classmethod
     def from_config(cls, extra: ExtraConfig, port: int, metrics_port: int) -> EngineSettings:
@@ -51,6 +53,7 @@ class EngineSettings:
             metrics_port=metrics_port,
             limits=FrameLimits(max_message_bytes=extra.max_frame_bytes),
             pool_bytes=int(extra.mem_pool_size_gb * (1 << 30)),
+            transport=extra.transport,
         )
 
 
@@ -82,12 +85,19 @@ class TransferEngine:
             log.warning("the KV port binds %s without auth_secret: anyone who reaches it can push KV", s.host)
         listener = TcpListener(s.host, s.port, s.secret, s.limits)
         self.address = listener.address
-        self._receiver = Receiver(listener, self.store, self.offers, self.layout, self.metrics, s.transfer_timeout_s)
+        # shm (same-host peers read each other's memory directly) unless tcp is asked for; peers on other hosts,
+        # or where it cannot be set up, use tcp.
+        offer = local_offer() if s.transport is not Transport.TCP else None
+        if s.transport is Transport.SHM and offer is None:
+            log.warning("transport shm: cross-memory attach is not available here; using tcp")
+        self._receiver = Receiver(listener, self.store, self.offers, self.layout, self.metrics, s.transfer_timeout_s,
+                                  offer)
         self._receiver.start()
-        hello = Hello(engine_id=self.engine_id, rank=self.rank, layout=self.layout)
-        self._sender = Sender(self._connect, hello, self.metrics)
+        hello = Hello(engine_id=self.engine_id, rank=self.rank, layout=self.layout, cma=offer)
+        require_shm = s.transport is Transport.SHM
+        self._sender = Sender(self._connect, hello, self.metrics, require_shm)
         self._sender.start()
-        self._puller = Puller(self._connect, hello, self.metrics)
+        self._puller = Puller(self._connect, hello, self.metrics, require_shm)
         self._puller.start()
         if s.metrics_port:
             from prometheus_client import start_http_server

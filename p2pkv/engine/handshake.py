@@ -1,23 +1,81 @@
-"""The first exchange on every connection an engine opens: our Hello, the peer's verdict."""
+"""The first exchange on every connection: Hello and the verdict, and the shm data path when both sides can set
+it up (same host, each able to read the other's memory); otherwise the connection stays plain TCP."""
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 
 from p2pkv.errors import IncompatiblePeerError, P2pkvError, TransferError
-from p2pkv.protocol import Hello, HelloReply
+from p2pkv.protocol import CmaOffer, CmaStatus, Hello, HelloReply
+from p2pkv.transport import cma
 from p2pkv.transport.base import Connection
+from p2pkv.transport.shm import ShmConnection
+from p2pkv.transport.tcp import TcpConnection
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 
-def client_handshake(conn: Connection, hello: Hello, deadline: float) -> None:
-    """Send our layout; raise IncompatiblePeerError with the peer's reasons if it refuses us. Closes on error."""
+def local_offer() -> CmaOffer | None:
+    """This process's shm offer, or None where cross-memory attach does not exist."""
+    if not cma.available():
+        return None
+    cma.allow_readers()
+    address, token = cma.token()
+    return CmaOffer(os.getpid(), cma.boot_id(), address, token)
+
+
+def why_unreadable(offer: CmaOffer | None) -> str:
+    """Empty when the peer's memory can be read directly; otherwise the reason."""
+    if offer is None:
+        return "the peer does not offer shm"
+    if offer.boot_id != cma.boot_id():
+        return "the peer is on another host"
+    return cma.probe(offer.pid, offer.token_address, offer.token)
+
+
+def _note_fallback(peer: str, reason: str, loud: bool) -> None:
+    if peer in _warned:
+        return
+    _warned.add(peer)
+    (log.warning if loud else log.info)("shm with %s is not possible (%s); using tcp", peer, reason)
+
+
+def client_handshake(conn: Connection, hello: Hello, deadline: float, require_shm: bool = False) -> Connection:
+    """Send our layout; raise IncompatiblePeerError with the peer's reasons if it refuses us. Closes on error.
+    Returns the connection to use: `conn` itself, or an shm connection over it."""
     try:
         conn.send_frame(hello, (), deadline)
         got = conn.recv_frame(max(0.0, deadline - time.monotonic()), deadline)
         if got is None or not isinstance(got[0], HelloReply):
             raise TransferError(f"no handshake reply from {conn.peer}")
-        if not got[0].accepted:
-            raise IncompatiblePeerError(f"peer {conn.peer} refused us: {got[0].reason}")
+        reply = got[0]
+        if not reply.accepted:
+            raise IncompatiblePeerError(f"peer {conn.peer} refused us: {reply.reason}")
+        if hello.cma is None or not isinstance(conn, TcpConnection):
+            return conn
+        reason = why_unreadable(reply.cma)
+        if reply.cma is not None:
+            conn.send_frame(CmaStatus(reads_you=not reason), (), deadline)
+        if reason and not reply.reads_you:
+            _note_fallback(conn.peer, reason, require_shm)
+            return conn
+        pid = reply.cma.pid if reply.cma is not None else 0
+        return ShmConnection(conn, pid, sends_by_reference=reply.reads_you, reads_by_reference=not reason)
     except P2pkvError:
         conn.close()
         raise
+
+
+def server_reply(conn: Connection, hello: Hello, offer: CmaOffer | None,
+                 deadline: float) -> Connection:
+    """Accept a compatible client; with shm on both sides, answer with our offer and wrap the connection."""
+    if offer is None or hello.cma is None or not isinstance(conn, TcpConnection):
+        conn.send_frame(HelloReply(accepted=True), (), deadline)
+        return conn
+    reason = why_unreadable(hello.cma)
+    conn.send_frame(HelloReply(accepted=True, cma=offer, reads_you=not reason), (), deadline)
+    # The client answers our offer with a CmaStatus frame, which the shm connection consumes.
+    return ShmConnection(conn, hello.cma.pid, sends_by_reference=False, reads_by_reference=not reason)

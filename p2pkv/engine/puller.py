@@ -51,13 +51,15 @@ class PullResult:
     state: PullState = PullState.PENDING
     reason: str = ""
     nbytes: int = 0
+    transport: str = "tcp"
 
 
 class Puller:
-    def __init__(self, connect: Connect, hello: Hello, metrics: EngineMetrics) -> None:
+    def __init__(self, connect: Connect, hello: Hello, metrics: EngineMetrics, require_shm: bool = False) -> None:
         self._connect = connect
         self._hello = hello
         self._metrics = metrics
+        self._require_shm = require_shm
         self._queue: queue.Queue[PullJob] = queue.Queue()
         self._lock = threading.Lock()
         self._results: dict[str, PullResult] = {}
@@ -88,8 +90,8 @@ class Puller:
                 continue
             started = time.monotonic()
             try:
-                nbytes = self._pull_until_offered(job)
-                result = PullResult(PullState.DONE, "", nbytes)
+                nbytes, transport = self._pull_until_offered(job)
+                result = PullResult(PullState.DONE, "", nbytes, transport)
             except P2pkvError as exc:
                 result = PullResult(PullState.FAILED, str(exc))
             except Exception as exc:  # a bug must fail the transfer, not kill the thread and hang the load
@@ -98,13 +100,13 @@ class Puller:
             ms = (time.monotonic() - started) * 1000
             outcome = "ok" if result.state is PullState.DONE else "failed"
             self._metrics.transfers.labels("pull", outcome).inc()
-            log.info("transfer %s pull %s peer=%s bytes=%d ms=%.1f transport=tcp%s", job.transfer_id, outcome,
-                     job.peer, result.nbytes, ms, f" reason={result.reason}" if result.reason else "")
+            log.info("transfer %s pull %s peer=%s bytes=%d ms=%.1f transport=%s%s", job.transfer_id, outcome,
+                     job.peer, result.nbytes, ms, result.transport, f" reason={result.reason}" if result.reason else "")
             with self._lock:
                 if job.transfer_id in self._results:
                     self._results[job.transfer_id] = result
 
-    def _pull_until_offered(self, job: PullJob) -> int:
+    def _pull_until_offered(self, job: PullJob) -> tuple[int, str]:
         """A push refused for lack of space is offered by the sender moments later: retry until the deadline."""
         while True:
             try:
@@ -114,12 +116,12 @@ class Puller:
                     raise TransferError("the sender never offered the transfer") from None
                 time.sleep(_RETRY_S)
 
-    def _pull(self, job: PullJob) -> int:
+    def _pull(self, job: PullJob) -> tuple[int, str]:
+        """Bytes pulled and the transport used."""
         if time.monotonic() >= job.deadline:
             raise TransferError("deadline passed before the pull started")
-        conn = self._connect(job.peer, job.deadline)
+        conn = client_handshake(self._connect(job.peer, job.deadline), self._hello, job.deadline, self._require_shm)
         try:
-            client_handshake(conn, self._hello, job.deadline)
             conn.send_frame(PullRequest(job.transfer_id, job.first_block, job.num_blocks), (), job.deadline)
             reply = self._next(conn, job.deadline)
             if not isinstance(reply[0], PullReply) or reply[0].transfer_id != job.transfer_id:
@@ -140,7 +142,7 @@ class Puller:
                 nbytes += payload_len
             self._metrics.bytes_received.labels(conn.name).inc(nbytes)
             self._metrics.add("bytes_received", nbytes)
-            return nbytes
+            return nbytes, conn.name
         finally:
             conn.close()
 

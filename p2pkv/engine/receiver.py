@@ -7,13 +7,25 @@ import logging
 import threading
 import time
 
+from p2pkv.engine.handshake import server_reply
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import OfferTable
 from p2pkv.engine.store import ReceiveStore
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import ProtocolError, TransferError
-from p2pkv.protocol import Hello, HelloReply, LayoutDigest, PullReply, PullRequest, PushAbort, PushBlocks
+from p2pkv.protocol import (
+    CmaOffer,
+    Hello,
+    HelloReply,
+    LayoutDigest,
+    PayloadCopied,
+    PullReply,
+    PullRequest,
+    PushAbort,
+    PushBlocks,
+)
 from p2pkv.transport.base import Connection, Listener
+from p2pkv.transport.shm import ShmConnection
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
@@ -23,8 +35,9 @@ class Receiver:
     """Owns the listener thread and the reader threads it starts; `close()` stops and joins them all."""
 
     def __init__(self, listener: Listener, store: ReceiveStore, offers: OfferTable, layout: LayoutDigest,
-                 metrics: EngineMetrics, frame_timeout_s: float) -> None:
+                 metrics: EngineMetrics, frame_timeout_s: float, offer: CmaOffer | None = None) -> None:
         self._listener = listener
+        self._offer = offer
         self._store = store
         self._offers = offers
         self._layout = layout
@@ -65,7 +78,8 @@ class Receiver:
             log.warning("dropping connection from %s after a bad frame: %s (further ones are only counted)",
                         peer, exc)
 
-    def _handshake(self, conn: Connection) -> bool:
+    def _handshake(self, conn: Connection) -> Connection | None:
+        """The connection to serve (shm or plain), or None when the peer was refused."""
         got = conn.recv_frame(self._frame_timeout_s, time.monotonic() + self._frame_timeout_s)
         if got is None:
             raise TransferError("no hello within the frame timeout")
@@ -79,15 +93,16 @@ class Receiver:
             log.error("refusing peer %s (engine %s): %s", conn.peer, hello.engine_id, reason)
             self._metrics.refused_peers.inc()
             conn.send_frame(HelloReply(accepted=False, reason=reason), (), deadline)
-            return False
-        conn.send_frame(HelloReply(accepted=True), (), deadline)
-        return True
+            return None
+        return server_reply(conn, hello, self._offer, deadline)
 
     def _serve(self, conn: Connection) -> None:
         source = f"{conn.peer}#{id(conn)}"
         try:
-            if not self._handshake(conn):
+            served = self._handshake(conn)
+            if served is None:
                 return
+            conn = served
             while not self._stop.is_set():
                 got = conn.recv_frame(_POLL_S, time.monotonic() + self._frame_timeout_s)
                 if got is None:
@@ -117,7 +132,7 @@ class Receiver:
 
     def _receive_chunk(self, conn: Connection, push: PushBlocks, payload_len: int, source: str,
                        deadline: float) -> None:
-        view, ack = self._store.begin_chunk(push, payload_len, source)
+        view, ack = self._store.begin_chunk(push, payload_len, source, conn.name)
         if ack is not None:
             conn.send_frame(ack, (), deadline)
         if view is None:
@@ -143,14 +158,28 @@ class Receiver:
                                   self._layout.num_layers)
                 conn.send_frame(push, views, deadline)
                 nbytes += sum(v.nbytes for v in views)
+            if isinstance(conn, ShmConnection) and conn.sends_by_reference:
+                self._await_copies(conn, pull.transfer_id, deadline)
         finally:
-            # Sent bytes sit in the socket's buffers, so the blocks are free to go; if sending failed, the
-            # decode side reports load errors and recomputes.
+            # TCP: sent bytes sit in the socket's buffers. shm: the puller has copied every layer, or it is gone
+            # (then it reports load errors and recomputes). Either way the blocks are free to go.
             self._offers.finish(claim)
             self._metrics.bytes_sent.labels(conn.name).inc(nbytes)
             self._metrics.add("bytes_sent", nbytes)
             log.info("transfer %s served peer=%s bytes=%d ms=%.1f transport=%s", pull.transfer_id, conn.peer,
                      nbytes, (time.monotonic() - started) * 1000, conn.name)
+
+    def _await_copies(self, conn: Connection, transfer_id: str, deadline: float) -> None:
+        """shm: the puller reads the blocks from this process; wait until it has copied every layer."""
+        copied: set[int] = set()
+        while len(copied) < self._layout.num_layers:
+            got = conn.recv_frame(max(0.0, deadline - time.monotonic()), deadline)
+            if got is None:
+                raise TransferError(f"transfer {transfer_id}: the puller did not confirm its copies in time")
+            message, payload_len = got
+            if not isinstance(message, PayloadCopied) or payload_len or message.transfer_id != transfer_id:
+                raise ProtocolError(f"expected a copy confirmation, got {type(message).__name__}")
+            copied.add(message.layer)
 
     def close(self) -> None:
         self._stop.set()

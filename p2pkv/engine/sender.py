@@ -15,12 +15,13 @@ from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
 from p2pkv.params import Address
-from p2pkv.protocol import Hello, PushAbort, PushAck, PushBlocks
+from p2pkv.protocol import Hello, PayloadCopied, PushAbort, PushAck, PushBlocks
 from p2pkv.transport.base import Connection
+from p2pkv.transport.shm import ShmConnection
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
-_ACK_POLL_S = 0.002
+_ACK_POLL_S = 0.0005
 
 Connect = Callable[[Address, float], Connection]
 
@@ -57,17 +58,28 @@ class Outgoing:
     state: OutState = OutState.SENDING
     reason: str = ""
     acked: bool = False
+    transport: str = "tcp"
+    by_reference: bool = False  # shm: the receiver reads the layers from our memory and confirms each copy
+    layers_copied: set[int] = field(default_factory=set)
 
     @property
     def awaiting_ack(self) -> bool:
-        return self.state is OutState.SENDING and bool(self.layers_sent) and not self.acked
+        """Sent something and waits for the receiver's verdict or copy confirmations."""
+        copies_due = self.by_reference and len(self.layers_copied) < len(self.layers_sent)
+        return self.state is OutState.SENDING and bool(self.layers_sent) and (not self.acked or copies_due)
+
+    @property
+    def complete(self) -> bool:
+        sent = len(self.layers_sent) == self.num_layers
+        return self.acked and sent and (not self.by_reference or len(self.layers_copied) == self.num_layers)
 
 
 class Sender:
-    def __init__(self, connect: Connect, hello: Hello, metrics: EngineMetrics) -> None:
+    def __init__(self, connect: Connect, hello: Hello, metrics: EngineMetrics, require_shm: bool = False) -> None:
         self._connect = connect
         self._hello = hello
         self._metrics = metrics
+        self._require_shm = require_shm
         self._queue: queue.Queue[PushJob] = queue.Queue()
         self._conns: dict[Address, Connection] = {}
         self._lock = threading.Lock()
@@ -144,23 +156,25 @@ class Sender:
             if item is None or item.state is not OutState.SENDING:
                 return
         try:
-            self._send_with_retry(job)
+            conn = self._send_with_retry(job)
         except P2pkvError as exc:
             with self._lock:
                 self._finish_locked(item, OutState.FAILED, str(exc))
             self._abort(job, str(exc))
             return
         nbytes = sum(v.nbytes for v in job.views)
-        self._metrics.bytes_sent.labels("tcp").inc(nbytes)
+        self._metrics.bytes_sent.labels(conn.name).inc(nbytes)
         self._metrics.add("bytes_sent", nbytes)
         with self._lock:
+            item.transport = conn.name
+            item.by_reference = isinstance(conn, ShmConnection) and conn.sends_by_reference
             item.nbytes += nbytes
             item.layers_sent.add(job.layer)
             self._maybe_done_locked(item)
         self._poll_acks(job.peer)
 
     def _maybe_done_locked(self, item: Outgoing) -> None:
-        if item.state is OutState.SENDING and item.acked and len(item.layers_sent) == item.num_layers:
+        if item.state is OutState.SENDING and item.complete:
             self._finish_locked(item, OutState.DONE, "")
 
     def _poll_acks(self, peer: Address) -> None:
@@ -173,9 +187,12 @@ class Sender:
             while (got := conn.recv_frame(0, time.monotonic() + 5)) is not None:
                 message, payload_len = got
                 conn.discard_payload(payload_len, time.monotonic() + 5)
-                if not isinstance(message, PushAck):
+                if isinstance(message, PayloadCopied):
+                    self._on_copied(message)
+                elif isinstance(message, PushAck):
+                    self._on_ack(message)
+                else:
                     raise ProtocolError(f"unexpected {type(message).__name__} frame from a receiver")
-                self._on_ack(message)
         except P2pkvError as exc:
             self._drop(peer)
             with self._lock:
@@ -194,27 +211,36 @@ class Sender:
             else:
                 self._finish_locked(item, OutState.REFUSED, ack.reason)
 
+    def _on_copied(self, copied: PayloadCopied) -> None:
+        with self._lock:
+            item = self._transfers.get(copied.transfer_id)
+            if item is None or item.state is not OutState.SENDING:
+                return
+            item.layers_copied.add(copied.layer)
+            self._maybe_done_locked(item)
+
     def _finish_locked(self, item: Outgoing, state: OutState, reason: str) -> None:
         item.state, item.reason = state, reason
         ms = (time.monotonic() - item.started) * 1000
         outcome = {OutState.DONE: "ok", OutState.REFUSED: "refused"}.get(state, "failed")
         self._metrics.transfers.labels("send", outcome).inc()
         self._metrics.transfer_seconds.labels("send").observe(ms / 1000)
-        log.info("transfer %s send %s peer=%s bytes=%d ms=%.1f transport=tcp%s", item.transfer_id, outcome,
-                 item.peer, item.nbytes, ms, f" reason={reason}" if reason else "")
+        log.info("transfer %s send %s peer=%s bytes=%d ms=%.1f transport=%s%s", item.transfer_id, outcome,
+                 item.peer, item.nbytes, ms, item.transport, f" reason={reason}" if reason else "")
 
-    def _send_with_retry(self, job: PushJob) -> None:
+    def _send_with_retry(self, job: PushJob) -> Connection:
         message = PushBlocks(job.transfer_id, job.layer, 0, job.total_blocks, job.total_blocks, job.num_layers)
         for attempt in (1, 2):
             conn = self._connection(job.peer, job.deadline)
             try:
                 conn.send_frame(message, job.views, job.deadline)
-                return
+                return conn
             except TransferError as exc:
                 self._drop(job.peer)
                 if attempt == 2 or time.monotonic() >= job.deadline:
                     raise
                 log.info("reconnecting to %s after: %s", job.peer, exc)
+        raise AssertionError("unreachable")
 
     def _abort(self, job: PushJob, reason: str) -> None:
         with self._lock:
@@ -234,8 +260,7 @@ class Sender:
         if conn is not None:
             log.info("connection to %s was closed by the peer; reconnecting", peer)
             self._drop(peer)
-        conn = self._connect(peer, deadline)
-        client_handshake(conn, self._hello, deadline)
+        conn = client_handshake(self._connect(peer, deadline), self._hello, deadline, self._require_shm)
         with self._lock:
             self._conns[peer] = conn
         return conn

@@ -15,6 +15,7 @@ from p2pkv.protocol import PushAck, PushBlocks
 log = logging.getLogger(__name__)
 NO_SPACE = "no staging space (kv_buffer_size and the host pool are full)"
 _EMPTY = memoryview(b"")
+_MIN_HEAP = 4096
 
 
 class StageState(enum.Enum):
@@ -36,7 +37,9 @@ class StagedTransfer:
     state: StageState = StageState.RECEIVING
     reason: str = ""
     chunks: set[tuple[int, int]] = field(default_factory=set)
-    pooled: PoolBuffer | None = None
+    pooled: PoolBuffer | None = None  # from the spill pool
+    heaped: PoolBuffer | None = None  # from the first tier (kv_buffer_size)
+    transport: str = "tcp"
 
     @property
     def nbytes(self) -> int:
@@ -54,6 +57,9 @@ class ReceiveStore:
                  metrics: EngineMetrics, pool: HostPool | None = None) -> None:
         self._pool = pool
         self._budget = budget_bytes
+        # The first tier is one arena of kv_buffer_size too, mapped on first use: its pages are faulted in once
+        # and reused, where a fresh buffer per transfer would be zeroed and faulted in every time.
+        self._heap = HostPool(budget_bytes, pinned=False) if budget_bytes >= _MIN_HEAP else None
         self._num_layers = num_layers
         self._expiry_s = expiry_s
         self._block_bytes = block_bytes
@@ -67,7 +73,8 @@ class ReceiveStore:
         with self._lock:
             return self._in_use
 
-    def begin_chunk(self, push: PushBlocks, payload_len: int, source: str) -> tuple[memoryview | None, PushAck | None]:
+    def begin_chunk(self, push: PushBlocks, payload_len: int, source: str,
+                    transport: str = "tcp") -> tuple[memoryview | None, PushAck | None]:
         """Where the payload of `push` goes (None: drop it), and the verdict to send on a transfer's first chunk.
 
         Staging takes ordinary memory up to `kv_buffer_size`, then spills into the host pool; with neither, the
@@ -83,6 +90,7 @@ class ReceiveStore:
             item = self._items.get(push.transfer_id)
             if item is None:
                 item = self._admit(push, source)
+                item.transport = transport
                 accepted = item.state is StageState.RECEIVING
                 ack = PushAck(push.transfer_id, accepted, "" if accepted else item.reason)
             if item.state is not StageState.RECEIVING:
@@ -100,10 +108,13 @@ class ReceiveStore:
 
     def _admit(self, push: PushBlocks, source: str) -> StagedTransfer:
         size = push.num_layers * push.total_blocks * self._block_bytes
-        if self._in_use + size <= self._budget:
+        heaped = self._heap.allocate(size) if self._heap is not None and self._in_use + size <= self._budget else None
+        if heaped is not None:
             self._in_use += size
             self._metrics.staging_bytes.set(self._in_use)
-            return self._new(push, source, memoryview(bytearray(size)))
+            item = self._new(push, source, heaped.view)
+            item.heaped = heaped
+            return item
         pooled = self._pool.allocate(size) if self._pool is not None else None
         if pooled is not None:
             item = self._new(push, source, pooled.view)
@@ -164,8 +175,11 @@ class ReceiveStore:
             self._pool.release(item.pooled)
             self._metrics.pool_bytes.dec(item.pooled.size)
             item.pooled = None
-        else:
-            self._in_use -= item.buffer.nbytes
+        elif item.heaped is not None:
+            assert self._heap is not None
+            self._heap.release(item.heaped)
+            self._in_use -= item.heaped.size
+            item.heaped = None
         item.buffer = _EMPTY
         self._metrics.staging_bytes.set(self._in_use)
 

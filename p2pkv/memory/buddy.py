@@ -63,7 +63,10 @@ class BuddyAllocator:
             found = next((k for k in range(order, self._max_order + 1) if self._free[k]), None)
             if found is None:
                 return None
-            offset = self._free[found].pop()
+            # The lowest free block: reuse stays in the low, already-touched part of the arena, where the pool's
+            # lazily mapped pages are resident; an arbitrary one would fault in fresh pages again and again.
+            offset = min(self._free[found])
+            self._free[found].discard(offset)
             while found > order:
                 found -= 1
                 self._free[found].add(offset + (1 << found))

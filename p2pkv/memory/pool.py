@@ -6,6 +6,7 @@ CPU-only host it is ordinary memory.
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ class HostPool:
         self._allocator: BuddyAllocator | None = None
         self._memory: memoryview | None = None
         self._keepalive: object | None = None
+        self._pinned_memory = False
 
     @property
     def allocated(self) -> bool:
@@ -40,7 +42,7 @@ class HostPool:
             if self._allocator is None or self._memory is None:
                 self._memory, self._keepalive = self._allocate_memory()
                 self._allocator = BuddyAllocator(self._capacity, self._min_block)
-                log.info("host pool of %d bytes allocated (pinned=%s)", self._capacity, self._keepalive is not None)
+                log.info("host pool of %d bytes mapped (pinned=%s)", self._capacity, self._pinned_memory)
             return self._allocator, self._memory
 
     def _allocate_memory(self) -> tuple[memoryview, object | None]:
@@ -50,10 +52,16 @@ class HostPool:
 
                 if torch.cuda.is_available():
                     tensor = torch.empty(self._capacity, dtype=torch.uint8, pin_memory=True)
+                    self._pinned_memory = True
                     return memoryview(tensor.numpy()), tensor
             except ImportError:
                 pass
-        return memoryview(bytearray(self._capacity)), None
+        # An anonymous mapping: pages are zero and materialise when first written, so a large pool costs
+        # nothing until it is used (a bytearray would be zero-filled, touching every page at once).
+        mapping = mmap.mmap(-1, self._capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            mapping.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults and cheaper cross-process reads
+        return memoryview(mapping), mapping
 
     def allocate(self, size: int) -> PoolBuffer | None:
         """A buffer of exactly `size` bytes, or None when the pool has no block that large free."""

@@ -21,7 +21,7 @@ def _remaining(deadline: float) -> float:
     return left
 
 
-def _tune(sock: socket.socket) -> None:
+def tune_socket(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
@@ -37,18 +37,25 @@ class TcpConnection:
         self._limits = limits
         self._closed = False
 
+    @property
+    def secret(self) -> bytes:
+        return self._secret
+
     @classmethod
     def connect(cls, address: Address, deadline: float, secret: bytes, limits: FrameLimits) -> TcpConnection:
         try:
             sock = socket.create_connection((address.host, address.port), timeout=_remaining(deadline))
         except OSError as exc:
             raise TransferError(f"cannot connect to {address}: {exc}") from None
-        _tune(sock)
+        tune_socket(sock)
         return cls(sock, str(address), secret, limits)
 
     def send_frame(self, message: Message, payload: Sequence[memoryview], deadline: float) -> None:
         total = sum(v.nbytes for v in payload)
-        head = encode_frame(message, total, self._secret)
+        self.send_raw(encode_frame(message, total, self._secret), payload, deadline)
+
+    def send_raw(self, head: bytes, payload: Sequence[memoryview], deadline: float) -> None:
+        """`head`, then the payload views, as they are."""
         try:
             self._sock.settimeout(_remaining(deadline))
             self._sock.sendall(head)
@@ -60,7 +67,8 @@ class TcpConnection:
         except OSError as exc:
             raise TransferError(f"send to {self.peer} failed: {exc}") from None
 
-    def _recv_exact_into(self, view: memoryview, deadline: float) -> None:
+    def recv_exact_into(self, view: memoryview, deadline: float) -> None:
+        """Fill `view` from the stream."""
         got = 0
         try:
             while got < view.nbytes:
@@ -82,21 +90,21 @@ class TcpConnection:
         if not ready:
             return None
         raw = bytearray(PREFIX_BYTES)
-        self._recv_exact_into(memoryview(raw), deadline)
+        self.recv_exact_into(memoryview(raw), deadline)
         prefix = decode_prefix(bytes(raw), self._limits)
         body = bytearray(prefix.message_len)
-        self._recv_exact_into(memoryview(body), deadline)
+        self.recv_exact_into(memoryview(body), deadline)
         return decode_message(bytes(raw), prefix, bytes(body), self._secret), prefix.payload_len
 
     def recv_payload_into(self, view: memoryview, deadline: float) -> None:
-        self._recv_exact_into(view.cast("B") if view.format != "B" else view, deadline)
+        self.recv_exact_into(view.cast("B") if view.format != "B" else view, deadline)
 
     def discard_payload(self, nbytes: int, deadline: float) -> None:
         scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
         left = nbytes
         while left > 0:
             chunk = scratch[: min(left, scratch.nbytes)]
-            self._recv_exact_into(chunk, deadline)
+            self.recv_exact_into(chunk, deadline)
             left -= chunk.nbytes
 
     def is_alive(self) -> bool:
@@ -147,7 +155,7 @@ class TcpListener:
             sock, addr = self._sock.accept()
         except OSError:
             return None
-        _tune(sock)
+        tune_socket(sock)
         return TcpConnection(sock, f"{addr[0]}:{addr[1]}", self._secret, self._limits)
 
     def close(self) -> None:

@@ -240,8 +240,8 @@ class WorkerSide:
             self.engine.metrics.bytes_loaded.inc(nbytes)
             self.engine.metrics.add("bytes_loaded", nbytes)
             self.engine.metrics.transfers.labels("load", "ok").inc()
-            log.info("transfer %s landed peer=%s blocks=%d bytes=%d ms=%.1f transport=tcp", spec.transfer_id,
-                     item.source.split("#")[0], n, nbytes, (time.monotonic() - item.created) * 1000)
+            log.info("transfer %s landed peer=%s blocks=%d bytes=%d ms=%.1f transport=%s", spec.transfer_id,
+                     item.source.split("#")[0], n, nbytes, (time.monotonic() - item.created) * 1000, item.transport)
         finally:
             self.engine.release_staged(item)
 

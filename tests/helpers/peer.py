@@ -13,17 +13,26 @@ Prints one JSON line with the outcome of the push.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
-from p2pkv.config import ExtraConfig
+from p2pkv.config import ExtraConfig, Transport
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.sender import OutState
 from p2pkv.params import Address
 from p2pkv.protocol import FrameLimits, Hello, LayoutDigest, PushBlocks, encode_frame
 from p2pkv.transport.tcp import TcpConnection
+
+TRANSPORT_ENV = "P2PKV_TEST_TRANSPORT"
+
+
+def engine_config(**keys: Any) -> ExtraConfig:
+    """Extra config for test engines, with the transport the test run asks for (env P2PKV_TEST_TRANSPORT)."""
+    return ExtraConfig(transport=Transport(os.environ.get(TRANSPORT_ENV, "auto")), **keys)
 
 
 def layout(layers: int, block_bytes: int) -> LayoutDigest:
@@ -35,7 +44,7 @@ def payload(seed: int, layers: int, blocks: int, block_bytes: int) -> np.ndarray
 
 
 def start_engine(layers: int, block_bytes: int, secret: str = "") -> TransferEngine:
-    settings = EngineSettings.from_config(ExtraConfig(kv_host="127.0.0.1", auth_secret=secret), 0, 0)
+    settings = EngineSettings.from_config(engine_config(kv_host="127.0.0.1", auth_secret=secret), 0, 0)
     engine = TransferEngine(settings, layout(layers, block_bytes))
     engine.start()
     return engine

@@ -47,9 +47,12 @@ def ids_and_logprobs(answer: dict[str, Any]) -> tuple[list[int], list[float]]:
 LENGTHS = [7, 60, 127, 128, 129, 250, 385, 700]
 
 
+SHM = '{transport="shm"}'  # both instances are on this host: transport auto picks shm
+
+
 def test_disaggregated_equals_colocated_and_kv_was_transferred(up_cluster: UpCluster) -> None:
     decode = up_cluster.instance("kv_consumer")
-    received_before = metric(decode["metrics"], "p2pkv_bytes_received_total")
+    received_before = metric(decode["metrics"], "p2pkv_bytes_received_total" + SHM)
     loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
     per_block = kv_bytes_per_block_and_layer() * LAYERS
     expected_received = expected_loaded = 0
@@ -67,7 +70,7 @@ def test_disaggregated_equals_colocated_and_kv_was_transferred(up_cluster: UpClu
         assert disagg["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
         expected_received += math.ceil(length / BLOCK_SIZE) * per_block
         expected_loaded += math.ceil((length - 1) / BLOCK_SIZE) * per_block
-    assert metric(decode["metrics"], "p2pkv_bytes_received_total") - received_before == expected_received
+    assert metric(decode["metrics"], "p2pkv_bytes_received_total" + SHM) - received_before == expected_received
     assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") - loaded_before == expected_loaded
     assert metric(decode["metrics"], "p2pkv_staging_bytes") == 0
 
@@ -179,7 +182,7 @@ def test_get_mode_decode_pulls_from_prefill(up_cluster: UpCluster) -> None:
     """send_type GET per request: the prefill instance holds the blocks under a lease, the decode side pulls."""
     prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
     loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
-    sent_before = metric(prefill["metrics"], "p2pkv_bytes_sent_total")
+    sent_before = metric(prefill["metrics"], "p2pkv_bytes_sent_total" + SHM)
     length = 385
     text = prompt("get", length)
     returned, answer = _two_steps(up_cluster, text, PrefillParams(uuid.uuid4().hex, None, pull=True))
@@ -191,7 +194,7 @@ def test_get_mode_decode_pulls_from_prefill(up_cluster: UpCluster) -> None:
     per_block = kv_bytes_per_block_and_layer() * LAYERS
     pulled = math.ceil((length - 1) / BLOCK_SIZE) * per_block  # only the blocks the decode side needs
     assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") - loaded_before == pulled
-    assert metric(prefill["metrics"], "p2pkv_bytes_sent_total") - sent_before == pulled
+    assert metric(prefill["metrics"], "p2pkv_bytes_sent_total" + SHM) - sent_before == pulled
 
 
 def test_repeated_prompts_with_prefix_caching_on_both_sides(up_cluster: UpCluster) -> None:

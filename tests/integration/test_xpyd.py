@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.conftest import up_with_colocated
+from tests.integration.conftest import metric, up_with_colocated
 from tests.integration.test_disagg import greedy, ids_and_logprobs, prompt
 
 pytestmark = pytest.mark.vllm
@@ -22,8 +22,10 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def cluster_2p2d(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     # The clean stop at the end also checks that `p2pkv up` still serves after losing a prefill instance.
+    # This cluster moves KV over tcp (the 1P1D one uses shm, the default between instances of one host).
     work = tmp_path_factory.mktemp("xpyd")
-    with up_with_colocated(tiny_model, work, {}, [], ("--prefill", "2", "--decode", "2")) as (proc, info, coloc):
+    up_args = ("--prefill", "2", "--decode", "2")
+    with up_with_colocated(tiny_model, work, {"transport": "tcp"}, [], up_args) as (proc, info, coloc):
         info.update(model=tiny_model, colocated=coloc, up=proc)
         yield info
 
@@ -41,6 +43,9 @@ def test_2p2d_serves_concurrent_requests_and_survives_a_dead_prefill(cluster_2p2
     assert sum(i["role"] == "kv_producer" for i in cluster_2p2d["instances"]) == 2
     assert sum(i["role"] == "kv_consumer" for i in cluster_2p2d["instances"]) == 2
     _run_batch(cluster_2p2d, [f"x{i}" for i in range(64)])
+    decoders = [i for i in cluster_2p2d["instances"] if i["role"] == "kv_consumer"]
+    assert sum(metric(d["metrics"], 'p2pkv_bytes_received_total{transport="tcp"}') for d in decoders) > 0
+    assert all(metric(d["metrics"], 'p2pkv_bytes_received_total{transport="shm"}') == 0 for d in decoders)
     listed = _instances(cluster_2p2d)
     assert all(i["in_flight"] == 0 for i in listed)
     # `p2pkv up` lists nothing statically: the proxy knows every instance from its heartbeats.

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from p2pkv.config import ExtraConfig
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.store import StageState
 from p2pkv.protocol import LayoutDigest, PushBlocks, encode_frame
-from tests.helpers.peer import layout, payload
+from tests.helpers.peer import TRANSPORT_ENV, engine_config, layout, payload
 
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "peer.py"
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,9 +47,21 @@ def p2pkv_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("p2pkv-")]
 
 
+@pytest.fixture(autouse=True, params=["tcp", "shm"])
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every engine test runs over both transports, in this process and in its helper processes."""
+    monkeypatch.setenv(TRANSPORT_ENV, request.param)
+    name: str = request.param
+    return name
+
+
+def received_over(engine: TransferEngine, transport: str) -> float:
+    return engine.metrics.registry.get_sample_value("p2pkv_bytes_received_total", {"transport": transport}) or 0.0
+
+
 @pytest.fixture
 def receiver() -> Iterator[TransferEngine]:
-    settings = EngineSettings.from_config(ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=5), 0, 0)
+    settings = EngineSettings.from_config(engine_config(kv_host="127.0.0.1", transfer_timeout_s=5), 0, 0)
     engine = TransferEngine(settings, layout(LAYERS, BLOCK_BYTES))
     engine.start()
     yield engine
@@ -58,7 +69,7 @@ def receiver() -> Iterator[TransferEngine]:
     assert p2pkv_threads() == [], "engine threads outlived close()"
 
 
-def test_push_lands_exact_bytes(receiver: TransferEngine) -> None:
+def test_push_lands_exact_bytes(receiver: TransferEngine, transport: str) -> None:
     result = run_helper("push", receiver.address, "t-1", "7", str(LAYERS), str(BLOCKS), str(BLOCK_BYTES))
     assert result["state"] == "done"
     assert result["bytes"] == LAYERS * BLOCKS * BLOCK_BYTES
@@ -71,6 +82,7 @@ def test_push_lands_exact_bytes(receiver: TransferEngine) -> None:
     receiver.release_staged(item)
     assert receiver.store.bytes_in_use == 0
     assert receiver.metrics.totals()["bytes_received"] == LAYERS * BLOCKS * BLOCK_BYTES
+    assert received_over(receiver, transport) == LAYERS * BLOCKS * BLOCK_BYTES
 
 
 def test_layout_mismatch_is_refused_with_the_difference(receiver: TransferEngine) -> None:
@@ -114,7 +126,7 @@ def test_garbage_is_counted_and_dropped(receiver: TransferEngine) -> None:
 
 
 def test_sender_killed_mid_transfer_fails_the_transfer_promptly() -> None:
-    settings = EngineSettings.from_config(ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=30), 0, 0)
+    settings = EngineSettings.from_config(engine_config(kv_host="127.0.0.1", transfer_timeout_s=30), 0, 0)
     engine = TransferEngine(settings, LayoutDigest(1, 16, BLOCK_BYTES, "uint8", (BLOCK_BYTES,), "test"))
     engine.start()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -161,7 +173,7 @@ class Peer:
 
 
 def _receiver(port: int = 0, secret: str = "") -> TransferEngine:
-    settings = EngineSettings.from_config(ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=5, auth_secret=secret),
+    settings = EngineSettings.from_config(engine_config(kv_host="127.0.0.1", transfer_timeout_s=5, auth_secret=secret),
                                           port, 0)
     engine = TransferEngine(settings, layout(LAYERS, BLOCK_BYTES))
     engine.start()
@@ -262,7 +274,8 @@ def _wait_pull(engine: TransferEngine, tid: str) -> str:
     return "pending"
 
 
-def test_pull_lands_the_requested_blocks_in_place_and_frees_the_offer(receiver: TransferEngine) -> None:
+def test_pull_lands_the_requested_blocks_in_place_and_frees_the_offer(receiver: TransferEngine,
+                                                                     transport: str) -> None:
     offerer = Offerer("g-1", seed=11, lease_s=30)
     try:
         assert offerer.state("g-1") == "offered"
@@ -279,6 +292,7 @@ def test_pull_lands_the_requested_blocks_in_place_and_frees_the_offer(receiver: 
         for layer in range(LAYERS):
             assert bytes(local[layer]) == expected[layer][2 * BLOCK_BYTES : 5 * BLOCK_BYTES].tobytes()
         assert offerer.state("g-1") == "served"
+        assert received_over(receiver, transport) == 3 * BLOCK_BYTES * LAYERS
         # A second pull of the same transfer is refused: the blocks were released.
         receiver.pull("g-1", Address.parse(offerer.address), 0, 1, sink, time.monotonic() + 10)
         assert _wait_pull(receiver, "g-1").startswith("failed")
@@ -302,7 +316,7 @@ def test_lease_expires_when_nobody_pulls(receiver: TransferEngine) -> None:
 
 
 def _small_receiver(buffer_bytes: int, pool_gb: float, expiry_s: float = 120) -> TransferEngine:
-    extra = ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=5, kv_buffer_size=buffer_bytes,
+    extra = engine_config(kv_host="127.0.0.1", transfer_timeout_s=5, kv_buffer_size=buffer_bytes,
                         mem_pool_size_gb=pool_gb, staging_expiry_s=expiry_s)
     engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), layout(LAYERS, BLOCK_BYTES))
     engine.start()
@@ -355,14 +369,14 @@ def test_staging_nobody_claims_expires() -> None:
 
 
 def test_binding_a_public_address_without_a_secret_warns(caplog: pytest.LogCaptureFixture) -> None:
-    settings = EngineSettings.from_config(ExtraConfig(kv_host="0.0.0.0"), 0, 0)
+    settings = EngineSettings.from_config(engine_config(kv_host="0.0.0.0"), 0, 0)
     engine = TransferEngine(settings, layout(LAYERS, BLOCK_BYTES))
     with caplog.at_level("WARNING", logger="p2pkv.engine.engine"):
         engine.start()
     engine.close()
     assert any("without auth_secret" in r.message for r in caplog.records)
     caplog.clear()
-    quiet = TransferEngine(EngineSettings.from_config(ExtraConfig(kv_host="0.0.0.0", auth_secret="s"), 0, 0),
+    quiet = TransferEngine(EngineSettings.from_config(engine_config(kv_host="0.0.0.0", auth_secret="s"), 0, 0),
                            layout(LAYERS, BLOCK_BYTES))
     with caplog.at_level("WARNING", logger="p2pkv.engine.engine"):
         quiet.start()

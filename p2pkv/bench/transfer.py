@@ -1,0 +1,198 @@
+"""`p2pkv bench transfer`: two engine processes on this host push KV-shaped transfers over each transport, next to
+a baseline measured in the same run: a plain socket stream between two processes for `tcp`, a single-process
+memcpy for `shm`. Prints GB/s and ratios per size, the latency of a 64 KiB transfer, and writes a PNG plot."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from p2pkv.bench.transfer_peer import WINDOW, Shape, engine_for, push_run, stream_run
+from p2pkv.engine import TransferEngine
+from p2pkv.engine.store import StageState
+from p2pkv.transport.tcp import tune_socket
+
+SIZES = tuple(1 << k for k in range(16, 29, 2))  # 64 KiB .. 256 MiB
+TARGET = 0.9
+TARGET_FROM = 1 << 20
+LATENCY_BYTES = 64 << 10
+_SPAWN = mp.get_context("spawn")
+
+
+@dataclass
+class Row:
+    nbytes: int
+    transport_gbps: dict[str, float] = field(default_factory=dict)
+    baseline_gbps: dict[str, float] = field(default_factory=dict)
+
+    def ratio(self, transport: str) -> float:
+        return self.transport_gbps[transport] / self.baseline_gbps[transport]
+
+
+def _count(nbytes: int, budget_bytes: int) -> int:
+    return max(4, min(200, budget_bytes // nbytes))
+
+
+def _collect(engine: TransferEngine, tids: Sequence[str], timeout_s: float) -> list[float]:
+    """Completion time of each transfer, in order; staged bytes are released as soon as they are complete."""
+    done: list[float] = []
+    deadline = time.monotonic() + timeout_s
+    for tid in tids:
+        while (state := engine.staged_state(tid)) not in (StageState.COMPLETE, StageState.FAILED):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"transfer {tid} did not complete")
+            time.sleep(0.0002)
+        done.append(time.monotonic())
+        if state is StageState.FAILED:
+            raise RuntimeError(f"transfer {tid} failed: {engine.store.reason(tid)}")
+        item = engine.take_staged(tid)
+        if item is not None:
+            engine.release_staged(item)
+    return done
+
+
+def _push(shape: Shape, transport: str, count: int, sequential: bool, warmup: int = 3) -> tuple[list[float],
+                                                                                               list[float]]:
+    """Start and completion times of `count` transfers from a child process into this one, after `warmup`
+    transfers that are not timed (connection set-up, staging pages faulted in)."""
+    receiver = engine_for(shape, transport, (2 * WINDOW + 4) * shape.nbytes)
+    parent, child = _SPAWN.Pipe()
+    prefix = f"{transport}-{shape.nbytes}-{'seq' if sequential else 'par'}-"
+    tids = [f"{prefix}{i}" for i in range(warmup + count)]
+    proc = _SPAWN.Process(target=push_run, args=(child, shape, transport, receiver.address, tids, sequential,
+                                                 warmup), daemon=True)
+    proc.start()
+    try:
+        done = _collect(receiver, tids, 300)
+        if not parent.poll(60):
+            raise RuntimeError("the sending process did not report")
+        started, states = parent.recv()
+        if any(s != "done" for s in states):
+            raise RuntimeError(f"{transport} transfers ended as {sorted(set(states))}")
+        return started[warmup:], done[warmup:]
+    finally:
+        proc.join(30)
+        receiver.close()
+
+
+def transfer_gbps(shape: Shape, transport: str, budget_bytes: int) -> float:
+    count = _count(shape.nbytes, budget_bytes)
+    started, done = _push(shape, transport, count, sequential=False)
+    return count * shape.nbytes / (done[-1] - started[0]) / 1e9
+
+
+def latency_ms(shape: Shape, transport: str, count: int = 40) -> float:
+    started, done = _push(shape, transport, count, sequential=True)
+    return statistics.median(d - s for s, d in zip(started, done, strict=True)) * 1000
+
+
+def socket_gbps(nbytes: int, budget_bytes: int) -> float:
+    count = _count(nbytes, budget_bytes)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        parent, child = _SPAWN.Pipe()
+        proc = _SPAWN.Process(target=stream_run, args=(child, server.getsockname()[1], nbytes, count), daemon=True)
+        proc.start()
+        conn, _ = server.accept()
+        with conn:
+            tune_socket(conn)
+            buf = memoryview(bytearray(nbytes))
+            parent.send("go")
+            started: float = parent.recv()
+            for _ in range(count):
+                got = 0
+                while got < nbytes:
+                    got += conn.recv_into(buf[got:])
+            ended = time.monotonic()
+            parent.send("done")
+        proc.join(30)
+    return count * nbytes / (ended - started) / 1e9
+
+
+def memcpy_gbps(nbytes: int, budget_bytes: int) -> float:
+    count = _count(nbytes, budget_bytes)
+    src = np.random.default_rng(0).integers(0, 256, nbytes, np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        for _ in range(count):
+            np.copyto(dst, src)
+        best = min(best, time.perf_counter() - started)
+    return count * nbytes / best / 1e9
+
+
+def run(sizes: Sequence[int], transports: Sequence[str], budget_bytes: int) -> tuple[list[Row], dict[str, float]]:
+    baselines = {"tcp": socket_gbps, "shm": memcpy_gbps}
+    rows = []
+    for nbytes in sizes:
+        shape = Shape.of(nbytes)
+        row = Row(shape.nbytes)
+        for transport in transports:
+            row.transport_gbps[transport] = transfer_gbps(shape, transport, budget_bytes)
+            row.baseline_gbps[transport] = baselines[transport](shape.nbytes, budget_bytes)
+        rows.append(row)
+    latencies = {t: latency_ms(Shape.of(LATENCY_BYTES), t) for t in transports}
+    return rows, latencies
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def write_plot(rows: Sequence[Row], transports: Sequence[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = {"tcp": "plain socket stream", "shm": "single-process memcpy"}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [r.nbytes for r in rows]
+    for transport in transports:
+        line = ax.plot(xs, [r.transport_gbps[transport] for r in rows], marker="o", label=f"p2pkv {transport}")
+        ax.plot(xs, [r.baseline_gbps[transport] for r in rows], linestyle="--", color=line[0].get_color(),
+                label=f"baseline: {names[transport]}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [_size(x) for x in xs], rotation=30)
+    ax.set_xlabel("transfer size (8 layers of KV blocks)")
+    ax.set_ylabel("GB/s")
+    ax.set_title("p2pkv bench transfer (two processes, one host)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(sizes: Sequence[int], transports: Sequence[str], budget_bytes: int, plot: str) -> int:
+    rows, latencies = run(sizes, transports, budget_bytes)
+    header = f"{'size':>9}"
+    for t in transports:
+        header += f"{t + ' GB/s':>12}{'baseline':>10}{'ratio':>8}"
+    print(header)
+    failed: list[str] = []
+    for row in rows:
+        line = f"{_size(row.nbytes):>9}"
+        for t in transports:
+            ratio = row.ratio(t)
+            line += f"{row.transport_gbps[t]:>12.2f}{row.baseline_gbps[t]:>10.2f}{ratio:>8.2f}"
+            if row.nbytes >= TARGET_FROM and ratio < TARGET:
+                failed.append(f"{t} at {_size(row.nbytes)}: {ratio:.2f}")
+        print(line)
+    print("baselines: tcp = a plain socket stream between two processes; shm = a single-process memcpy")
+    for t, ms in latencies.items():
+        print(f"latency of a 64 KiB transfer over {t}: {ms:.3f} ms (median)")
+    write_plot(rows, transports, Path(plot))
+    print(f"plot written to {plot}")
+    if failed:
+        print(f"target ({TARGET}x the baseline from {_size(TARGET_FROM)} up) missed: " + "; ".join(failed))
+        return 1
+    print(f"target ({TARGET}x the baseline from {_size(TARGET_FROM)} up) met")
+    return 0

@@ -1,0 +1,97 @@
+"""The sending side of `p2pkv bench transfer`, run in a child process, and the baselines' second process."""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from p2pkv.config import ExtraConfig, Transport
+from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.sender import OutState
+from p2pkv.params import Address
+from p2pkv.protocol import LayoutDigest
+from p2pkv.transport.tcp import tune_socket
+
+WINDOW = 3  # transfers in flight at once in a throughput run
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A transfer shaped like KV: `layers` layers of `blocks` blocks of `block_bytes`."""
+
+    layers: int
+    blocks: int
+    block_bytes: int
+
+    @classmethod
+    def of(cls, nbytes: int, layers: int = 8, max_block: int = 256 << 10) -> Shape:
+        per_layer = max(1, nbytes // layers)
+        blocks = max(1, -(-per_layer // max_block))
+        return cls(layers, blocks, max(1, per_layer // blocks))
+
+    @property
+    def nbytes(self) -> int:
+        return self.layers * self.blocks * self.block_bytes
+
+    def layout(self) -> LayoutDigest:
+        return LayoutDigest(self.layers, 16, self.block_bytes, "uint8", (self.block_bytes,), "bench")
+
+
+def engine_for(shape: Shape, transport: str, buffer_bytes: int) -> TransferEngine:
+    extra = ExtraConfig(kv_host="127.0.0.1", transport=Transport(transport), kv_buffer_size=float(buffer_bytes),
+                        mem_pool_size_gb=0.0, transfer_timeout_s=120.0)
+    engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), shape.layout())
+    engine.start()
+    return engine
+
+
+def _wait(engine: TransferEngine, tid: str, deadline: float) -> str:
+    while (out := engine.outgoing(tid)) is not None and out.state is OutState.SENDING:
+        if time.monotonic() > deadline:
+            return "timeout"
+        time.sleep(0.001)
+    return "missing" if out is None else out.state.value
+
+
+def push_run(pipe: Connection, shape: Shape, transport: str, peer: str, tids: list[str], sequential: bool,
+             warmup: int) -> None:
+    """Child process: push one transfer per id, in order; report the start time of each and their outcomes.
+    The first `warmup` transfers all finish before the next one starts."""
+    engine = engine_for(shape, transport, shape.nbytes)
+    data = np.random.default_rng(0).integers(0, 256, (shape.layers, shape.blocks * shape.block_bytes), np.uint8)
+    views = [(data[layer].data,) for layer in range(shape.layers)]
+    address = Address.parse(peer)
+    started: list[float] = []
+    states: list[str] = []
+    deadline = time.monotonic() + 300
+    lag = 1 if sequential else WINDOW  # transfers that may be in flight when the next one starts
+    try:
+        for i, tid in enumerate(tids):
+            if i == warmup:
+                states.extend(_wait(engine, t, deadline) for t in tids[len(states) : warmup])
+            elif i >= lag and i - lag >= len(states):
+                states.append(_wait(engine, tids[i - lag], deadline))
+            started.append(time.monotonic())
+            for layer in range(shape.layers):
+                engine.push_layer(tid, address, layer, shape.blocks, views[layer], deadline)
+        for tid in tids[len(states) :]:
+            states.append(_wait(engine, tid, deadline))
+    finally:
+        engine.close()
+    pipe.send((started, states))
+
+
+def stream_run(pipe: Connection, port: int, nbytes: int, count: int) -> None:
+    """Child process: the socket baseline's sender; one plain stream of `count` x `nbytes`."""
+    data = memoryview(np.random.default_rng(0).integers(0, 256, nbytes, np.uint8).data)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        tune_socket(sock)
+        pipe.recv()
+        pipe.send(time.monotonic())
+        for _ in range(count):
+            sock.sendall(data)
+        pipe.recv()

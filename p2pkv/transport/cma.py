@@ -1,0 +1,117 @@
+"""Cross-memory attach: read another process's memory with one `process_vm_readv` call, no socket in between.
+
+A process proves that a peer may read it, and that both share a PID namespace, with a token: random bytes at a
+known address of its own memory, named in its handshake offer. The peer reads them back before it trusts any
+address it is later sent. Linux only; the kernel allows it between processes of one user (and, under the Yama
+LSM, only towards processes that allowed it, which `allow_readers` does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from p2pkv.errors import TransferError
+
+IOV_MAX = 1024
+_PR_SET_PTRACER = 0x59616D61
+_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.process_vm_readv
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                   ctypes.c_ulong]
+    fn.restype = ctypes.c_ssize_t
+    return libc
+
+
+_LIBC = _libc()
+_TOKEN = ctypes.create_string_buffer(os.urandom(16), 16)
+
+
+def available() -> bool:
+    return _LIBC is not None
+
+
+def boot_id() -> str:
+    """Identifies this host's running kernel; two processes with different boot ids are on different hosts."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def token() -> tuple[int, bytes]:
+    """Address and value of this process's token."""
+    return ctypes.addressof(_TOKEN), bytes(_TOKEN.raw)
+
+
+def allow_readers() -> None:
+    """Under Yama's ptrace_scope 1, let peers of this user read this process; a no-op without Yama."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY), 0, 0, 0)
+
+
+def address_of(view: memoryview) -> int:
+    """Address of the first byte of a contiguous buffer (read-only ones too)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+
+
+def read_remote(pid: int, local: memoryview, remote: Sequence[tuple[int, int]]) -> None:
+    """Fill `local` from the peer's memory ranges (address, length), in order; their lengths must add up."""
+    if _LIBC is None:
+        raise TransferError("cross-memory attach is not available on this platform")
+    if sum(n for _, n in remote) != local.nbytes:
+        raise TransferError(f"remote ranges hold {sum(n for _, n in remote)} bytes, the buffer {local.nbytes}")
+    dest = address_of(local)
+    pending = [(a, n) for a, n in remote if n]
+    while pending:
+        batch, pending = pending[:IOV_MAX], pending[IOV_MAX:]
+        want = sum(n for _, n in batch)
+        local_iov = _IoVec(dest, want)
+        remote_iov = (_IoVec * len(batch))(*(_IoVec(a, n) for a, n in batch))
+        got = _LIBC.process_vm_readv(pid, ctypes.byref(local_iov), 1, remote_iov, len(batch), 0)
+        if got < 0:
+            err = ctypes.get_errno()
+            raise TransferError(f"reading {want} bytes from process {pid} failed: {os.strerror(err)}")
+        dest += got
+        if got < want:  # a partial read stops at a range boundary or a fault: go on from where it stopped
+            done = got
+            rest: list[tuple[int, int]] = []
+            for a, n in batch:
+                if done >= n:
+                    done -= n
+                    continue
+                rest.append((a + done, n - done))
+                done = 0
+            if got == 0:
+                raise TransferError(f"process {pid} memory at {rest[0][0]:#x} could not be read")
+            pending = rest + pending
+
+
+def probe(pid: int, address: int, expected: bytes) -> str:
+    """Why the peer's memory cannot be read (empty when it can): reads its token back."""
+    if _LIBC is None:
+        return "cross-memory attach is not available on this platform"
+    buf = bytearray(len(expected))
+    try:
+        read_remote(pid, memoryview(buf), [(address, len(expected))])
+    except TransferError as exc:
+        return str(exc)
+    return "" if bytes(buf) == expected else f"process {pid} is not the peer (another PID namespace?)"

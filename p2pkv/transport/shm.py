@@ -1,0 +1,131 @@
+"""The shm transport: control frames on the TCP connection, payload bytes read straight from the sender's memory.
+
+After a handshake in which both sides proved they can read each other (`p2pkv.transport.cma`), a payload is not
+written to the socket: the frame is followed by a descriptor, the list of (address, length) ranges of the payload
+in the sender's memory, and the reader copies it with one `process_vm_readv` into its destination (a staging
+buffer, or the decode instance's KV blocks when it pulls). The reader then sends `PayloadCopied`; until it
+arrives, the sender keeps that memory unchanged (its transfer is not done).
+
+Each direction is agreed on its own: `sends_by_reference` (the peer reads my payloads) and `reads_by_reference`
+(I read the peer's). A direction that could not be set up carries payload bytes on the socket, as TCP does.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+from p2pkv.errors import ProtocolError, TransferError
+from p2pkv.protocol import CmaStatus, Message, PayloadCopied, PushBlocks, encode_frame
+from p2pkv.transport import cma
+from p2pkv.transport.tcp import TcpConnection
+
+MAX_RANGES = 1 << 16
+_COUNT = struct.Struct("!I")
+_RANGE = struct.Struct("!QQ")
+
+
+def encode_ranges(payload: Sequence[memoryview]) -> bytes:
+    views = [v for v in payload if v.nbytes]
+    if len(views) > MAX_RANGES:
+        raise TransferError(f"a payload of {len(views)} ranges exceeds the cap of {MAX_RANGES}")
+    return _COUNT.pack(len(views)) + b"".join(_RANGE.pack(cma.address_of(v), v.nbytes) for v in views)
+
+
+class ShmConnection:
+    name = "shm"
+
+    def __init__(self, inner: TcpConnection, peer_pid: int, sends_by_reference: bool,
+                 reads_by_reference: bool) -> None:
+        self._inner = inner
+        self.peer = inner.peer
+        self.peer_pid = peer_pid
+        self.sends_by_reference = sends_by_reference
+        self.reads_by_reference = reads_by_reference
+        self._secret = inner.secret
+        # The payload being read: its frame, and the peer's ranges not yet copied.
+        self._frame: PushBlocks | None = None
+        self._ranges: list[tuple[int, int]] = []
+        self._left = 0
+
+    def send_frame(self, message: Message, payload: Sequence[memoryview], deadline: float) -> None:
+        total = sum(v.nbytes for v in payload)
+        if not total or not self.sends_by_reference:
+            self._inner.send_frame(message, payload, deadline)
+            return
+        head = encode_frame(message, total, self._secret)
+        self._inner.send_raw(head + encode_ranges(payload), (), deadline)
+
+    def recv_frame(self, idle_timeout: float, deadline: float) -> tuple[Message, int] | None:
+        while True:
+            got = self._inner.recv_frame(idle_timeout, deadline)
+            if got is None:
+                return None
+            message, payload_len = got
+            if isinstance(message, CmaStatus):
+                # The client's answer to our offer; it precedes every other frame from that client.
+                self.sends_by_reference = message.reads_you
+                continue
+            if payload_len and self.reads_by_reference:
+                if not isinstance(message, PushBlocks):
+                    raise ProtocolError(f"a {type(message).__name__} frame carries no payload")
+                self._read_ranges(message, payload_len, deadline)
+            return message, payload_len
+
+    def _read_ranges(self, frame: PushBlocks, payload_len: int, deadline: float) -> None:
+        raw = bytearray(_COUNT.size)
+        self._inner.recv_exact_into(memoryview(raw), deadline)
+        (count,) = _COUNT.unpack(raw)
+        if count > MAX_RANGES:
+            raise ProtocolError(f"a descriptor of {count} ranges exceeds the cap of {MAX_RANGES}")
+        body = bytearray(count * _RANGE.size)
+        self._inner.recv_exact_into(memoryview(body), deadline)
+        ranges = [_RANGE.unpack_from(body, i * _RANGE.size) for i in range(count)]
+        if sum(n for _, n in ranges) != payload_len:
+            raise ProtocolError(f"descriptor ranges hold {sum(n for _, n in ranges)} bytes, the frame says "
+                                f"{payload_len}")
+        self._frame, self._ranges, self._left = frame, ranges, payload_len
+
+    def _take(self, nbytes: int) -> list[tuple[int, int]]:
+        """The next `nbytes` of the peer's ranges."""
+        if nbytes > self._left:
+            raise ProtocolError(f"asked for {nbytes} payload bytes, {self._left} left in the frame")
+        taken: list[tuple[int, int]] = []
+        while nbytes:
+            address, length = self._ranges[0]
+            step = min(length, nbytes)
+            taken.append((address, step))
+            if step == length:
+                self._ranges.pop(0)
+            else:
+                self._ranges[0] = (address + step, length - step)
+            nbytes -= step
+        return taken
+
+    def _consumed(self, nbytes: int, deadline: float) -> None:
+        self._left -= nbytes
+        if self._left == 0 and self._frame is not None:
+            frame, self._frame = self._frame, None
+            self._inner.send_frame(PayloadCopied(frame.transfer_id, frame.layer), (), deadline)
+
+    def recv_payload_into(self, view: memoryview, deadline: float) -> None:
+        if not self.reads_by_reference:
+            self._inner.recv_payload_into(view, deadline)
+            return
+        view = view.cast("B") if view.format != "B" else view
+        cma.read_remote(self.peer_pid, view, self._take(view.nbytes))
+        self._consumed(view.nbytes, deadline)
+
+    def discard_payload(self, nbytes: int, deadline: float) -> None:
+        if not self.reads_by_reference:
+            self._inner.discard_payload(nbytes, deadline)
+            return
+        if nbytes:
+            self._take(nbytes)
+            self._consumed(nbytes, deadline)
+
+    def is_alive(self) -> bool:
+        return self._inner.is_alive()
+
+    def close(self) -> None:
+        self._inner.close()

@@ -1,0 +1,98 @@
+"""The shm transport's pieces: cross-memory reads, the handshake's proof and fallback to tcp."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from p2pkv.config import ExtraConfig, Transport
+from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.handshake import local_offer, why_unreadable
+from p2pkv.engine.sender import OutState
+from p2pkv.errors import TransferError
+from p2pkv.params import Address
+from p2pkv.protocol import CmaOffer
+from p2pkv.transport import cma
+from tests.helpers.peer import layout
+
+pytestmark = pytest.mark.skipif(not cma.available(), reason="cross-memory attach needs Linux")
+
+
+def test_read_remote_copies_ranges_in_order() -> None:
+    src = np.random.default_rng(1).integers(0, 256, 3 * cma.IOV_MAX + 7, dtype=np.uint8)
+    base = cma.address_of(memoryview(src))
+    # More ranges than one system call takes, in a shuffled order, each one byte.
+    order = np.random.default_rng(2).permutation(src.size)
+    dest = bytearray(src.size)
+    cma.read_remote(os.getpid(), memoryview(dest), [(base + int(i), 1) for i in order])
+    assert bytes(dest) == src[order].tobytes()
+
+
+def test_read_remote_reports_errors() -> None:
+    with pytest.raises(TransferError, match="hold 4 bytes"):
+        cma.read_remote(os.getpid(), memoryview(bytearray(8)), [(1, 4)])
+    with pytest.raises(TransferError, match=r"failed|could not be read"):
+        cma.read_remote(os.getpid(), memoryview(bytearray(8)), [(8, 8)])  # unmapped address
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    with pytest.raises(TransferError, match="No such process"):
+        cma.read_remote(gone.pid, memoryview(bytearray(8)), [(cma.token()[0], 8)])
+
+
+def test_offers_prove_who_can_be_read() -> None:
+    offer = local_offer()
+    assert offer is not None and offer.pid == os.getpid()
+    assert why_unreadable(offer) == ""
+    assert "another host" in why_unreadable(CmaOffer(offer.pid, "other-boot", offer.token_address, offer.token))
+    assert "not the peer" in why_unreadable(CmaOffer(offer.pid, offer.boot_id, offer.token_address, b"x" * 16))
+    assert "does not offer" in why_unreadable(None)
+    # A process of another PID namespace or one that is gone is no peer.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert why_unreadable(CmaOffer(gone.pid, offer.boot_id, offer.token_address, offer.token))
+
+
+def _engine(transport: Transport) -> TransferEngine:
+    settings = EngineSettings.from_config(ExtraConfig(kv_host="127.0.0.1", transport=transport), 0, 0)
+    engine = TransferEngine(settings, layout(2, 4096))
+    engine.start()
+    return engine
+
+
+def _push(sender: TransferEngine, receiver: TransferEngine, tid: str) -> str:
+    data = np.arange(2 * 4096, dtype=np.uint16).astype(np.uint8).reshape(2, 4096)
+    deadline = time.monotonic() + 10
+    for layer in range(2):
+        sender.push_layer(tid, Address.parse(receiver.address), layer, 1, (data[layer].data,), deadline)
+    while (out := sender.outgoing(tid)) is not None and out.state is OutState.SENDING:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert out is not None and out.state is OutState.DONE
+    item = receiver.take_staged(tid)
+    assert item is not None and bytes(item.buffer) == data.tobytes()
+    transport = item.transport
+    receiver.release_staged(item)
+    return transport
+
+
+def test_shm_between_engines_and_fallback_to_tcp(caplog: pytest.LogCaptureFixture) -> None:
+    shm, auto, tcp = _engine(Transport.SHM), _engine(Transport.AUTO), _engine(Transport.TCP)
+    try:
+        assert _push(shm, auto, "a") == "shm"
+        assert _push(auto, shm, "b") == "shm"
+        with caplog.at_level(logging.INFO, "p2pkv"):
+            # A tcp-only peer: the shm engine warns once and uses tcp.
+            assert _push(shm, tcp, "c") == "tcp"
+            assert _push(tcp, auto, "d") == "tcp"
+        warned = [r for r in caplog.records if "shm with" in r.getMessage()]
+        assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+        assert "does not offer shm" in warned[0].getMessage()
+    finally:
+        for engine in (shm, auto, tcp):
+            engine.close()
