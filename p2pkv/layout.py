@@ -1,12 +1,17 @@
-"""Which bytes a (layer, block) occupies in vLLM's KV cache, as numpy byte views over the cache memory.
+"""Which bytes each (layer, block) occupies in vLLM's KV cache, derived from the layer views' strides.
 
-Every layout vLLM 0.29+ uses keeps one block of one layer as one contiguous run of bytes (the block dimension is
-outermost within a layer), even when the layer tensor itself is a strided view into a shared buffer. Blocks are
-copied whole as opaque bytes: on CPU their interior is packed by the attention kernel.
+vLLM 0.29+ gives each layer a logical `[B, H, N, C]` view (MLA: `[B, 1, N, C]`) into one buffer, in a physical
+order chosen by `KVCacheLayout` (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC). Views may be non-contiguous. One block
+of one layer is therefore one contiguous run of bytes in most orders (any order with B outside H, N and C within
+the layer), and several runs when a dimension sits outside B (LHBNC, BHLNC: one run per head). Blocks are copied
+whole, as opaque bytes in address order: on CPU their interior is packed by the attention kernel, and both peers
+must agree on the run structure, which is part of the layout digest.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,20 +23,8 @@ from p2pkv.errors import IncompatiblePeerError
 from p2pkv.protocol import LayoutDigest
 
 ByteBlocks = npt.NDArray[np.uint8]
-
-
-def _block_bytes_view(t: torch.Tensor) -> ByteBlocks:
-    if t.device.type != "cpu":
-        raise IncompatiblePeerError(f"KV tensors on {t.device.type} need a GPU transport (not available yet)")
-    if t.dim() < 2 or not t[0].is_contiguous():
-        raise IncompatiblePeerError(f"KV layer of shape {tuple(t.shape)} strides {t.stride()}: "
-                                    "a block is not one contiguous run of bytes")
-    es = t.element_size()
-    block_bytes = t[0].numel() * es
-    flat = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
-    view = flat.as_strided((t.shape[0], block_bytes), (t.stride(0) * es, 1), t.storage_offset() * es)
-    arr: ByteBlocks = view.numpy()
-    return arr
+Run = tuple[int, int]  # (byte offset, byte length)
+MAX_RUNS_PER_BLOCK = 4096
 
 
 def runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
@@ -45,48 +38,118 @@ def runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
+def merge_adjacent(ranges: Sequence[Run]) -> list[Run]:
+    """Neighbouring ranges joined where one ends where the next begins; order is kept."""
+    out: list[Run] = []
+    for start, length in ranges:
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((start, length))
+    return out
+
+
+def inner_runs(shape: Sequence[int], strides: Sequence[int], element_size: int) -> list[Run]:
+    """The byte runs of one block (a tensor of `shape`/`strides` in elements), relative to its first element, in
+    address order. Raises for views whose elements overlap (zero or negative strides)."""
+    dims = [(n, s) for n, s in zip(shape, strides, strict=True) if n != 1]
+    if any(s <= 0 for _, s in dims):
+        raise IncompatiblePeerError(f"KV block view with shape {tuple(shape)} strides {tuple(strides)} overlaps")
+    dims.sort(key=lambda d: d[1], reverse=True)
+    run = 1  # elements in the innermost dense run
+    while dims and dims[-1][1] == run:
+        run *= dims.pop()[0]
+    offsets = [0]
+    for n, s in dims:
+        offsets = [o + i * s for o in offsets for i in range(n)]
+        if len(offsets) > MAX_RUNS_PER_BLOCK:
+            raise IncompatiblePeerError(f"KV block view with shape {tuple(shape)} strides {tuple(strides)} "
+                                        f"splits into more than {MAX_RUNS_PER_BLOCK} runs")
+    offsets.sort()
+    if any(b - a < run for a, b in itertools.pairwise(offsets)):
+        raise IncompatiblePeerError(f"KV block view with shape {tuple(shape)} strides {tuple(strides)} overlaps")
+    return merge_adjacent([(o * element_size, run * element_size) for o in offsets])
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """Where the blocks of one layer live, in bytes from the start of its storage."""
+
+    base: int  # byte offset of block 0's first element
+    block_stride: int  # bytes from one block to the next
+    inner: tuple[Run, ...]  # runs of one block relative to its first element
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> LayerGeometry:
+        if t.dim() < 2:
+            raise IncompatiblePeerError(f"KV layer of shape {tuple(t.shape)}: expected [blocks, ...]")
+        es = t.element_size()
+        inner = inner_runs(t.shape[1:], t.stride()[1:], es)
+        return cls(t.storage_offset() * es, t.stride(0) * es, tuple(inner))
+
+    def ranges(self, block_ids: Sequence[int]) -> list[Run]:
+        """The byte ranges of these blocks, block after block, each block's runs in address order; merged where
+        they touch, so consecutive blocks of a block-major layout become one range."""
+        return merge_adjacent([(self.base + b * self.block_stride + off, n) for b in block_ids
+                               for off, n in self.inner])
+
+    def signature(self) -> str:
+        if len(self.inner) == 1:
+            return "dense"
+        digest = hashlib.sha256(repr(self.inner).encode()).hexdigest()[:12]
+        return f"{len(self.inner)} runs of {self.inner[0][1]} B ({digest})"
+
+
+def _storage_bytes(t: torch.Tensor) -> ByteBlocks:
+    if t.device.type != "cpu":
+        raise IncompatiblePeerError(f"KV tensors on {t.device.type} need a GPU transport (not available yet)")
+    flat = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+    arr: ByteBlocks = flat.numpy()
+    return arr
+
+
 @dataclass
 class KvBlocks:
-    """Byte views of every layer's blocks, in the order the layers were registered."""
+    """Byte access to every layer's blocks, in the order the layers were registered."""
 
-    layers: list[ByteBlocks]
+    storages: list[ByteBlocks]
+    geometry: list[LayerGeometry]
     digest: LayoutDigest
 
     @classmethod
     def from_tensors(cls, tensors: Sequence[torch.Tensor], block_size: int, kernel: str) -> KvBlocks:
         if not tensors:
             raise IncompatiblePeerError("no KV cache tensors were registered")
-        layers = [_block_bytes_view(t) for t in tensors]
         first = tensors[0]
         shapes = {(tuple(t.shape[1:]), t.dtype) for t in tensors}
         if len(shapes) != 1:
             raise IncompatiblePeerError(f"KV layers differ in block shape or dtype: {shapes}")
-        digest = LayoutDigest(num_layers=len(tensors), block_size=block_size, block_bytes=layers[0].shape[1],
+        geometry = [LayerGeometry.of(t) for t in tensors]
+        if len({g.inner for g in geometry}) != 1:
+            raise IncompatiblePeerError("KV layers differ in how their blocks are laid out in memory")
+        storages = [_storage_bytes(t) for t in tensors]
+        block_bytes = first[0].numel() * first.element_size()
+        digest = LayoutDigest(num_layers=len(tensors), block_size=block_size, block_bytes=block_bytes,
                               dtype=str(first.dtype).removeprefix("torch."), block_shape=tuple(first.shape[1:]),
-                              kernel=kernel)
-        return cls(layers, digest)
+                              kernel=kernel, block_layout=geometry[0].signature())
+        return cls(storages, geometry, digest)
 
     @property
     def block_bytes(self) -> int:
         return self.digest.block_bytes
 
     def block_views(self, layer: int, block_ids: Sequence[int]) -> tuple[memoryview, ...]:
-        """Zero-copy views of the given blocks of one layer, one per run of consecutive blocks."""
-        arr = self.layers[layer]
-        contiguous_runs = arr.strides[0] == arr.shape[1]
-        views: list[memoryview] = []
-        for first, count in runs(block_ids):
-            if contiguous_runs:
-                views.append(arr[first : first + count].reshape(-1).data)
-            else:
-                views.extend(arr[b].data for b in range(first, first + count))
-        return tuple(views)
+        """Zero-copy views of the given blocks of one layer, in payload order (as few as the layout allows)."""
+        storage = self.storages[layer]
+        return tuple(storage[start : start + n].data for start, n in self.geometry[layer].ranges(block_ids))
 
     def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:
-        """Copy consecutive whole blocks from `src` into the given blocks of one layer."""
-        data = np.frombuffer(src, dtype=np.uint8).reshape(len(block_ids), self.block_bytes)
-        arr = self.layers[layer]
-        row = 0
-        for first, count in runs(block_ids):
-            arr[first : first + count] = data[row : row + count]
-            row += count
+        """Copy whole blocks from `src` (payload order, as `block_views` gives them) into the given blocks."""
+        data = np.frombuffer(src, dtype=np.uint8)
+        if data.size != len(block_ids) * self.block_bytes:
+            raise ValueError(f"{data.size} bytes for {len(block_ids)} blocks of {self.block_bytes}")
+        storage = self.storages[layer]
+        at = 0
+        for start, n in self.geometry[layer].ranges(block_ids):
+            storage[start : start + n] = data[at : at + n]
+            at += n

@@ -36,9 +36,10 @@ class LayoutDigest(msgspec.Struct, frozen=True):
     dtype: str
     block_shape: tuple[int, ...]
     kernel: str
+    block_layout: str = "dense"  # how one block's bytes lie in memory (one run, or several)
 
     def differences(self, other: LayoutDigest) -> list[str]:
-        names = ("num_layers", "block_size", "block_bytes", "dtype", "block_shape", "kernel")
+        names = ("num_layers", "block_size", "block_bytes", "dtype", "block_shape", "kernel", "block_layout")
         return [f"{n}: ours {getattr(self, n)!r}, peer {getattr(other, n)!r}" for n in names
                 if getattr(self, n) != getattr(other, n)]
 

@@ -61,6 +61,12 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     return bench_transfer(sizes, args.transports, int(args.budget_mb * (1 << 20)), args.plot)
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from p2pkv.bench.serve import main as bench_serve
+
+    return bench_serve(args.model, args.input_len, args.output_len, args.num_prompts, args.request_rate, args.plot)
+
+
 def _bench_proxy(args: argparse.Namespace) -> int:
     from p2pkv.bench.proxy import main as bench_proxy
 
@@ -133,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     btransfer.add_argument("--budget-mb", type=float, default=512, help="bytes moved per size and measurement")
     btransfer.add_argument("--plot", default="bench-transfer.png", help="where the PNG plot goes")
     btransfer.set_defaults(func=_bench_transfer)
+
+    bserve = bench.add_parser("serve", help="vLLM's serving benchmark: 1P1D through the proxy against colocated")
+    bserve.add_argument("--model", default=None, help="model directory (default: the tiny model)")
+    bserve.add_argument("--input-len", type=int, default=512)
+    bserve.add_argument("--output-len", type=int, default=32)
+    bserve.add_argument("--num-prompts", type=int, default=64)
+    bserve.add_argument("--request-rate", type=float, default=4.0, help="requests per second (inf: all at once)")
+    bserve.add_argument("--plot", default="bench-serve.png", help="where the PNG plot goes")
+    bserve.set_defaults(func=_bench_serve)
 
     bproxy = bench.add_parser("proxy", help="the proxy against stub backends: added latency and throughput")
     bproxy.add_argument("--requests", type=int, default=2000)

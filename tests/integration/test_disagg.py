@@ -231,3 +231,22 @@ def test_put_mode_pushes_inline(up_cluster: UpCluster) -> None:
     per_block = kv_bytes_per_block_and_layer() * LAYERS
     assert metric(decode["metrics"], "p2pkv_bytes_received_total") - received_before == math.ceil(
         length / BLOCK_SIZE) * per_block
+
+
+def test_vllm_serving_benchmark_through_the_proxy_and_colocated(up_cluster: UpCluster) -> None:
+    """`p2pkv bench serve`'s parts on the shared cluster: vLLM's benchmark completes every request both ways, and
+    the prefill instance's metrics show one transfer per request."""
+    from p2pkv.bench.serve import histogram_sum_count, table
+    from p2pkv.vllm.bench_serve import run_vllm_bench_serve
+
+    prefill = up_cluster.instance("kv_producer")
+    metrics = f"http://{prefill['metrics']}/metrics"
+    before = histogram_sum_count(httpx.get(metrics, timeout=10).text, "p2pkv_transfer_seconds")
+    disagg = run_vllm_bench_serve(up_cluster.proxy, up_cluster.model, 200, 8, 6, float("inf"))
+    after = histogram_sum_count(httpx.get(metrics, timeout=10).text, "p2pkv_transfer_seconds")
+    colocated = run_vllm_bench_serve(up_cluster.colocated, up_cluster.model, 200, 8, 6, float("inf"))
+    assert disagg["completed"] == colocated["completed"] == 6
+    assert after[1] - before[1] == 6
+    assert disagg["mean_ttft_ms"] > 0 and colocated["output_throughput"] > 0
+    lines = table(disagg, colocated, (after[0] - before[0]) / 6 * 1000)
+    assert lines[1].startswith("mean TTFT (ms)") and lines[-1].startswith("mean KV transfer (ms)")

@@ -50,10 +50,19 @@ def test_strided_layers_sharing_one_buffer() -> None:
     assert np.array_equal(got, buffer[1:3, 1].reshape(-1).numpy())
 
 
-def test_non_contiguous_blocks_are_refused() -> None:
-    t = torch.randn(4, 8, 16).transpose(1, 2)
-    with pytest.raises(IncompatiblePeerError, match="not one contiguous run"):
+def test_overlapping_views_are_refused() -> None:
+    t = torch.randn(4, 1, 16).expand(4, 8, 16)  # every head aliases the same bytes
+    with pytest.raises(IncompatiblePeerError, match="overlaps"):
         KvBlocks.from_tensors([t], 16, "test")
+
+
+def test_padded_blocks_copy_only_their_elements() -> None:
+    # Each block row padded: 8 runs of 16 floats with gaps of 16 floats between them.
+    t = torch.zeros(4, 8, 32)[:, :, :16]
+    kv = KvBlocks.from_tensors([t], 16, "test")
+    assert kv.block_bytes == 8 * 16 * 4
+    assert len(kv.block_views(0, [1])) == 8
+    assert kv.digest.block_layout.startswith("8 runs of 64 B")
 
 
 def test_layers_of_different_shape_are_refused() -> None:

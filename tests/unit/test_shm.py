@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -96,3 +97,12 @@ def test_shm_between_engines_and_fallback_to_tcp(caplog: pytest.LogCaptureFixtur
     finally:
         for engine in (shm, auto, tcp):
             engine.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_the_engine_example_runs(transport: str) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "engine_direct.py"
+    out = subprocess.run([sys.executable, str(example), "--transport", transport], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert f"PUT: {4 * 6 * (64 << 10)} bytes over {transport}; sender says done" in out
+    assert f"GET: {4 * 4 * (64 << 10)} bytes over {transport}; sender's offer is served" in out
