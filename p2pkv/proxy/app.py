@@ -261,19 +261,27 @@ def create_app(config: ProxyConfig) -> FastAPI:
         if not router.authorized(request):
             return _error(401, "missing or wrong API key", "authentication_error")
         await request.body()  # read whole, so the next receive() can only be the client going away
-        work = asyncio.create_task(router.handle(request, path))
-        gone = asyncio.create_task(_client_gone(request))
-        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-        if work.done():
-            gone.cancel()
-            return work.result()
-        # Cancelling the work closes whichever upstream request it was waiting on (prefill or decode).
-        work.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await work
-        router.metrics.requests.labels("client_gone").inc()
-        log.info("client went away; its upstream requests were cancelled")
-        return Response(status_code=499)
+        handler = asyncio.current_task()
+        assert handler is not None
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            await _client_gone(request)
+            gone.set()
+            handler.cancel()  # closes whichever upstream request the handler is waiting on (prefill or decode)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            return await router.handle(request, path)
+        except asyncio.CancelledError:
+            if not gone.is_set():
+                raise
+            handler.uncancel()
+            router.metrics.requests.labels("client_gone").inc()
+            log.info("client went away; its upstream requests were cancelled")
+            return Response(status_code=499)
+        finally:
+            watcher.cancel()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

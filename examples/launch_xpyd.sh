@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# xPyD on one host with N GPUs (or on vLLM's CPU build): P prefill and D decode vLLM servers with the p2pkv
+# connector, and the p2pkv proxy, which finds them by their heartbeats. Ctrl-C stops everything.
+#
+#   MODEL=/models/Llama-3.1-8B-Instruct P=1 D=1 examples/launch_xpyd.sh      # 1P1D on GPUs 0 and 1
+#   MODEL=/models/Llama-3.1-8B-Instruct P=2 D=2 examples/launch_xpyd.sh      # 2P2D on GPUs 0..3
+#
+# Environment: MODEL (required), P, D (default 1 each), FIRST_GPU (0), HOST (this host's address, default
+# 127.0.0.1), PROXY_PORT (10001), DISCOVERY_PORT (30001), BASE_HTTP (8100), BASE_KV (21001), EXTRA_ARGS (more vLLM
+# arguments, e.g. "--max-model-len 8192"), P2PKV_AUTH_SECRET (optional: signs every control frame and heartbeat).
+# On vLLM's CPU build also export VLLM_CPU_KVCACHE_SPACE (GiB of KV per instance, e.g. 1) and
+# ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 (see the README); CUDA_VISIBLE_DEVICES is then ignored.
+# For hosts of their own, run one instance per host with the same command and point proxy_ip at the proxy's host.
+set -euo pipefail
+: "${MODEL:?set MODEL to a model directory or name}"
+P="${P:-1}" D="${D:-1}" FIRST_GPU="${FIRST_GPU:-0}" HOST="${HOST:-127.0.0.1}"
+PROXY_PORT="${PROXY_PORT:-10001}" DISCOVERY_PORT="${DISCOVERY_PORT:-30001}"
+BASE_HTTP="${BASE_HTTP:-8100}" BASE_KV="${BASE_KV:-21001}" EXTRA_ARGS="${EXTRA_ARGS:-}"
+LOGS="$(mktemp -d -t p2pkv-xpyd-XXXX)"
+pids=()
+cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; echo "stopped; logs in $LOGS"; }
+trap cleanup EXIT INT TERM
+
+p2pkv proxy --host "$HOST" --port "$PROXY_PORT" --discovery-port "$DISCOVERY_PORT" >"$LOGS/proxy.log" 2>&1 &
+pids+=($!)
+
+for ((i = 0; i < P + D; i++)); do
+  if ((i < P)); then role=kv_producer; name="prefill$i"; else role=kv_consumer; name="decode$((i - P))"; fi
+  http=$((BASE_HTTP + i)) kv=$((BASE_KV + 100 * i))  # worker rank r binds kv + r
+  config=$(printf '{"kv_connector":"P2pNcclConnector","kv_connector_module_path":"p2pkv.vllm","kv_role":"%s",'\
+'"kv_port":%d,"kv_load_failure_policy":"recompute","kv_connector_extra_config":{"kv_host":"%s",'\
+'"proxy_ip":"%s","proxy_port":%d,"http_port":%d}}' "$role" "$kv" "$HOST" "$HOST" "$DISCOVERY_PORT" "$http")
+  # shellcheck disable=SC2086  # EXTRA_ARGS is a list of arguments
+  CUDA_VISIBLE_DEVICES=$((FIRST_GPU + i)) python -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+    --host "$HOST" --port "$http" --kv-transfer-config "$config" $EXTRA_ARGS >"$LOGS/$name.log" 2>&1 &
+  pids+=($!)
+  echo "$name: http://$HOST:$http (KV port $kv), log $LOGS/$name.log"
+done
+
+echo "waiting until the proxy has heard from all $((P + D)) instances..."
+until [ "$(curl -s "http://$HOST:$PROXY_PORT/instances" | python -c 'import json,sys; print(len(json.load(sys.stdin)["instances"]))' 2>/dev/null || echo 0)" -ge $((P + D)) ]; do
+  for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || { echo "a process exited; see $LOGS"; exit 1; }; done
+  sleep 2
+done
+echo "ready: http://$HOST:$PROXY_PORT/v1/completions (Ctrl-C stops everything)"
+wait -n "${pids[@]}"

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Every GPU check in one command (under 5 minutes on one H200): a table of rows, exit status 1 if any fails.
+# On a machine without a CUDA device every row is skipped and the exit status is 0.
+# The GPU tests of the pytest suite (marker `gpu`) run first; they skip with a reason without a GPU.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+[ -x "$ROOT/.venv/bin/python" ] && [ -z "${P2PKV_GPU_PYTHON:-}" ] && PYTHON="$ROOT/.venv/bin/python"
+PYTHON="${P2PKV_GPU_PYTHON:-$PYTHON}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+cd "$ROOT"
+status=0
+if "$PYTHON" -c "import pytest" 2>/dev/null; then
+  "$PYTHON" -m pytest -q -m gpu -rs tests || status=$?
+  [ "$status" -eq 5 ] && status=0  # no test collected
+fi
+"$PYTHON" -m p2pkv.bench.gpu_check || status=1
+exit "$status"

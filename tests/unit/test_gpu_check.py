@@ -1,0 +1,36 @@
+"""The GPU check: its rows run on a CUDA machine (marker `gpu`), and without one every row is skipped cleanly."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2pkv.bench import gpu_check
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_layout_ranges_move_blocks_on_the_device() -> None:
+    assert "byte for byte" in gpu_check._layouts_on_device()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_pinned_pool_copies_at_pinned_speed() -> None:
+    assert "to device" in gpu_check._pinned_pool()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+def test_without_a_gpu_the_script_skips_every_row_and_succeeds() -> None:
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line for line in done.stdout.splitlines() if "no CUDA device on this machine" in line]
+    assert len(rows) == len(gpu_check.CHECKS)
+    assert all(" SKIP " in row for row in rows)
