@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from p2pkv.cli.cluster import Cluster, InstanceSpec, free_ports
@@ -25,15 +26,18 @@ def tight(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     work = tmp_path_factory.mktemp("tight")
     cluster = Cluster(model=tiny_model, log_dir=work)
     extra = {"kv_buffer_size": 1, "mem_pool_size_gb": 0, "transfer_timeout_s": TIMEOUT_S}
-    p_http, p_kv, p_metrics, d_http, d_kv, d_metrics, proxy = free_ports(7)
+    p_http, p_kv, p_metrics, d_http, d_kv, d_metrics, proxy, f_http, f_kv = free_ports(9)
     cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv, {**extra, "metrics_port": p_metrics}))
     cluster.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_kv, {**extra, "metrics_port": d_metrics}))
+    # A second decode instance that fails requests whose KV cannot be loaded (kv_load_failure_policy=fail).
+    cluster.add_vllm("decode-fail", InstanceSpec("kv_consumer", f_http, f_kv, extra, failure_policy="fail"))
     cluster.add_proxy(proxy, [f"127.0.0.1:{p_http}"], [f"127.0.0.1:{d_http}"])
     try:
         cluster.start(timeout_s=900)
         yield {"model": tiny_model, "proxy": f"http://127.0.0.1:{proxy}", "cluster": cluster, "instances": [
             {"role": "kv_producer", "http": f"127.0.0.1:{p_http}", "metrics": f"127.0.0.1:{p_metrics}"},
-            {"role": "kv_consumer", "http": f"127.0.0.1:{d_http}", "metrics": f"127.0.0.1:{d_metrics}"}]}
+            {"role": "kv_consumer", "http": f"127.0.0.1:{d_http}", "metrics": f"127.0.0.1:{d_metrics}"},
+            {"role": "kv_consumer_fail", "http": f"127.0.0.1:{f_http}"}]}
     finally:
         cluster.stop()
 
@@ -74,3 +78,11 @@ def test_prefill_killed_while_holding_kv_decode_recomputes_within_the_deadline(t
     assert time.monotonic() - started < TIMEOUT_S + 30
     assert ids_and_logprobs(answer)[0] == reference
     assert metric(decode["metrics"], 'p2pkv_transfers_total{direction="load",outcome="failed"}') >= 1
+
+    # With kv_load_failure_policy=fail the same lost KV ends the request with an error, within the deadline.
+    failing = role(tight, "kv_consumer_fail")
+    started = time.monotonic()
+    resp = httpx.post(f"http://{failing['http']}/v1/completions", json=body, timeout=120)
+    assert time.monotonic() - started < TIMEOUT_S + 30
+    assert resp.status_code >= 500, resp.text
+    assert "error" in resp.json()
