@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -34,6 +35,14 @@ def kv(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (LAYERS, BLOCKS * BLOCK_BYTES), dtype=np.uint8)
 
 
+def wait_until(done: Callable[[], bool], deadline: float, what: str) -> None:
+    """Poll `done` until it holds; every wait here has a deadline."""
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen in time")
+        time.sleep(0.01)
+
+
 def start(transport: str) -> TransferEngine:
     extra = ExtraConfig(kv_host="127.0.0.1", transport=Transport(transport), transfer_timeout_s=10)
     engine = TransferEngine(EngineSettings.from_config(extra, port=0, metrics_port=0), LAYOUT)
@@ -48,15 +57,16 @@ def sender(pipe: Connection, transport: str, peer: str) -> None:
     # PUT: push every layer of blocks 0..BLOCKS-1 to the receiver.
     for layer in range(LAYERS):
         engine.push_layer("put-1", Address.parse(peer), layer, BLOCKS, (cache[layer].data,), deadline)
-    while (out := engine.outgoing("put-1")) is not None and out.state is OutState.SENDING:
-        time.sleep(0.01)
+    wait_until(lambda: (o := engine.outgoing("put-1")) is None or o.state is not OutState.SENDING, deadline,
+               "the push")
+    out = engine.outgoing("put-1")
     # GET: hold the blocks of a second transfer under a lease, for the receiver to pull.
     held = kv(seed=2)
     engine.offer("get-1", BLOCKS, lambda layer, first, count: (
         held[layer][first * BLOCK_BYTES : (first + count) * BLOCK_BYTES].data,), lease_s=10)
     pipe.send((out.state.value if out else "missing", engine.address))
-    while engine.offer_state("get-1") in (OfferState.OFFERED, OfferState.SERVING):
-        time.sleep(0.01)
+    wait_until(lambda: engine.offer_state("get-1") not in (OfferState.OFFERED, OfferState.SERVING),
+               time.monotonic() + 20, "the pull of the held blocks")
     final = engine.offer_state("get-1")
     pipe.send(final.value if final is not None else "missing")
     engine.close()
@@ -71,9 +81,11 @@ def main() -> int:
     proc = mp.get_context("spawn").Process(target=sender, args=(child, args.transport, receiver.address))
     proc.start()
     try:
+        if not parent.poll(30):
+            raise TimeoutError("the sending process did not report")
         pushed, sender_address = parent.recv()
-        while receiver.staged_state("put-1") not in (StageState.COMPLETE, StageState.FAILED):
-            time.sleep(0.01)
+        wait_until(lambda: receiver.staged_state("put-1") in (StageState.COMPLETE, StageState.FAILED),
+                   time.monotonic() + 10, "the pushed transfer")
         item = receiver.take_staged("put-1")
         assert item is not None and item.state is StageState.COMPLETE, "the push did not arrive"
         assert bytes(item.buffer) == kv(seed=1).tobytes(), "pushed bytes differ"
@@ -84,10 +96,13 @@ def main() -> int:
         mine = np.zeros((LAYERS, 4 * BLOCK_BYTES), dtype=np.uint8)
         receiver.pull("get-1", Address.parse(sender_address), 2, 4, lambda layer, first, count: (
             mine[layer][first * BLOCK_BYTES : (first + count) * BLOCK_BYTES].data,), time.monotonic() + 10)
-        while (result := receiver.pull_result("get-1")) is not None and result.state is PullState.PENDING:
-            time.sleep(0.01)
+        wait_until(lambda: (r := receiver.pull_result("get-1")) is None or r.state is not PullState.PENDING,
+                   time.monotonic() + 15, "the pull")
+        result = receiver.pull_result("get-1")
         assert result is not None and result.state is PullState.DONE, f"pull failed: {result}"
         assert np.array_equal(mine, kv(seed=2)[:, 2 * BLOCK_BYTES :]), "pulled bytes differ"
+        if not parent.poll(30):
+            raise TimeoutError("the sending process did not report its offer")
         print(f"GET: {result.nbytes} bytes over {result.transport}; sender's offer is {parent.recv()}")
         return 0
     finally:

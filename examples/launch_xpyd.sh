@@ -7,7 +7,7 @@
 #
 # Environment: MODEL (required), P, D (default 1 each), FIRST_GPU (0), HOST (this host's address, default
 # 127.0.0.1), PROXY_PORT (10001), DISCOVERY_PORT (30001), BASE_HTTP (8100), BASE_KV (21001), EXTRA_ARGS (more vLLM
-# arguments, e.g. "--max-model-len 8192"), P2PKV_AUTH_SECRET (optional: signs every control frame and heartbeat).
+# arguments, e.g. "--max-model-len 8192"), READY_TIMEOUT (seconds, 900), P2PKV_AUTH_SECRET (optional: signs every control frame and heartbeat).
 # On vLLM's CPU build also export VLLM_CPU_KVCACHE_SPACE (GiB of KV per instance, e.g. 1) and
 # ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 (see the README); CUDA_VISIBLE_DEVICES is then ignored.
 # For hosts of their own, run one instance per host with the same command and point proxy_ip at the proxy's host.
@@ -38,8 +38,10 @@ for ((i = 0; i < P + D; i++)); do
 done
 
 echo "waiting until the proxy has heard from all $((P + D)) instances..."
+deadline=$((SECONDS + ${READY_TIMEOUT:-900}))
 until [ "$(curl -s "http://$HOST:$PROXY_PORT/instances" | python -c 'import json,sys; print(len(json.load(sys.stdin)["instances"]))' 2>/dev/null || echo 0)" -ge $((P + D)) ]; do
   for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || { echo "a process exited; see $LOGS"; exit 1; }; done
+  ((SECONDS < deadline)) || { echo "not ready after ${READY_TIMEOUT:-900} s; see $LOGS"; exit 1; }
   sleep 2
 done
 echo "ready: http://$HOST:$PROXY_PORT/v1/completions (Ctrl-C stops everything)"

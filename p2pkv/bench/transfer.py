@@ -99,16 +99,23 @@ def socket_gbps(nbytes: int, budget_bytes: int) -> float:
         parent, child = _SPAWN.Pipe()
         proc = _SPAWN.Process(target=stream_run, args=(child, server.getsockname()[1], nbytes, count), daemon=True)
         proc.start()
+        server.settimeout(60)
         conn, _ = server.accept()
         with conn:
             tune_socket(conn)
+            conn.settimeout(60)  # a silent sender ends the measurement with an error, never a hang
             buf = memoryview(bytearray(nbytes))
             parent.send("go")
+            if not parent.poll(60):
+                raise RuntimeError("the streaming process did not start")
             started: float = parent.recv()
             for _ in range(count):
                 got = 0
                 while got < nbytes:
-                    got += conn.recv_into(buf[got:])
+                    n = conn.recv_into(buf[got:])
+                    if n == 0:
+                        raise RuntimeError("the streaming process closed the connection early")
+                    got += n
             ended = time.monotonic()
             parent.send("done")
         proc.join(30)
