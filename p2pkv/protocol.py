@@ -80,14 +80,17 @@ class CmaStatus(msgspec.Struct, tag="cma_status", frozen=True):
 
 
 class PayloadCopied(msgspec.Struct, tag="copied", frozen=True):
-    """shm transport: the reader has copied this layer's payload out of the sender's memory, which may go."""
+    """shm transport: the reader has copied the payload of layers `layer .. layer+layers` out of the sender's
+    memory, which may go."""
 
     transfer_id: str
     layer: int
+    layers: int = 1
 
 
 class PushBlocks(msgspec.Struct, tag="push", frozen=True):
-    """Blocks `first_block .. first_block+num_blocks` of one layer of a transfer; the payload follows."""
+    """Blocks `first_block .. first_block+num_blocks` of layers `layer .. layer+layers` of a transfer; the payload
+    follows, layer after layer. A frame of several layers carries whole layers (every block of each)."""
 
     transfer_id: str
     layer: int
@@ -95,6 +98,7 @@ class PushBlocks(msgspec.Struct, tag="push", frozen=True):
     num_blocks: int
     total_blocks: int
     num_layers: int
+    layers: int = 1
 
 
 class PushAck(msgspec.Struct, tag="push_ack", frozen=True):

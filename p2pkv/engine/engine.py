@@ -124,6 +124,11 @@ class TransferEngine:
         assert self._sender is not None, "engine not started"
         return self._sender.poll(transfer_id)
 
+    def wait_outgoing(self, transfer_id: str, timeout_s: float) -> Outgoing | None:
+        """Block until the transfer has finished (or `timeout_s` passed); None for an unknown id."""
+        assert self._sender is not None, "engine not started"
+        return self._sender.wait(transfer_id, time.monotonic() + timeout_s)
+
     def forget_outgoing(self, transfer_id: str) -> None:
         assert self._sender is not None, "engine not started"
         self._sender.forget(transfer_id)
@@ -152,6 +157,10 @@ class TransferEngine:
     # Receiving side.
     def staged_state(self, transfer_id: str) -> StageState | None:
         return self.store.state(transfer_id)
+
+    def wait_staged(self, transfer_id: str, timeout_s: float) -> StageState | None:
+        """Block until a pushed transfer is complete or failed (or `timeout_s` passed); its state then."""
+        return self.store.wait(transfer_id, time.monotonic() + timeout_s)
 
     def take_staged(self, transfer_id: str) -> StagedTransfer | None:
         return self.store.take(transfer_id)

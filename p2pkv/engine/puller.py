@@ -130,15 +130,18 @@ class Puller:
                 raise NotOfferedYet(job.transfer_id)
             if not reply[0].accepted:
                 raise TransferError(f"{job.peer} refused the pull: {reply[0].reason}")
-            nbytes = 0
-            for layer in range(self._hello.layout.num_layers):
+            nbytes, layer, num_layers = 0, 0, self._hello.layout.num_layers
+            per_layer = job.num_blocks * self._hello.layout.block_bytes
+            while layer < num_layers:  # one frame may carry several layers, in order
                 message, payload_len = self._next(conn, job.deadline)
-                expected = job.num_blocks * self._hello.layout.block_bytes
                 if (not isinstance(message, PushBlocks) or message.transfer_id != job.transfer_id
-                        or message.layer != layer or payload_len != expected):
+                        or message.layer != layer or not 1 <= message.layers <= num_layers - layer
+                        or payload_len != message.layers * per_layer):
                     raise ProtocolError(f"unexpected frame while pulling layer {layer}: {message!r}")
-                for view in job.sink(layer, 0, job.num_blocks):
-                    conn.recv_payload_into(view, job.deadline)
+                for frame_layer in range(layer, layer + message.layers):
+                    for view in job.sink(frame_layer, 0, job.num_blocks):
+                        conn.recv_payload_into(view, job.deadline)
+                layer += message.layers
                 nbytes += payload_len
             self._metrics.bytes_received.labels(conn.name).inc(nbytes)
             self._metrics.add("bytes_received", nbytes)

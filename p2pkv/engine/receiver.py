@@ -6,6 +6,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
 from p2pkv.engine.handshake import server_reply
 from p2pkv.engine.metrics import EngineMetrics
@@ -18,6 +19,7 @@ from p2pkv.protocol import (
     Hello,
     HelloReply,
     LayoutDigest,
+    Message,
     PayloadCopied,
     PullReply,
     PullRequest,
@@ -134,12 +136,12 @@ class Receiver:
                        deadline: float) -> None:
         view, ack = self._store.begin_chunk(push, payload_len, source, conn.name)
         if ack is not None:
-            conn.send_frame(ack, (), deadline)
+            conn.queue_frame(ack)  # goes out with the next reply, or before this connection waits for input
         if view is None:
             conn.discard_payload(payload_len, deadline)
             return
         conn.recv_payload_into(view, deadline)
-        self._store.finish_chunk(push.transfer_id, push.num_blocks)
+        self._store.finish_chunk(push.transfer_id, push.num_blocks * push.layers)
         self._metrics.bytes_received.labels(conn.name).inc(payload_len)
         self._metrics.add("bytes_received", payload_len)
 
@@ -151,13 +153,14 @@ class Receiver:
             return
         started, nbytes = time.monotonic(), 0
         try:
-            conn.send_frame(PullReply(pull.transfer_id, True), (), deadline)
-            for layer in range(self._layout.num_layers):
-                views = claim.source(layer, pull.first_block, pull.num_blocks)
-                push = PushBlocks(pull.transfer_id, layer, 0, pull.num_blocks, pull.num_blocks,
-                                  self._layout.num_layers)
-                conn.send_frame(push, views, deadline)
-                nbytes += sum(v.nbytes for v in views)
+            # Every layer in one frame: the pulled blocks are whole layers of the puller's transfer.
+            num_layers = self._layout.num_layers
+            views = [v for layer in range(num_layers) for v in claim.source(layer, pull.first_block, pull.num_blocks)]
+            nbytes = sum(v.nbytes for v in views)
+            push = PushBlocks(pull.transfer_id, 0, 0, pull.num_blocks, pull.num_blocks, num_layers, num_layers)
+            frames: list[tuple[Message, Sequence[memoryview]]] = [(PullReply(pull.transfer_id, True), ()),
+                                                                  (push, views)]
+            conn.send_frames(frames, deadline)
             if isinstance(conn, ShmConnection) and conn.sends_by_reference:
                 self._await_copies(conn, pull.transfer_id, deadline)
         finally:
@@ -179,7 +182,7 @@ class Receiver:
             message, payload_len = got
             if not isinstance(message, PayloadCopied) or payload_len or message.transfer_id != transfer_id:
                 raise ProtocolError(f"expected a copy confirmation, got {type(message).__name__}")
-            copied.add(message.layer)
+            copied.update(range(max(0, message.layer), min(self._layout.num_layers, message.layer + message.layers)))
 
     def close(self) -> None:
         self._stop.set()

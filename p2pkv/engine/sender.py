@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import queue
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +23,7 @@ from p2pkv.transport.shm import ShmConnection
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
-_ACK_POLL_S = 0.0005
+_MAX_BATCH = 256
 
 Connect = Callable[[Address, float], Connection]
 
@@ -74,7 +76,27 @@ class Outgoing:
         return self.acked and sent and (not self.by_reference or len(self.layers_copied) == self.num_layers)
 
 
+def _frames(jobs: list[PushJob]) -> list[tuple[PushBlocks, tuple[memoryview, ...]]]:
+    """One frame per run of consecutive layers of one transfer (whole layers lie back to back at the receiver)."""
+    frames: list[tuple[PushBlocks, tuple[memoryview, ...]]] = []
+    start = 0
+    while start < len(jobs):
+        first = jobs[start]
+        end = start + 1
+        while (end < len(jobs) and jobs[end].transfer_id == first.transfer_id
+               and jobs[end].layer == first.layer + (end - start) and jobs[end].total_blocks == first.total_blocks):
+            end += 1
+        views = tuple(v for job in jobs[start:end] for v in job.views)
+        frames.append((PushBlocks(first.transfer_id, first.layer, 0, first.total_blocks, first.total_blocks,
+                                  first.num_layers, end - start), views))
+        start = end
+    return frames
+
+
 class Sender:
+    """One thread sends queued layers and reads the receivers' verdicts. It sleeps in `poll` on a wake-up pipe and
+    on the connections that owe it a verdict, so it reacts to either at once and burns nothing while idle."""
+
     def __init__(self, connect: Connect, hello: Hello, metrics: EngineMetrics, require_shm: bool = False) -> None:
         self._connect = connect
         self._hello = hello
@@ -84,13 +106,24 @@ class Sender:
         self._conns: dict[Address, Connection] = {}
         self._lock = threading.Lock()
         self._transfers: dict[str, Outgoing] = {}
-        self._idle = threading.Condition(self._lock)
+        self._sending: dict[str, Outgoing] = {}  # the transfers not finished yet
+        self._changed = threading.Condition(self._lock)  # a transfer finished, or the queue drained
         self._pending = 0
+        self._woken = False  # a wake-up byte is in the pipe, or the thread is about to drain the queue
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._thread = engine_thread(self._loop, "p2pkv-sender")
 
     def start(self) -> None:
         self._thread.start()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:  # the pipe is full (a wake-up is pending anyway) or closed
+            pass
 
     def submit(self, job: PushJob) -> None:
         with self._lock:
@@ -98,18 +131,32 @@ class Sender:
             if item is None:
                 item = Outgoing(job.transfer_id, job.peer, job.num_layers, time.monotonic(), job.deadline)
                 self._transfers[job.transfer_id] = item
+                self._sending[job.transfer_id] = item
             self._pending += 1
-        self._queue.put(job)
+            self._queue.put(job)
+            wake, self._woken = not self._woken, True
+        if wake:
+            self._wake()
 
     def wait_idle(self, deadline: float) -> bool:
         """Block until every submitted job has been handled (PUT mode); False if the deadline passed."""
-        with self._idle:
+        with self._changed:
             while self._pending:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self._idle.wait(left)
+                self._changed.wait(left)
             return True
+
+    def wait(self, transfer_id: str, deadline: float) -> Outgoing | None:
+        """The transfer once it has finished (or at the deadline, still sending); None if unknown."""
+        with self._changed:
+            while (item := self._transfers.get(transfer_id)) is not None and item.state is OutState.SENDING:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            return item
 
     def poll(self, transfer_id: str) -> Outgoing | None:
         with self._lock:
@@ -123,55 +170,97 @@ class Sender:
         """Fail transfers whose deadline passed, so their blocks are released."""
         now = time.monotonic()
         with self._lock:
-            for item in self._transfers.values():
-                if item.state is OutState.SENDING and now > item.deadline:
+            for item in list(self._sending.values()):
+                if now > item.deadline:
                     self._finish_locked(item, OutState.FAILED, "deadline passed")
 
     def _loop(self) -> None:
+        backlog = False  # the last drain stopped at its cap: look again without sleeping
         while not self._stop.is_set():
             with self._lock:
-                waiting = {t.peer for t in self._transfers.values() if t.awaiting_ack}
+                waiting = {t.peer for t in self._sending.values() if t.awaiting_ack}
+                polled = {c.fileno(): p for p in waiting if (c := self._conns.get(p)) is not None}
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            for fd in polled:
+                poller.register(fd, select.POLLIN)
+            events = poller.poll(0 if backlog else _POLL_S * 1000)
             try:
-                job = self._queue.get(timeout=_ACK_POLL_S if waiting else _POLL_S)
-            except queue.Empty:
-                for peer in waiting:
-                    self._poll_acks(peer)
-                continue
-            try:
-                self._handle(job)
-            except Exception as exc:  # a bug must fail the transfer, not kill the thread
-                log.exception("transfer %s: push crashed", job.transfer_id)
-                with self._lock:
-                    item = self._transfers.get(job.transfer_id)
-                    if item is not None and item.state is OutState.SENDING:
-                        self._finish_locked(item, OutState.FAILED, f"internal error: {exc!r}")
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+            with self._lock:
+                self._woken = False  # jobs queued from here on write a new wake-up byte
+            jobs = self._drain()
+            backlog = len(jobs) == _MAX_BATCH
+            if jobs:
+                self._handle_batch(jobs)
+            for fd, _ in events:
+                if fd in polled:
+                    self._poll_acks(polled[fd])
 
-    def _handle(self, job: PushJob) -> None:
-        with self._lock:
-            item = self._transfers.get(job.transfer_id)
-            if item is None or item.state is not OutState.SENDING:
-                return
+    def _drain(self) -> list[PushJob]:
+        jobs: list[PushJob] = []
+        while len(jobs) < _MAX_BATCH:
+            try:
+                jobs.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return jobs
+
+    def _handle_batch(self, jobs: list[PushJob]) -> None:
+        """Send the jobs in order; consecutive jobs to one peer go out together."""
         try:
-            conn = self._send_with_retry(job)
+            start = 0
+            while start < len(jobs):
+                end = start + 1
+                while end < len(jobs) and jobs[end].peer == jobs[start].peer:
+                    end += 1
+                try:
+                    self._send_group(jobs[start:end])
+                except Exception as exc:  # a bug must fail the transfers, not kill the thread
+                    log.exception("push to %s crashed", jobs[start].peer)
+                    with self._lock:
+                        for job in jobs[start:end]:
+                            if (item := self._sending.get(job.transfer_id)) is not None:
+                                self._finish_locked(item, OutState.FAILED, f"internal error: {exc!r}")
+                start = end
+        finally:
+            with self._changed:
+                self._pending -= len(jobs)
+                self._changed.notify_all()
+
+    def _send_group(self, jobs: list[PushJob]) -> None:
+        peer = jobs[0].peer
+        with self._lock:
+            live = [(job, item) for job in jobs if (item := self._sending.get(job.transfer_id)) is not None]
+        if not live:
+            return
+        frames = _frames([job for job, _ in live])
+        try:
+            conn = self._send_with_retry(peer, frames, min(job.deadline for job, _ in live))
         except P2pkvError as exc:
             with self._lock:
-                self._finish_locked(item, OutState.FAILED, str(exc))
-            self._abort(job, str(exc))
+                for _, item in live:
+                    if item.state is OutState.SENDING:
+                        self._finish_locked(item, OutState.FAILED, str(exc))
+            for transfer_id in dict.fromkeys(job.transfer_id for job, _ in live):
+                self._abort(peer, transfer_id, str(exc))
             return
-        nbytes = sum(v.nbytes for v in job.views)
-        self._metrics.bytes_sent.labels(conn.name).inc(nbytes)
-        self._metrics.add("bytes_sent", nbytes)
+        by_reference = isinstance(conn, ShmConnection) and conn.sends_by_reference
+        total = 0
         with self._lock:
-            item.transport = conn.name
-            item.by_reference = isinstance(conn, ShmConnection) and conn.sends_by_reference
-            item.nbytes += nbytes
-            item.layers_sent.add(job.layer)
-            self._maybe_done_locked(item)
-        self._poll_acks(job.peer)
+            for job, item in live:
+                nbytes = sum(v.nbytes for v in job.views)
+                total += nbytes
+                item.transport = conn.name
+                item.by_reference = by_reference
+                item.nbytes += nbytes
+                item.layers_sent.add(job.layer)
+                self._maybe_done_locked(item)
+        self._metrics.bytes_sent.labels(conn.name).inc(total)
+        self._metrics.add("bytes_sent", total)
 
     def _maybe_done_locked(self, item: Outgoing) -> None:
         if item.state is OutState.SENDING and item.complete:
@@ -196,7 +285,7 @@ class Sender:
         except P2pkvError as exc:
             self._drop(peer)
             with self._lock:
-                for item in self._transfers.values():
+                for item in list(self._sending.values()):
                     if item.peer == peer and item.awaiting_ack:
                         self._finish_locked(item, OutState.FAILED, f"connection lost before the verdict: {exc}")
 
@@ -216,11 +305,13 @@ class Sender:
             item = self._transfers.get(copied.transfer_id)
             if item is None or item.state is not OutState.SENDING:
                 return
-            item.layers_copied.add(copied.layer)
+            item.layers_copied.update(range(max(0, copied.layer), min(item.num_layers, copied.layer + copied.layers)))
             self._maybe_done_locked(item)
 
     def _finish_locked(self, item: Outgoing, state: OutState, reason: str) -> None:
         item.state, item.reason = state, reason
+        self._sending.pop(item.transfer_id, None)
+        self._changed.notify_all()
         ms = (time.monotonic() - item.started) * 1000
         outcome = {OutState.DONE: "ok", OutState.REFUSED: "refused"}.get(state, "failed")
         self._metrics.transfers.labels("send", outcome).inc()
@@ -228,29 +319,29 @@ class Sender:
         log.info("transfer %s send %s peer=%s bytes=%d ms=%.1f transport=%s%s", item.transfer_id, outcome,
                  item.peer, item.nbytes, ms, item.transport, f" reason={reason}" if reason else "")
 
-    def _send_with_retry(self, job: PushJob) -> Connection:
-        message = PushBlocks(job.transfer_id, job.layer, 0, job.total_blocks, job.total_blocks, job.num_layers)
+    def _send_with_retry(self, peer: Address, frames: list[tuple[PushBlocks, tuple[memoryview, ...]]],
+                         deadline: float) -> Connection:
         for attempt in (1, 2):
-            conn = self._connection(job.peer, job.deadline)
+            conn = self._connection(peer, deadline)
             try:
-                conn.send_frame(message, job.views, job.deadline)
+                conn.send_frames(frames, deadline)
                 return conn
             except TransferError as exc:
-                self._drop(job.peer)
-                if attempt == 2 or time.monotonic() >= job.deadline:
+                self._drop(peer)
+                if attempt == 2 or time.monotonic() >= deadline:
                     raise
-                log.info("reconnecting to %s after: %s", job.peer, exc)
+                log.info("reconnecting to %s after: %s", peer, exc)
         raise AssertionError("unreachable")
 
-    def _abort(self, job: PushJob, reason: str) -> None:
+    def _abort(self, peer: Address, transfer_id: str, reason: str) -> None:
         with self._lock:
-            conn = self._conns.get(job.peer)
+            conn = self._conns.get(peer)
         if conn is None:
             return
         try:
-            conn.send_frame(PushAbort(job.transfer_id, reason[:200]), (), time.monotonic() + 1.0)
+            conn.send_frame(PushAbort(transfer_id, reason[:200]), (), time.monotonic() + 1.0)
         except P2pkvError:
-            self._drop(job.peer)
+            self._drop(peer)
 
     def _connection(self, peer: Address, deadline: float) -> Connection:
         with self._lock:
@@ -273,8 +364,14 @@ class Sender:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         with self._lock:
             conns = list(self._conns.values())
             self._conns.clear()

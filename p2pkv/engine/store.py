@@ -65,6 +65,7 @@ class ReceiveStore:
         self._block_bytes = block_bytes
         self._metrics = metrics
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # a transfer completed or failed
         self._items: dict[str, StagedTransfer] = {}
         self._in_use = 0
 
@@ -80,9 +81,11 @@ class ReceiveStore:
         Staging takes ordinary memory up to `kv_buffer_size`, then spills into the host pool; with neither, the
         transfer is refused and the sender falls back to holding the blocks for a pull.
         """
-        if not (push.num_layers == self._num_layers and 0 <= push.layer < push.num_layers and push.num_blocks > 0
+        whole = push.first_block == 0 and push.num_blocks == push.total_blocks
+        if not (push.num_layers == self._num_layers and 0 <= push.layer and push.layers >= 1
+                and push.layer + push.layers <= push.num_layers and push.num_blocks > 0
                 and 0 <= push.first_block and push.first_block + push.num_blocks <= push.total_blocks
-                and payload_len == push.num_blocks * self._block_bytes):
+                and (push.layers == 1 or whole) and payload_len == push.layers * push.num_blocks * self._block_bytes):
             self.fail(push.transfer_id, f"invalid chunk {push!r} with {payload_len} payload bytes")
             return None, None
         ack = None
@@ -98,11 +101,14 @@ class ReceiveStore:
             if (item.num_layers, item.total_blocks) != (push.num_layers, push.total_blocks):
                 self._fail_locked(item, "chunk disagrees with the transfer's shape")
                 return None, ack
-            key = (push.layer, push.first_block)
-            if key in item.chunks:
-                self._fail_locked(item, f"duplicate chunk {key}")
+            keys = {(layer, push.first_block) for layer in range(push.layer, push.layer + push.layers)}
+            if keys & item.chunks:
+                self._fail_locked(item, f"duplicate chunk {min(keys & item.chunks)}")
                 return None, ack
-            item.chunks.add(key)
+            item.chunks |= keys
+            if push.layers > 1:  # whole layers, which lie back to back in the staging buffer
+                size = item.total_blocks * self._block_bytes
+                return item.buffer[push.layer * size : (push.layer + push.layers) * size], ack
             start = push.first_block * self._block_bytes
             return item.layer_view(push.layer)[start : start + payload_len], ack
 
@@ -143,6 +149,7 @@ class ReceiveStore:
             item.blocks_received += num_blocks
             if item.blocks_received == item.num_layers * item.total_blocks:
                 item.state = StageState.COMPLETE
+                self._settled.notify_all()
 
     def fail(self, transfer_id: str, reason: str, create: bool = True) -> None:
         """Fail a transfer; with `create`, record the failure even for an unknown id so its load fails fast."""
@@ -168,6 +175,7 @@ class ReceiveStore:
         log.warning("transfer %s failed while receiving: %s", item.transfer_id, reason)
         item.state, item.reason = StageState.FAILED, reason
         self._release_locked(item)
+        self._settled.notify_all()
 
     def _release_locked(self, item: StagedTransfer) -> None:
         if item.pooled is not None:
@@ -191,6 +199,16 @@ class ReceiveStore:
     def state(self, transfer_id: str) -> StageState | None:
         with self._lock:
             item = self._items.get(transfer_id)
+            return None if item is None else item.state
+
+    def wait(self, transfer_id: str, deadline: float) -> StageState | None:
+        """The transfer's state once it is complete or failed, or whatever it is at the deadline."""
+        with self._settled:
+            while (item := self._items.get(transfer_id)) is None or item.state is StageState.RECEIVING:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._settled.wait(left)
             return None if item is None else item.state
 
     def reason(self, transfer_id: str) -> str:

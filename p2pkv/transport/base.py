@@ -17,6 +17,18 @@ class Connection(Protocol):
     def send_frame(self, message: Message, payload: Sequence[memoryview], deadline: float) -> None:
         """Send one message followed by the concatenation of `payload`."""
 
+    def send_frames(self, frames: Sequence[tuple[Message, Sequence[memoryview]]], deadline: float) -> None:
+        """Several frames, in order, in as few system calls as the transport allows."""
+
+    def queue_frame(self, message: Message) -> None:
+        """A payload-less frame to send with the next send, or before the connection next waits for input."""
+
+    def flush(self, deadline: float) -> None:
+        """Send the queued frames now."""
+
+    def fileno(self) -> int:
+        """The descriptor to poll for incoming frames."""
+
     def recv_frame(self, idle_timeout: float, deadline: float) -> tuple[Message, int] | None:
         """Next message and the length of its payload; None when nothing arrived within `idle_timeout`."""
 

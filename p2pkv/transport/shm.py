@@ -48,13 +48,29 @@ class ShmConnection:
         self._ranges: list[tuple[int, int]] = []
         self._left = 0
 
+    def fileno(self) -> int:
+        return self._inner.fileno()
+
     def send_frame(self, message: Message, payload: Sequence[memoryview], deadline: float) -> None:
-        total = sum(v.nbytes for v in payload)
-        if not total or not self.sends_by_reference:
-            self._inner.send_frame(message, payload, deadline)
+        self.send_frames([(message, payload)], deadline)
+
+    def send_frames(self, frames: Sequence[tuple[Message, Sequence[memoryview]]], deadline: float) -> None:
+        if not self.sends_by_reference:
+            self._inner.send_frames(frames, deadline)
             return
-        head = encode_frame(message, total, self._secret)
-        self._inner.send_raw(head + encode_ranges(payload), (), deadline)
+        buffers: list[bytes] = []
+        for message, payload in frames:
+            total = sum(v.nbytes for v in payload)
+            buffers.append(encode_frame(message, total, self._secret))
+            if total:
+                buffers.append(encode_ranges(payload))
+        self._inner.send_buffers(buffers, deadline)
+
+    def queue_frame(self, message: Message) -> None:
+        self._inner.queue_frame(message)
+
+    def flush(self, deadline: float) -> None:
+        self._inner.flush(deadline)
 
     def recv_frame(self, idle_timeout: float, deadline: float) -> tuple[Message, int] | None:
         while True:
@@ -106,7 +122,11 @@ class ShmConnection:
         self._left -= nbytes
         if self._left == 0 and self._frame is not None:
             frame, self._frame = self._frame, None
-            self._inner.send_frame(PayloadCopied(frame.transfer_id, frame.layer), (), deadline)
+            # While more frames wait in the input buffer, confirmations collect and go out together; the last
+            # one (nothing more to read) goes at once, so a peer waiting for it is never left waiting.
+            self._inner.queue_frame(PayloadCopied(frame.transfer_id, frame.layer, frame.layers))
+            if not self._inner.buffered:
+                self._inner.flush(deadline)
 
     def recv_payload_into(self, view: memoryview, deadline: float) -> None:
         if not self.reads_by_reference:

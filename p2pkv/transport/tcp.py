@@ -1,4 +1,10 @@
-"""TCP data plane: frames and payloads on one stream socket per peer, with deadlines on every call."""
+"""TCP data plane: frames and payloads on one stream socket per peer, with deadlines on every call.
+
+The socket is non-blocking; every wait is a `poll` bounded by the call's deadline. Input is read through a small
+buffer, so a burst of control frames costs one system call, and payload bytes that arrived with a frame are
+copied out of it. Small replies can be queued (`queue_frame`): they go out with the next send, or before the
+connection next waits for input, whichever comes first.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,10 @@ from p2pkv.params import Address
 from p2pkv.protocol import PREFIX_BYTES, FrameLimits, Message, decode_message, decode_prefix, encode_frame
 
 _SOCKET_BUFFER = 4 << 20
+_READ_BUFFER = 64 << 10
+_MAX_IOV = 512
+_MAX_QUEUED = 64
+_MAX_QUEUE_S = 0.002
 
 
 def _remaining(deadline: float) -> float:
@@ -27,19 +37,42 @@ def tune_socket(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
 
 
+def _bytes_view(view: memoryview | bytes) -> memoryview:
+    view = memoryview(view)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 class TcpConnection:
     name = "tcp"
 
     def __init__(self, sock: socket.socket, peer: str, secret: bytes, limits: FrameLimits) -> None:
+        sock.setblocking(False)
         self._sock = sock
         self.peer = peer
         self._secret = secret
         self._limits = limits
         self._closed = False
+        self._readable = select.poll()
+        self._readable.register(sock, select.POLLIN)
+        self._writable = select.poll()
+        self._writable.register(sock, select.POLLOUT)
+        self._buffer = bytearray(_READ_BUFFER)
+        self._start = 0  # buffered input is self._buffer[self._start:self._end]
+        self._end = 0
+        self._outbox: list[bytes] = []
+        self._queued_at = 0.0
 
     @property
     def secret(self) -> bytes:
         return self._secret
+
+    @property
+    def buffered(self) -> int:
+        """Input bytes already read from the socket and not yet consumed."""
+        return self._end - self._start
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
 
     @classmethod
     def connect(cls, address: Address, deadline: float, secret: bytes, limits: FrameLimits) -> TcpConnection:
@@ -50,54 +83,134 @@ class TcpConnection:
         tune_socket(sock)
         return cls(sock, str(address), secret, limits)
 
+    # -- sending --
+
     def send_frame(self, message: Message, payload: Sequence[memoryview], deadline: float) -> None:
         total = sum(v.nbytes for v in payload)
         self.send_raw(encode_frame(message, total, self._secret), payload, deadline)
 
+    def send_frames(self, frames: Sequence[tuple[Message, Sequence[memoryview]]], deadline: float) -> None:
+        """Several frames in as few system calls as the socket allows."""
+        buffers: list[memoryview | bytes] = []
+        for message, payload in frames:
+            buffers.append(encode_frame(message, sum(v.nbytes for v in payload), self._secret))
+            buffers.extend(payload)
+        self.send_buffers(buffers, deadline)
+
     def send_raw(self, head: bytes, payload: Sequence[memoryview], deadline: float) -> None:
         """`head`, then the payload views, as they are."""
+        self.send_buffers([head, *payload], deadline)
+
+    def queue_frame(self, message: Message) -> None:
+        """A payload-less frame sent with the next send, before the next wait for input, or once the queue is
+        old or long (checked as each frame is read)."""
+        if not self._outbox:
+            self._queued_at = time.monotonic()
+        self._outbox.append(encode_frame(message, 0, self._secret))
+
+    @property
+    def queued(self) -> int:
+        return len(self._outbox)
+
+    def flush(self, deadline: float) -> None:
+        if self._outbox:
+            self.send_buffers([], deadline)
+
+    def send_buffers(self, buffers: Sequence[memoryview | bytes], deadline: float) -> None:
+        """Queued frames, then `buffers`, in order, with `sendmsg` (partial writes resumed after a poll)."""
+        pending = [_bytes_view(b) for b in (*self._outbox, *buffers) if len(b)]
+        self._outbox = []
+        first = 0
         try:
-            self._sock.settimeout(_remaining(deadline))
-            self._sock.sendall(head)
-            for view in payload:
-                self._sock.settimeout(_remaining(deadline))
-                self._sock.sendall(view)
-        except TimeoutError:
-            raise TransferTimeout(f"send to {self.peer} timed out") from None
+            while first < len(pending):
+                try:
+                    sent = self._sock.sendmsg(pending[first : first + _MAX_IOV])
+                except BlockingIOError:
+                    self._wait(self._writable, deadline, "send to")
+                    continue
+                while sent:
+                    head = pending[first]
+                    if sent >= head.nbytes:
+                        sent -= head.nbytes
+                        first += 1
+                    else:
+                        pending[first] = head[sent:]
+                        sent = 0
         except OSError as exc:
             raise TransferError(f"send to {self.peer} failed: {exc}") from None
 
+    # -- receiving --
+
+    def _wait(self, poller: select.poll, deadline: float, what: str) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(left * 1000):
+            raise TransferTimeout(f"{what} {self.peer} timed out")
+
+    def _recv_into(self, view: memoryview, deadline: float) -> int:
+        """Bytes read into `view` (at least one); waits up to the deadline for them."""
+        while True:
+            try:
+                n = self._sock.recv_into(view)
+            except BlockingIOError:
+                if self._outbox:
+                    self.flush(deadline)
+                self._wait(self._readable, deadline, "receive from")
+                continue
+            except OSError as exc:
+                raise TransferError(f"receive from {self.peer} failed: {exc}") from None
+            if n == 0:
+                raise TransferError(f"{self.peer} closed the connection")
+            return n
+
+    def _fill(self, want: int, deadline: float) -> None:
+        """Read until at least `want` (at most the buffer size) bytes are buffered."""
+        if self._start and self._end + (want - self.buffered) > len(self._buffer):
+            held = self.buffered
+            self._buffer[:held] = self._buffer[self._start : self._end]
+            self._start, self._end = 0, held
+        view = memoryview(self._buffer)
+        while self.buffered < want:
+            self._end += self._recv_into(view[self._end :], deadline)
+
+    def _take_bytes(self, n: int, deadline: float) -> bytes:
+        if n > len(self._buffer):
+            big = bytearray(n)
+            self.recv_exact_into(memoryview(big), deadline)
+            return bytes(big)
+        self._fill(n, deadline)
+        out = bytes(self._buffer[self._start : self._start + n])
+        self._start += n
+        return out
+
     def recv_exact_into(self, view: memoryview, deadline: float) -> None:
-        """Fill `view` from the stream."""
-        got = 0
-        try:
-            while got < view.nbytes:
-                self._sock.settimeout(_remaining(deadline))
-                n = self._sock.recv_into(view[got:])
-                if n == 0:
-                    raise TransferError(f"{self.peer} closed the connection")
-                got += n
-        except TimeoutError:
-            raise TransferTimeout(f"receive from {self.peer} timed out") from None
-        except OSError as exc:
-            raise TransferError(f"receive from {self.peer} failed: {exc}") from None
+        """Fill `view` from the stream: buffered bytes first, then straight from the socket."""
+        view = _bytes_view(view)
+        got = min(self.buffered, view.nbytes)
+        if got:
+            view[:got] = self._buffer[self._start : self._start + got]
+            self._start += got
+        while got < view.nbytes:
+            got += self._recv_into(view[got:], deadline)
 
     def recv_frame(self, idle_timeout: float, deadline: float) -> tuple[Message, int] | None:
-        try:
-            ready, _, _ = select.select([self._sock], [], [], max(0.0, idle_timeout))
-        except (OSError, ValueError) as exc:
-            raise TransferError(f"connection to {self.peer} unusable: {exc}") from None
-        if not ready:
-            return None
-        raw = bytearray(PREFIX_BYTES)
-        self.recv_exact_into(memoryview(raw), deadline)
-        prefix = decode_prefix(bytes(raw), self._limits)
-        body = bytearray(prefix.message_len)
-        self.recv_exact_into(memoryview(body), deadline)
-        return decode_message(bytes(raw), prefix, bytes(body), self._secret), prefix.payload_len
+        if self._outbox and (len(self._outbox) >= _MAX_QUEUED or time.monotonic() - self._queued_at > _MAX_QUEUE_S):
+            self.flush(deadline)
+        if not self.buffered:
+            self._start = self._end = 0
+            if self._outbox:
+                self.flush(deadline)
+            try:
+                if not self._readable.poll(max(0.0, idle_timeout) * 1000):
+                    return None
+            except OSError as exc:
+                raise TransferError(f"connection to {self.peer} unusable: {exc}") from None
+        raw = self._take_bytes(PREFIX_BYTES, deadline)
+        prefix = decode_prefix(raw, self._limits)
+        body = self._take_bytes(prefix.message_len, deadline)
+        return decode_message(raw, prefix, body, self._secret), prefix.payload_len
 
     def recv_payload_into(self, view: memoryview, deadline: float) -> None:
-        self.recv_exact_into(view.cast("B") if view.format != "B" else view, deadline)
+        self.recv_exact_into(view, deadline)
 
     def discard_payload(self, nbytes: int, deadline: float) -> None:
         scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
@@ -108,14 +221,18 @@ class TcpConnection:
             left -= chunk.nbytes
 
     def is_alive(self) -> bool:
-        # Peers never send unprompted on a push link, so a readable socket means EOF or a reset.
+        # Peers never send unprompted on a push link, so a readable socket means EOF or a reset (or verdicts,
+        # which are data and leave it alive).
         if self._closed:
             return False
+        if self.buffered:
+            return True
         try:
-            ready, _, _ = select.select([self._sock], [], [], 0)
-            if not ready:
+            if not self._readable.poll(0):
                 return True
             return bool(self._sock.recv(1, socket.MSG_PEEK))
+        except BlockingIOError:
+            return True
         except OSError:
             return False
 

@@ -56,13 +56,11 @@ def push_with(engine: TransferEngine, peer: Address, transfer_id: str, seed: int
     deadline = time.monotonic() + 20
     for layer in range(layers):
         engine.push_layer(transfer_id, peer, layer, blocks, (data[layer].data,), deadline)
-    while time.monotonic() < deadline:
-        out = engine.outgoing(transfer_id)
-        assert out is not None
-        if out.state is not OutState.SENDING:
-            return {"state": out.state.value, "reason": out.reason, "bytes": out.nbytes}
-        time.sleep(0.01)
-    return {"state": "timeout"}
+    out = engine.wait_outgoing(transfer_id, deadline - time.monotonic())
+    assert out is not None
+    if out.state is OutState.SENDING:
+        return {"state": "timeout"}
+    return {"state": out.state.value, "reason": out.reason, "bytes": out.nbytes}
 
 
 def push(peer: Address, transfer_id: str, seed: int, layers: int, blocks: int, block_bytes: int) -> dict[str, object]:

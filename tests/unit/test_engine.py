@@ -34,13 +34,7 @@ def run_helper(*args: str, timeout: float = 60) -> dict[str, object]:
 
 
 def wait_state(engine: TransferEngine, tid: str, timeout: float = 10) -> StageState | None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = engine.staged_state(tid)
-        if state in (StageState.COMPLETE, StageState.FAILED):
-            return state
-        time.sleep(0.02)
-    return engine.staged_state(tid)
+    return engine.wait_staged(tid, timeout)
 
 
 def p2pkv_threads() -> list[str]:

@@ -1,0 +1,75 @@
+"""The receive store: where each chunk's bytes land, frames of several whole layers, and waiting for a verdict."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from p2pkv.engine.metrics import EngineMetrics
+from p2pkv.engine.store import ReceiveStore, StageState
+from p2pkv.protocol import PushBlocks
+
+LAYERS, BLOCKS, BLOCK = 4, 3, 64
+
+
+def store() -> ReceiveStore:
+    return ReceiveStore(1 << 20, 60, BLOCK, LAYERS, EngineMetrics())
+
+
+def land(s: ReceiveStore, push: PushBlocks, fill: int) -> bool:
+    """Write `fill` over the chunk's bytes; False when the store dropped it."""
+    nbytes = push.layers * push.num_blocks * BLOCK
+    view, _ = s.begin_chunk(push, nbytes, "src")
+    if view is None:
+        return False
+    assert view.nbytes == nbytes
+    view[:] = bytes([fill]) * nbytes
+    s.finish_chunk(push.transfer_id, push.num_blocks * push.layers)
+    return True
+
+
+def test_a_frame_of_several_whole_layers_lands_layer_after_layer() -> None:
+    s = store()
+    assert land(s, PushBlocks("t", 0, 0, BLOCKS, BLOCKS, LAYERS, 3), 7)
+    assert s.state("t") is StageState.RECEIVING
+    assert land(s, PushBlocks("t", 3, 0, BLOCKS, BLOCKS, LAYERS, 1), 9)
+    assert s.state("t") is StageState.COMPLETE
+    item = s.take("t")
+    assert item is not None
+    assert [bytes(item.layer_view(layer)) for layer in range(LAYERS)] == (
+        [bytes([7]) * BLOCKS * BLOCK] * 3 + [bytes([9]) * BLOCKS * BLOCK])
+    s.release(item)
+    assert s.bytes_in_use == 0
+
+
+def test_frames_of_several_layers_must_carry_whole_layers_within_the_transfer() -> None:
+    s = store()
+    assert not land(s, PushBlocks("partial", 0, 1, 2, BLOCKS, LAYERS, 2), 1)
+    assert s.state("partial") is StageState.FAILED
+    assert not land(s, PushBlocks("past-end", 2, 0, BLOCKS, BLOCKS, LAYERS, 3), 1)
+    assert s.state("past-end") is StageState.FAILED
+    assert not land(s, PushBlocks("none", 0, 0, BLOCKS, BLOCKS, LAYERS, 0), 1)
+    assert s.state("none") is StageState.FAILED
+
+
+def test_overlapping_frames_fail_the_transfer_as_duplicates() -> None:
+    s = store()
+    assert land(s, PushBlocks("t", 0, 0, BLOCKS, BLOCKS, LAYERS, 2), 1)
+    assert not land(s, PushBlocks("t", 1, 0, BLOCKS, BLOCKS, LAYERS, 2), 2)
+    assert s.state("t") is StageState.FAILED and "duplicate" in s.reason("t")
+    assert s.bytes_in_use == 0
+
+
+def test_wait_returns_when_the_transfer_completes_or_at_its_deadline() -> None:
+    s = store()
+    started = time.monotonic()
+    assert s.wait("unknown", time.monotonic() + 0.2) is None
+    assert 0.15 < time.monotonic() - started < 2
+    later = threading.Timer(0.2, land, (s, PushBlocks("t", 0, 0, BLOCKS, BLOCKS, LAYERS, LAYERS), 3))
+    later.start()
+    started = time.monotonic()
+    assert s.wait("t", time.monotonic() + 10) is StageState.COMPLETE
+    assert time.monotonic() - started < 5
+    later.join()
+    s.fail("gone", "sender aborted")
+    assert s.wait("gone", time.monotonic() + 10) is StageState.FAILED

@@ -1,0 +1,113 @@
+"""The TCP connection's framing: batched sends, buffered reads, queued replies and deadlines, over a real socket
+pair (plus the sender's merging of consecutive layers into one frame)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from p2pkv.engine.sender import PushJob, _frames
+from p2pkv.errors import TransferTimeout
+from p2pkv.params import Address
+from p2pkv.protocol import FrameLimits, PayloadCopied, PushAck, PushBlocks
+from p2pkv.transport.tcp import TcpConnection
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[TcpConnection, TcpConnection]]:
+    a, b = socket.socketpair()
+    left = TcpConnection(a, "left", b"k", FrameLimits())
+    right = TcpConnection(b, "right", b"k", FrameLimits())
+    yield left, right
+    left.close()
+    right.close()
+
+
+def soon() -> float:
+    return time.monotonic() + 5
+
+
+def test_several_frames_in_one_send_arrive_whole_and_in_order(pair: tuple[TcpConnection, TcpConnection]) -> None:
+    left, right = pair
+    rng = np.random.default_rng(3)
+    payloads = [rng.integers(0, 256, n, np.uint8) for n in (10, 0, 70_000, 3)]
+    frames = [(PushBlocks(f"t{i}", i, 0, 1, 1, 4), (memoryview(p.data),) if p.size else ())
+              for i, p in enumerate(payloads)]
+    left.send_frames(frames, soon())
+    for i, expected in enumerate(payloads):
+        got = right.recv_frame(5, soon())
+        assert got is not None
+        message, payload_len = got
+        assert isinstance(message, PushBlocks) and message.transfer_id == f"t{i}" and payload_len == expected.size
+        out = bytearray(payload_len)
+        right.recv_payload_into(memoryview(out), soon())
+        assert bytes(out) == expected.tobytes()
+    assert right.recv_frame(0, soon()) is None
+
+
+def test_a_payload_larger_than_the_socket_buffers_is_resumed_after_partial_writes(
+        pair: tuple[TcpConnection, TcpConnection]) -> None:
+    left, right = pair
+    data = np.random.default_rng(4).integers(0, 256, 24 << 20, np.uint8)
+    views = tuple(memoryview(data[i : i + (3 << 20)].data) for i in range(0, data.size, 3 << 20))
+    sender = threading.Thread(target=left.send_frames, args=([(PushBlocks("big", 0, 0, 8, 8, 1), views)], soon()))
+    sender.start()
+    got = right.recv_frame(5, soon())
+    assert got is not None and got[1] == data.size
+    out = np.empty(data.size, np.uint8)
+    right.recv_payload_into(memoryview(out.data), soon())
+    sender.join(5)
+    assert not sender.is_alive() and np.array_equal(out, data)
+
+
+def test_queued_replies_go_out_before_the_connection_waits_and_before_later_frames(
+        pair: tuple[TcpConnection, TcpConnection]) -> None:
+    left, right = pair
+    right.queue_frame(PushAck("t", True))
+    assert left.recv_frame(0.05, soon()) is None  # queued, not sent yet
+    assert right.recv_frame(0.01, soon()) is None  # waiting for input flushes the queue first
+    got = left.recv_frame(5, soon())
+    assert got is not None and got[0] == PushAck("t", True)
+    right.queue_frame(PayloadCopied("t", 0, 2))
+    right.send_frame(PushAck("u", False, "full"), (), soon())
+    first, second = left.recv_frame(5, soon()), left.recv_frame(5, soon())
+    assert first is not None and first[0] == PayloadCopied("t", 0, 2)
+    assert second is not None and second[0] == PushAck("u", False, "full")
+
+
+def test_a_peer_that_stops_reading_times_the_send_out_at_its_deadline(
+        pair: tuple[TcpConnection, TcpConnection]) -> None:
+    left, _ = pair
+    data = memoryview(bytes(64 << 20))
+    started = time.monotonic()
+    with pytest.raises(TransferTimeout):
+        left.send_frames([(PushBlocks("t", 0, 0, 1, 1, 1), (data,))], time.monotonic() + 0.5)
+    assert time.monotonic() - started < 3
+
+
+def test_a_silent_peer_times_the_receive_out_at_its_deadline(pair: tuple[TcpConnection, TcpConnection]) -> None:
+    left, right = pair
+    left.send_frame(PushBlocks("t", 0, 0, 1, 1, 1), (memoryview(b"only part"),), soon())
+    assert right.recv_frame(5, soon()) is not None
+    started = time.monotonic()
+    with pytest.raises(TransferTimeout):
+        right.recv_payload_into(memoryview(bytearray(100)), time.monotonic() + 0.3)
+    assert time.monotonic() - started < 3
+
+
+def _job(tid: str, layer: int, blocks: int = 2) -> PushJob:
+    return PushJob(tid, Address("127.0.0.1", 1), layer, 4, blocks, (memoryview(bytes([layer])),), soon())
+
+
+def test_consecutive_layers_of_a_transfer_merge_into_one_frame() -> None:
+    jobs = [_job("a", 0), _job("a", 1), _job("a", 2), _job("b", 0), _job("a", 3), _job("b", 2), _job("b", 3)]
+    frames = _frames(jobs)
+    heads = [(f.transfer_id, f.layer, f.layers) for f, _ in frames]
+    assert heads == [("a", 0, 3), ("b", 0, 1), ("a", 3, 1), ("b", 2, 2)]
+    assert [bytes(v) for v in frames[0][1]] == [b"\x00", b"\x01", b"\x02"]
+    assert all(f.first_block == 0 and f.num_blocks == f.total_blocks == 2 for f, _ in frames)
