@@ -16,7 +16,7 @@ from p2pkv.params import Address
 from p2pkv.protocol import LayoutDigest
 from p2pkv.transport.tcp import tune_socket
 
-WINDOW = 3  # transfers in flight at once in a throughput run
+WINDOW = 8  # transfers in flight at once in a throughput run: a prefill batch of 8 requests pushing together
 _PAGE = 4096
 _TORCH_OFFSET = 64
 

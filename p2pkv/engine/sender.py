@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import os
-import queue
 import select
 import threading
 import time
@@ -28,7 +28,7 @@ _MAX_BATCH = 256
 Connect = Callable[[Address, float], Connection]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PushJob:
     """One layer of one transfer: `views` are the bytes of blocks 0..total_blocks-1, in order."""
 
@@ -102,7 +102,7 @@ class Sender:
         self._hello = hello
         self._metrics = metrics
         self._require_shm = require_shm
-        self._queue: queue.Queue[PushJob] = queue.Queue()
+        self._queue: collections.deque[PushJob] = collections.deque()  # appended under the lock, drained by the thread
         self._conns: dict[Address, Connection] = {}
         self._lock = threading.Lock()
         self._transfers: dict[str, Outgoing] = {}
@@ -133,7 +133,7 @@ class Sender:
                 self._transfers[job.transfer_id] = item
                 self._sending[job.transfer_id] = item
             self._pending += 1
-            self._queue.put(job)
+            self._queue.append(job)
             wake, self._woken = not self._woken, True
         if wake:
             self._wake()
@@ -201,13 +201,8 @@ class Sender:
                     self._poll_acks(polled[fd])
 
     def _drain(self) -> list[PushJob]:
-        jobs: list[PushJob] = []
-        while len(jobs) < _MAX_BATCH:
-            try:
-                jobs.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
-        return jobs
+        with self._lock:
+            return [self._queue.popleft() for _ in range(min(len(self._queue), _MAX_BATCH))]
 
     def _handle_batch(self, jobs: list[PushJob]) -> None:
         """Send the jobs in order; consecutive jobs to one peer go out together."""
