@@ -57,9 +57,9 @@ def sender(pipe: Connection, transport: str, peer: str) -> None:
     # PUT: push every layer of blocks 0..BLOCKS-1 to the receiver.
     for layer in range(LAYERS):
         engine.push_layer("put-1", Address.parse(peer), layer, BLOCKS, (cache[layer].data,), deadline)
-    wait_until(lambda: (o := engine.outgoing("put-1")) is None or o.state is not OutState.SENDING, deadline,
-               "the push")
-    out = engine.outgoing("put-1")
+    out = engine.wait_outgoing("put-1", timeout_s=deadline - time.monotonic())  # done, failed or refused
+    if out is not None and out.state is OutState.SENDING:
+        raise TimeoutError("the push did not finish in time")
     # GET: hold the blocks of a second transfer under a lease, for the receiver to pull.
     held = kv(seed=2)
     engine.offer("get-1", BLOCKS, lambda layer, first, count: (
@@ -84,8 +84,8 @@ def main() -> int:
         if not parent.poll(30):
             raise TimeoutError("the sending process did not report")
         pushed, sender_address = parent.recv()
-        wait_until(lambda: receiver.staged_state("put-1") in (StageState.COMPLETE, StageState.FAILED),
-                   time.monotonic() + 10, "the pushed transfer")
+        if receiver.wait_staged("put-1", timeout_s=10) not in (StageState.COMPLETE, StageState.FAILED):
+            raise TimeoutError("the pushed transfer did not arrive in time")
         item = receiver.take_staged("put-1")
         assert item is not None and item.state is StageState.COMPLETE, "the push did not arrive"
         assert bytes(item.buffer) == kv(seed=1).tobytes(), "pushed bytes differ"
