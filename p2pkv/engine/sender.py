@@ -28,7 +28,7 @@ _MAX_BATCH = 256
 Connect = Callable[[Address, float], Connection]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs several times more, 8+ times a transfer
 class PushJob:
     """One layer of one transfer: `views` are the bytes of blocks 0..total_blocks-1, in order."""
 
