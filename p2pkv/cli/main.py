@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     btransfer.add_argument("--sizes", nargs="+", default=None, metavar="BYTES",
                            help="transfer sizes (default: 64 KiB to 256 MiB in steps of 4x)")
     btransfer.add_argument("--transports", nargs="+", default=["tcp", "shm"], choices=["tcp", "shm"])
-    btransfer.add_argument("--budget-mb", type=float, default=512, help="bytes moved per size and measurement")
+    btransfer.add_argument("--budget-mb", type=float, default=2048, help="MiB moved per size and measurement")
     btransfer.add_argument("--plot", default="bench-transfer.png", help="where the PNG plot goes")
     btransfer.add_argument("--repeats", type=int, default=3,
                            help="runs per figure, transports and baselines alike; the best one counts")
