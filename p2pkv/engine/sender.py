@@ -179,7 +179,7 @@ class Sender:
         while not self._stop.is_set():
             with self._lock:
                 waiting = {t.peer for t in self._sending.values() if t.awaiting_ack}
-                polled = {c.fileno(): p for p in waiting if (c := self._conns.get(p)) is not None}
+                polled = {fd: p for p in waiting if (c := self._conns.get(p)) is not None and (fd := c.fileno()) >= 0}
             poller = select.poll()
             poller.register(self._wake_r, select.POLLIN)
             for fd in polled:
