@@ -111,3 +111,17 @@ def test_consecutive_layers_of_a_transfer_merge_into_one_frame() -> None:
     assert heads == [("a", 0, 3), ("b", 0, 1), ("a", 3, 1), ("b", 2, 2)]
     assert [bytes(v) for v in frames[0][1]] == [b"\x00", b"\x01", b"\x02"]
     assert all(f.first_block == 0 and f.num_blocks == f.total_blocks == 2 for f, _ in frames)
+
+
+def test_queued_replies_go_out_once_old_even_while_input_keeps_arriving(
+        pair: tuple[TcpConnection, TcpConnection]) -> None:
+    left, right = pair
+    left.send_frames([(PushBlocks(f"t{i}", 0, 0, 1, 1, 1), ()) for i in range(3)], soon())
+    first = right.recv_frame(5, soon())  # reads the whole burst into the buffer
+    assert first is not None and right.buffered
+    right.queue_frame(PushAck("t0", True))
+    time.sleep(0.01)
+    assert right.recv_frame(5, soon()) is not None  # input still buffered (no wait), but the queue is old: sent
+    assert right.buffered
+    got = left.recv_frame(5, soon())
+    assert got is not None and got[0] == PushAck("t0", True)
