@@ -64,6 +64,7 @@ class Puller:
         self._lock = threading.Lock()
         self._results: dict[str, PullResult] = {}
         self._stop = threading.Event()
+        self._conns: dict[Address, Connection] = {}  # used by the puller thread only, then by close()
         self._thread = engine_thread(self._loop, "p2pkv-puller")
 
     def start(self) -> None:
@@ -116,20 +117,60 @@ class Puller:
                     raise TransferError("the sender never offered the transfer") from None
                 time.sleep(_RETRY_S)
 
+    def _connection(self, peer: Address, deadline: float) -> tuple[Connection, bool]:
+        """The cached link to `peer` (True) or a new one after a handshake (False)."""
+        conn = self._conns.get(peer)
+        if conn is not None and conn.is_alive():
+            return conn, True
+        if conn is not None:
+            log.info("connection to %s was closed by the peer; reconnecting", peer)
+            self._drop(peer)
+        conn = client_handshake(self._connect(peer, deadline), self._hello, deadline, self._require_shm)
+        self._conns[peer] = conn
+        return conn, False
+
+    def _drop(self, peer: Address) -> None:
+        conn = self._conns.pop(peer, None)
+        if conn is not None:
+            conn.close()
+
+    def _request(self, job: PullJob) -> Connection:
+        """Send the pull request, over the cached link if it still works, else over a new one."""
+        request = PullRequest(job.transfer_id, job.first_block, job.num_blocks)
+        conn, reused = self._connection(job.peer, job.deadline)
+        try:
+            conn.send_frame(request, (), job.deadline)
+            return conn
+        except TransferError:
+            self._drop(job.peer)
+            if not reused:
+                raise
+        conn, _ = self._connection(job.peer, job.deadline)  # the cached link had gone stale: one fresh try
+        try:
+            conn.send_frame(request, (), job.deadline)
+        except TransferError:
+            self._drop(job.peer)
+            raise
+        return conn
+
     def _pull(self, job: PullJob) -> tuple[int, str]:
-        """Bytes pulled and the transport used."""
+        """Bytes pulled and the transport used. The link to each peer is kept for the next pull; after a failure
+        part-way through a pull its state is unknown, so it is closed."""
         if time.monotonic() >= job.deadline:
             raise TransferError("deadline passed before the pull started")
-        conn = client_handshake(self._connect(job.peer, job.deadline), self._hello, job.deadline, self._require_shm)
+        conn = self._request(job)
         try:
-            conn.send_frame(PullRequest(job.transfer_id, job.first_block, job.num_blocks), (), job.deadline)
             reply = self._next(conn, job.deadline)
-            if not isinstance(reply[0], PullReply) or reply[0].transfer_id != job.transfer_id:
+            if not isinstance(reply[0], PullReply) or reply[0].transfer_id != job.transfer_id or reply[1]:
                 raise ProtocolError(f"expected a pull reply, got {type(reply[0]).__name__}")
-            if not reply[0].accepted and reply[0].reason == UNKNOWN_TRANSFER:
-                raise NotOfferedYet(job.transfer_id)
-            if not reply[0].accepted:
-                raise TransferError(f"{job.peer} refused the pull: {reply[0].reason}")
+        except P2pkvError:
+            self._drop(job.peer)
+            raise
+        if not reply[0].accepted and reply[0].reason == UNKNOWN_TRANSFER:
+            raise NotOfferedYet(job.transfer_id)
+        if not reply[0].accepted:
+            raise TransferError(f"{job.peer} refused the pull: {reply[0].reason}")
+        try:
             nbytes, layer, num_layers = 0, 0, self._hello.layout.num_layers
             per_layer = job.num_blocks * self._hello.layout.block_bytes
             while layer < num_layers:  # one frame may carry several layers, in order
@@ -143,11 +184,12 @@ class Puller:
                         conn.recv_payload_into(view, job.deadline)
                 layer += message.layers
                 nbytes += payload_len
-            self._metrics.bytes_received.labels(conn.name).inc(nbytes)
-            self._metrics.add("bytes_received", nbytes)
-            return nbytes, conn.name
-        finally:
-            conn.close()
+        except BaseException:
+            self._drop(job.peer)
+            raise
+        self._metrics.bytes_received.labels(conn.name).inc(nbytes)
+        self._metrics.add("bytes_received", nbytes)
+        return nbytes, conn.name
 
     @staticmethod
     def _next(conn: Connection, deadline: float) -> tuple[Message, int]:
@@ -160,3 +202,5 @@ class Puller:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        for peer in list(self._conns):
+            self._drop(peer)

@@ -1,0 +1,96 @@
+"""GET mode's links: pulls from one peer share one connection, and a peer that restarted is reconnected."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from p2pkv.config import ExtraConfig, Transport
+from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.puller import PullState
+from p2pkv.params import Address
+from p2pkv.transport.base import Connection
+from tests.helpers.peer import layout
+
+LAYERS, BLOCKS, BLOCK_BYTES = 3, 4, 4096
+
+
+@pytest.fixture(params=["tcp", "shm"])
+def transport(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+def start(transport: str, port: int = 0) -> TransferEngine:
+    extra = ExtraConfig(kv_host="127.0.0.1", transport=Transport(transport), transfer_timeout_s=5)
+    engine = TransferEngine(EngineSettings.from_config(extra, port, 0), layout(LAYERS, BLOCK_BYTES))
+    engine.start()
+    return engine
+
+
+@pytest.fixture
+def puller(transport: str) -> Iterator[TransferEngine]:
+    engine = start(transport)
+    yield engine
+    engine.close()
+
+
+def offer(engine: TransferEngine, tid: str, seed: int) -> np.ndarray:
+    data = np.random.default_rng(seed).integers(0, 256, (LAYERS, BLOCKS * BLOCK_BYTES), np.uint8)
+    engine.offer(tid, BLOCKS, lambda layer, first, count: (
+        data[layer][first * BLOCK_BYTES : (first + count) * BLOCK_BYTES].data,), lease_s=10)
+    return data
+
+
+def pull(engine: TransferEngine, peer: str, tid: str) -> np.ndarray:
+    local = np.zeros((LAYERS, BLOCKS * BLOCK_BYTES), np.uint8)
+    engine.pull(tid, Address.parse(peer), 0, BLOCKS, lambda layer, first, count: (
+        local[layer][first * BLOCK_BYTES : (first + count) * BLOCK_BYTES].data,), time.monotonic() + 5)
+    deadline = time.monotonic() + 10
+    while (result := engine.pull_result(tid)) is not None and result.state is PullState.PENDING:
+        assert time.monotonic() < deadline, "the pull did not finish"
+        time.sleep(0.005)
+    assert result is not None and result.state is PullState.DONE, result
+    return local
+
+
+def readers() -> int:
+    return sum(t.name.startswith("p2pkv-reader-") for t in threading.enumerate())
+
+
+def test_pulls_from_one_peer_share_one_connection(transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    connects: list[Address] = []
+    real = TransferEngine._connect
+
+    def counted(self: TransferEngine, peer: Address, deadline: float) -> Connection:
+        connects.append(peer)
+        return real(self, peer, deadline)
+
+    monkeypatch.setattr(TransferEngine, "_connect", counted)
+    offerer, puller = start(transport), start(transport)
+    try:
+        for i in range(3):
+            data = offer(offerer, f"g{i}", seed=i)
+            assert np.array_equal(pull(puller, offerer.address, f"g{i}"), data)
+        assert len(connects) == 1 and readers() == 1  # all three pulls over the first connection
+    finally:
+        puller.close()
+        offerer.close()
+
+
+def test_a_restarted_peer_is_reconnected_for_the_next_pull(puller: TransferEngine, transport: str) -> None:
+    first = start(transport)
+    port = int(first.address.rsplit(":", 1)[1])
+    data = offer(first, "before", seed=1)
+    assert np.array_equal(pull(puller, first.address, "before"), data)
+    first.close()
+    second = start(transport, port)
+    try:
+        data = offer(second, "after", seed=2)
+        assert np.array_equal(pull(puller, second.address, "after"), data)
+    finally:
+        second.close()
