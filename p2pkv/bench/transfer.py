@@ -14,15 +14,18 @@ from pathlib import Path
 
 import numpy as np
 
-from p2pkv.bench.transfer_peer import WINDOW, Shape, engine_for, push_run, stream_run
+from p2pkv.bench.transfer_peer import WINDOW, Shape, engine_for, kv_buffer, offer_run, push_run, stream_run
 from p2pkv.engine import TransferEngine
+from p2pkv.engine.puller import PullState
 from p2pkv.engine.store import StageState
+from p2pkv.params import Address
 from p2pkv.transport.tcp import tune_socket
 
 SIZES = tuple(1 << k for k in range(16, 29, 2))  # 64 KiB .. 256 MiB
 TARGET = 0.9
 TARGET_FROM = 1 << 20
 LATENCY_BYTES = 64 << 10
+PULL_BYTES = 1 << 20
 _SPAWN = mp.get_context("spawn")
 
 
@@ -93,6 +96,41 @@ def latency_ms(shape: Shape, transport: str, count: int = 40) -> float:
     return statistics.median(d - s for s, d in zip(started, done, strict=True)) * 1000
 
 
+def pull_latency_ms(shape: Shape, transport: str, count: int = 40, warmup: int = 3) -> float:
+    """Median time of one GET-mode pull, from the request to the last byte in place, one pull at a time."""
+    puller = engine_for(shape, transport, shape.nbytes)
+    parent, child = _SPAWN.Pipe()
+    tids = [f"pull-{transport}-{i}" for i in range(warmup + count)]
+    proc = _SPAWN.Process(target=offer_run, args=(child, shape, transport, tids), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(60):
+            raise RuntimeError("the offering process did not start")
+        peer = Address.parse(parent.recv())
+        local = kv_buffer(shape)  # the decode instance's KV cache
+        per = shape.block_bytes
+
+        def sink(layer: int, first: int, n: int) -> tuple[memoryview, ...]:
+            return (local[layer][first * per : (first + n) * per].data,)
+
+        times = []
+        for tid in tids:
+            started = time.monotonic()
+            puller.pull(tid, peer, 0, shape.blocks, sink, started + 60)
+            while (result := puller.pull_result(tid)) is not None and result.state is PullState.PENDING:
+                if time.monotonic() > started + 60:
+                    raise RuntimeError(f"pull {tid} did not finish")
+                time.sleep(0.00005)
+            if result is None or result.state is not PullState.DONE:
+                raise RuntimeError(f"pull {tid} failed: {result}")
+            times.append(time.monotonic() - started)
+        parent.send("done")
+        return statistics.median(times[warmup:]) * 1000
+    finally:
+        proc.join(30)
+        puller.close()
+
+
 def socket_gbps(nbytes: int, budget_bytes: int) -> float:
     count = _count(nbytes, budget_bytes)
     with socket.create_server(("127.0.0.1", 0)) as server:
@@ -148,7 +186,8 @@ def run(sizes: Sequence[int], transports: Sequence[str], budget_bytes: int,
             row.baseline_gbps[transport] = max(baselines[transport](shape.nbytes, budget_bytes)
                                                for _ in range(repeats))
         rows.append(row)
-    latencies = {t: latency_ms(Shape.of(LATENCY_BYTES), t) for t in transports}
+    latencies = {f"a 64 KiB transfer over {t}": latency_ms(Shape.of(LATENCY_BYTES), t) for t in transports}
+    latencies.update({f"a 1 MiB pull (GET) over {t}": pull_latency_ms(Shape.of(PULL_BYTES), t) for t in transports})
     return rows, latencies
 
 
@@ -198,8 +237,8 @@ def main(sizes: Sequence[int], transports: Sequence[str], budget_bytes: int, plo
         print(line)
     print("baselines: tcp = a plain socket stream between two processes; shm = a single-process memcpy; "
           f"each figure is the best of {repeats} runs")
-    for t, ms in latencies.items():
-        print(f"latency of a 64 KiB transfer over {t}: {ms:.3f} ms (median)")
+    for what, ms in latencies.items():
+        print(f"latency of {what}: {ms:.3f} ms (median)")
     write_plot(rows, transports, Path(plot))
     print(f"plot written to {plot}")
     if failed:

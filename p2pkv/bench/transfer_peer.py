@@ -43,13 +43,21 @@ class Shape:
         return LayoutDigest(self.layers, 16, self.block_bytes, "uint8", (self.block_bytes,), "bench")
 
 
-def kv_like(shape: Shape) -> np.ndarray:
-    """Random bytes laid out as `layers` rows, placed like a KV cache tensor: torch's CPU allocator returns large
+def kv_buffer(shape: Shape) -> np.ndarray:
+    """Zeroed bytes laid out as `layers` rows, placed like a KV cache tensor: torch's CPU allocator returns large
     buffers 64 bytes into a page (numpy's malloc-backed arrays sit 16 bytes in, which makes the kernel's copy
-    between processes up to a third slower against page-aligned staging than it is for real KV memory)."""
-    raw = np.random.default_rng(0).integers(0, 256, shape.nbytes + 2 * _PAGE, np.uint8)
+    between processes up to a third slower against page-aligned staging, or a real KV cache, than between two KV
+    caches)."""
+    raw = np.zeros(shape.nbytes + 2 * _PAGE, np.uint8)
     start = (_TORCH_OFFSET - raw.ctypes.data) % _PAGE
     return raw[start : start + shape.nbytes].reshape(shape.layers, shape.blocks * shape.block_bytes)
+
+
+def kv_like(shape: Shape) -> np.ndarray:
+    """Random bytes placed as `kv_buffer` places them."""
+    data = kv_buffer(shape)
+    data[:] = np.random.default_rng(0).integers(0, 256, data.shape, np.uint8)
+    return data
 
 
 def engine_for(shape: Shape, transport: str, buffer_bytes: int) -> TransferEngine:
@@ -93,6 +101,21 @@ def push_run(pipe: Connection, shape: Shape, transport: str, peer: str, tids: li
     finally:
         engine.close()
     pipe.send((started, states))
+
+
+def offer_run(pipe: Connection, shape: Shape, transport: str, tids: list[str]) -> None:
+    """Child process: hold one transfer per id for pulls (GET mode), report the address, wait to be told to stop."""
+    engine = engine_for(shape, transport, shape.nbytes)
+    data = kv_like(shape)
+    per = shape.block_bytes
+    try:
+        for tid in tids:
+            engine.offer(tid, shape.blocks, lambda layer, first, count: (
+                data[layer][first * per : (first + count) * per].data,), lease_s=300)
+        pipe.send(engine.address)
+        pipe.poll(300)
+    finally:
+        engine.close()
 
 
 def stream_run(pipe: Connection, port: int, nbytes: int, count: int) -> None:

@@ -179,9 +179,8 @@ class Puller:
                         or message.layer != layer or not 1 <= message.layers <= num_layers - layer
                         or payload_len != message.layers * per_layer):
                     raise ProtocolError(f"unexpected frame while pulling layer {layer}: {message!r}")
-                for frame_layer in range(layer, layer + message.layers):
-                    for view in job.sink(frame_layer, 0, job.num_blocks):
-                        conn.recv_payload_into(view, job.deadline)
+                views = [v for at in range(layer, layer + message.layers) for v in job.sink(at, 0, job.num_blocks)]
+                conn.recv_payload_into_all(views, job.deadline)
                 layer += message.layers
                 nbytes += payload_len
         except BaseException:

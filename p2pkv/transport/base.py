@@ -35,6 +35,9 @@ class Connection(Protocol):
     def recv_payload_into(self, view: memoryview, deadline: float) -> None:
         """Fill `view` with the next payload bytes."""
 
+    def recv_payload_into_all(self, views: Sequence[memoryview], deadline: float) -> None:
+        """Fill each view in turn with the next payload bytes (shm: with one copy where it can)."""
+
     def discard_payload(self, nbytes: int, deadline: float) -> None:
         """Read and drop `nbytes` payload bytes."""
 

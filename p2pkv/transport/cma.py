@@ -105,6 +105,39 @@ def read_remote(pid: int, local: memoryview, remote: Sequence[tuple[int, int]]) 
             pending = rest + pending
 
 
+def read_remote_scattered(pid: int, local: Sequence[memoryview], remote: Sequence[tuple[int, int]]) -> None:
+    """Fill the `local` buffers in turn from the peer's ranges, with one system call where the kernel's iovec
+    limit allows (and the peer's memory reads whole); otherwise buffer by buffer."""
+    if _LIBC is None:
+        raise TransferError("cross-memory attach is not available on this platform")
+    views = [v for v in local if v.nbytes]
+    want = sum(v.nbytes for v in views)
+    if sum(n for _, n in remote) != want:
+        raise TransferError(f"remote ranges hold {sum(n for _, n in remote)} bytes, the buffers {want}")
+    ranges = [(a, n) for a, n in remote if n]
+    if len(views) <= IOV_MAX and len(ranges) <= IOV_MAX:
+        local_iov = (_IoVec * len(views))(*(_IoVec(address_of(v), v.nbytes) for v in views))
+        remote_iov = (_IoVec * len(ranges))(*(_IoVec(a, n) for a, n in ranges))
+        if _LIBC.process_vm_readv(pid, local_iov, len(views), remote_iov, len(ranges), 0) == want:
+            return
+    for view in views:  # too many pieces, or a partial read: the careful path, one buffer at a time
+        take, ranges = _split(ranges, view.nbytes)
+        read_remote(pid, view, take)
+
+
+def _split(ranges: list[tuple[int, int]], nbytes: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The first `nbytes` of `ranges`, and the rest."""
+    head: list[tuple[int, int]] = []
+    rest = list(ranges)
+    while nbytes:
+        address, length = rest[0]
+        step = min(length, nbytes)
+        head.append((address, step))
+        rest[0:1] = [] if step == length else [(address + step, length - step)]
+        nbytes -= step
+    return head, rest
+
+
 def probe(pid: int, address: int, expected: bytes) -> str:
     """Why the peer's memory cannot be read (empty when it can): reads its token back."""
     if _LIBC is None:

@@ -136,6 +136,15 @@ class ShmConnection:
         cma.read_remote(self.peer_pid, view, self._take(view.nbytes))
         self._consumed(view.nbytes, deadline)
 
+    def recv_payload_into_all(self, views: Sequence[memoryview], deadline: float) -> None:
+        if not self.reads_by_reference:
+            self._inner.recv_payload_into_all(views, deadline)
+            return
+        views = [v.cast("B") if v.format != "B" else v for v in views]
+        total = sum(v.nbytes for v in views)
+        cma.read_remote_scattered(self.peer_pid, views, self._take(total))
+        self._consumed(total, deadline)
+
     def discard_payload(self, nbytes: int, deadline: float) -> None:
         if not self.reads_by_reference:
             self._inner.discard_payload(nbytes, deadline)

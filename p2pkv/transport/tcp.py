@@ -212,6 +212,10 @@ class TcpConnection:
     def recv_payload_into(self, view: memoryview, deadline: float) -> None:
         self.recv_exact_into(view, deadline)
 
+    def recv_payload_into_all(self, views: Sequence[memoryview], deadline: float) -> None:
+        for view in views:
+            self.recv_exact_into(view, deadline)
+
     def discard_payload(self, nbytes: int, deadline: float) -> None:
         scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
         left = nbytes

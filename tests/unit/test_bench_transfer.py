@@ -25,9 +25,12 @@ def test_bench_transfer_measures_each_transport_and_plots(tmp_path: Path, capsys
     for row in rows:
         for t in ("tcp", "shm"):
             assert row.transport_gbps[t] > 0 and row.baseline_gbps[t] > 0
-    assert set(latencies) == {"tcp", "shm"} and all(ms > 0 for ms in latencies.values())
+    assert set(latencies) == {f"a 64 KiB transfer over {t}" for t in ("tcp", "shm")} | {
+        f"a 1 MiB pull (GET) over {t}" for t in ("tcp", "shm")}
+    assert all(ms > 0 for ms in latencies.values())
     plot = tmp_path / "transfer.png"
     main([1 << 20], ["shm"], 4 << 20, str(plot), repeats=1)
     assert plot.read_bytes().startswith(b"\x89PNG")
     out = capsys.readouterr().out
     assert "shm GB/s" in out and "latency of a 64 KiB transfer over shm" in out
+    assert "latency of a 1 MiB pull (GET) over shm" in out

@@ -35,6 +35,21 @@ def test_read_remote_copies_ranges_in_order() -> None:
     assert bytes(dest) == src[order].tobytes()
 
 
+@pytest.mark.parametrize("pieces", [7, 3 * cma.IOV_MAX])  # one system call; more pieces than one call takes
+def test_read_remote_scattered_fills_each_buffer_in_turn(pieces: int) -> None:
+    src = np.random.default_rng(3).integers(0, 256, 4 * pieces + 5, dtype=np.uint8)
+    base = cma.address_of(memoryview(src))
+    # Remote ranges and local buffers split the bytes at different places.
+    cuts = sorted(set(np.random.default_rng(4).integers(1, src.size, pieces).tolist()))
+    remote = [(base + a, b - a) for a, b in zip([0, *cuts], [*cuts, src.size], strict=True)]
+    sizes = [3, 0, *([4] * (pieces - 1)), src.size - 3 - 4 * (pieces - 1)]
+    local = [memoryview(bytearray(n)) for n in sizes]
+    cma.read_remote_scattered(os.getpid(), local, remote)
+    assert b"".join(bytes(v) for v in local) == src.tobytes()
+    with pytest.raises(TransferError, match="hold"):
+        cma.read_remote_scattered(os.getpid(), local, remote[:-1])
+
+
 def test_read_remote_reports_errors() -> None:
     with pytest.raises(TransferError, match="hold 4 bytes"):
         cma.read_remote(os.getpid(), memoryview(bytearray(8)), [(1, 4)])
