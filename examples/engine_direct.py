@@ -96,9 +96,7 @@ def main() -> int:
         mine = np.zeros((LAYERS, 4 * BLOCK_BYTES), dtype=np.uint8)
         receiver.pull("get-1", Address.parse(sender_address), 2, 4, lambda layer, first, count: (
             mine[layer][first * BLOCK_BYTES : (first + count) * BLOCK_BYTES].data,), time.monotonic() + 10)
-        wait_until(lambda: (r := receiver.pull_result("get-1")) is None or r.state is not PullState.PENDING,
-                   time.monotonic() + 15, "the pull")
-        result = receiver.pull_result("get-1")
+        result = receiver.wait_pull("get-1", timeout_s=15)  # done, failed, or still pending at the timeout
         assert result is not None and result.state is PullState.DONE, f"pull failed: {result}"
         assert np.array_equal(mine, kv(seed=2)[:, 2 * BLOCK_BYTES :]), "pulled bytes differ"
         if not parent.poll(30):

@@ -117,10 +117,7 @@ def pull_latency_ms(shape: Shape, transport: str, count: int = 40, warmup: int =
         for tid in tids:
             started = time.monotonic()
             puller.pull(tid, peer, 0, shape.blocks, sink, started + 60)
-            while (result := puller.pull_result(tid)) is not None and result.state is PullState.PENDING:
-                if time.monotonic() > started + 60:
-                    raise RuntimeError(f"pull {tid} did not finish")
-                time.sleep(0.00005)
+            result = puller.wait_pull(tid, 60)
             if result is None or result.state is not PullState.DONE:
                 raise RuntimeError(f"pull {tid} failed: {result}")
             times.append(time.monotonic() - started)

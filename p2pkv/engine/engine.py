@@ -150,6 +150,11 @@ class TransferEngine:
         assert self._puller is not None, "engine not started"
         return self._puller.poll(transfer_id)
 
+    def wait_pull(self, transfer_id: str, timeout_s: float) -> PullResult | None:
+        """Block until the pull is done or failed (or `timeout_s` passed); None for an unknown id."""
+        assert self._puller is not None, "engine not started"
+        return self._puller.wait(transfer_id, time.monotonic() + timeout_s)
+
     def forget_pull(self, transfer_id: str) -> None:
         assert self._puller is not None, "engine not started"
         self._puller.forget(transfer_id)

@@ -9,10 +9,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from p2pkv.engine.handshake import client_handshake
+from p2pkv.engine.links import Connect, Links
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import UNKNOWN_TRANSFER, ViewSource
-from p2pkv.engine.sender import Connect
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
 from p2pkv.params import Address
@@ -56,15 +55,14 @@ class PullResult:
 
 class Puller:
     def __init__(self, connect: Connect, hello: Hello, metrics: EngineMetrics, require_shm: bool = False) -> None:
-        self._connect = connect
-        self._hello = hello
+        self._links = Links(connect, hello, require_shm)
+        self._layout = hello.layout
         self._metrics = metrics
-        self._require_shm = require_shm
         self._queue: queue.Queue[PullJob] = queue.Queue()
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # a pull finished
         self._results: dict[str, PullResult] = {}
         self._stop = threading.Event()
-        self._conns: dict[Address, Connection] = {}  # used by the puller thread only, then by close()
         self._thread = engine_thread(self._loop, "p2pkv-puller")
 
     def start(self) -> None:
@@ -77,6 +75,16 @@ class Puller:
 
     def poll(self, transfer_id: str) -> PullResult | None:
         with self._lock:
+            return self._results.get(transfer_id)
+
+    def wait(self, transfer_id: str, deadline: float) -> PullResult | None:
+        """The pull's result once it is done or failed (or at the deadline, still pending); None if unknown."""
+        def settled() -> bool:
+            result = self._results.get(transfer_id)
+            return result is None or result.state is not PullState.PENDING
+
+        with self._settled:
+            self._settled.wait_for(settled, max(0.0, deadline - time.monotonic()))
             return self._results.get(transfer_id)
 
     def forget(self, transfer_id: str) -> None:
@@ -103,9 +111,10 @@ class Puller:
             self._metrics.transfers.labels("pull", outcome).inc()
             log.info("transfer %s pull %s peer=%s bytes=%d ms=%.1f transport=%s%s", job.transfer_id, outcome,
                      job.peer, result.nbytes, ms, result.transport, f" reason={result.reason}" if result.reason else "")
-            with self._lock:
+            with self._settled:
                 if job.transfer_id in self._results:
                     self._results[job.transfer_id] = result
+                self._settled.notify_all()
 
     def _pull_until_offered(self, job: PullJob) -> tuple[int, str]:
         """A push refused for lack of space is offered by the sender moments later: retry until the deadline."""
@@ -117,62 +126,27 @@ class Puller:
                     raise TransferError("the sender never offered the transfer") from None
                 time.sleep(_RETRY_S)
 
-    def _connection(self, peer: Address, deadline: float) -> tuple[Connection, bool]:
-        """The cached link to `peer` (True) or a new one after a handshake (False)."""
-        conn = self._conns.get(peer)
-        if conn is not None and conn.is_alive():
-            return conn, True
-        if conn is not None:
-            log.info("connection to %s was closed by the peer; reconnecting", peer)
-            self._drop(peer)
-        conn = client_handshake(self._connect(peer, deadline), self._hello, deadline, self._require_shm)
-        self._conns[peer] = conn
-        return conn, False
-
-    def _drop(self, peer: Address) -> None:
-        conn = self._conns.pop(peer, None)
-        if conn is not None:
-            conn.close()
-
-    def _request(self, job: PullJob) -> Connection:
-        """Send the pull request, over the cached link if it still works, else over a new one."""
-        request = PullRequest(job.transfer_id, job.first_block, job.num_blocks)
-        conn, reused = self._connection(job.peer, job.deadline)
-        try:
-            conn.send_frame(request, (), job.deadline)
-            return conn
-        except TransferError:
-            self._drop(job.peer)
-            if not reused:
-                raise
-        conn, _ = self._connection(job.peer, job.deadline)  # the cached link had gone stale: one fresh try
-        try:
-            conn.send_frame(request, (), job.deadline)
-        except TransferError:
-            self._drop(job.peer)
-            raise
-        return conn
-
     def _pull(self, job: PullJob) -> tuple[int, str]:
         """Bytes pulled and the transport used. The link to each peer is kept for the next pull; after a failure
         part-way through a pull its state is unknown, so it is closed."""
         if time.monotonic() >= job.deadline:
             raise TransferError("deadline passed before the pull started")
-        conn = self._request(job)
+        conn = self._links.send(job.peer, [(PullRequest(job.transfer_id, job.first_block, job.num_blocks), ())],
+                                job.deadline)
         try:
             reply = self._next(conn, job.deadline)
             if not isinstance(reply[0], PullReply) or reply[0].transfer_id != job.transfer_id or reply[1]:
                 raise ProtocolError(f"expected a pull reply, got {type(reply[0]).__name__}")
         except P2pkvError:
-            self._drop(job.peer)
+            self._links.drop(job.peer)
             raise
         if not reply[0].accepted and reply[0].reason == UNKNOWN_TRANSFER:
             raise NotOfferedYet(job.transfer_id)
         if not reply[0].accepted:
             raise TransferError(f"{job.peer} refused the pull: {reply[0].reason}")
         try:
-            nbytes, layer, num_layers = 0, 0, self._hello.layout.num_layers
-            per_layer = job.num_blocks * self._hello.layout.block_bytes
+            nbytes, layer, num_layers = 0, 0, self._layout.num_layers
+            per_layer = job.num_blocks * self._layout.block_bytes
             while layer < num_layers:  # one frame may carry several layers, in order
                 message, payload_len = self._next(conn, job.deadline)
                 if (not isinstance(message, PushBlocks) or message.transfer_id != job.transfer_id
@@ -184,7 +158,7 @@ class Puller:
                 layer += message.layers
                 nbytes += payload_len
         except BaseException:
-            self._drop(job.peer)
+            self._links.drop(job.peer)
             raise
         self._metrics.bytes_received.labels(conn.name).inc(nbytes)
         self._metrics.add("bytes_received", nbytes)
@@ -201,5 +175,4 @@ class Puller:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        for peer in list(self._conns):
-            self._drop(peer)
+        self._links.close()

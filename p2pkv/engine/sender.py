@@ -9,23 +9,20 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from p2pkv.engine.handshake import client_handshake
+from p2pkv.engine.links import Connect, Links
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.threads import engine_thread
-from p2pkv.errors import P2pkvError, ProtocolError, TransferError
+from p2pkv.errors import P2pkvError, ProtocolError
 from p2pkv.params import Address
 from p2pkv.protocol import Hello, PayloadCopied, PushAbort, PushAck, PushBlocks
-from p2pkv.transport.base import Connection
 from p2pkv.transport.shm import ShmConnection
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
 _MAX_BATCH = 256
 
-Connect = Callable[[Address, float], Connection]
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs several times more, 8+ times a transfer
@@ -98,12 +95,9 @@ class Sender:
     on the connections that owe it a verdict, so it reacts to either at once and burns nothing while idle."""
 
     def __init__(self, connect: Connect, hello: Hello, metrics: EngineMetrics, require_shm: bool = False) -> None:
-        self._connect = connect
-        self._hello = hello
+        self._links = Links(connect, hello, require_shm)
         self._metrics = metrics
-        self._require_shm = require_shm
         self._queue: collections.deque[PushJob] = collections.deque()  # appended under the lock, drained by the thread
-        self._conns: dict[Address, Connection] = {}
         self._lock = threading.Lock()
         self._transfers: dict[str, Outgoing] = {}
         self._sending: dict[str, Outgoing] = {}  # the transfers not finished yet
@@ -141,22 +135,17 @@ class Sender:
     def wait_idle(self, deadline: float) -> bool:
         """Block until every submitted job has been handled (PUT mode); False if the deadline passed."""
         with self._changed:
-            while self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._changed.wait(left)
-            return True
+            return self._changed.wait_for(lambda: not self._pending, max(0.0, deadline - time.monotonic()))
 
     def wait(self, transfer_id: str, deadline: float) -> Outgoing | None:
         """The transfer once it has finished (or at the deadline, still sending); None if unknown."""
+        def settled() -> bool:
+            item = self._transfers.get(transfer_id)
+            return item is None or item.state is not OutState.SENDING
+
         with self._changed:
-            while (item := self._transfers.get(transfer_id)) is not None and item.state is OutState.SENDING:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._changed.wait(left)
-            return item
+            self._changed.wait_for(settled, max(0.0, deadline - time.monotonic()))
+            return self._transfers.get(transfer_id)
 
     def poll(self, transfer_id: str) -> Outgoing | None:
         with self._lock:
@@ -179,7 +168,7 @@ class Sender:
         while not self._stop.is_set():
             with self._lock:
                 waiting = {t.peer for t in self._sending.values() if t.awaiting_ack}
-                polled = {fd: p for p in waiting if (c := self._conns.get(p)) is not None and (fd := c.fileno()) >= 0}
+                polled = {fd: p for p in waiting if (c := self._links.get(p)) is not None and (fd := c.fileno()) >= 0}
             poller = select.poll()
             poller.register(self._wake_r, select.POLLIN)
             for fd in polled:
@@ -234,7 +223,7 @@ class Sender:
             return
         frames = _frames([job for job, _ in live])
         try:
-            conn = self._send_with_retry(peer, frames, min(job.deadline for job, _ in live))
+            conn = self._links.send(peer, frames, min(job.deadline for job, _ in live))
         except P2pkvError as exc:
             with self._lock:
                 for _, item in live:
@@ -263,8 +252,7 @@ class Sender:
 
     def _poll_acks(self, peer: Address) -> None:
         """Read the receiver's verdicts that have arrived on this peer's connection, without blocking."""
-        with self._lock:
-            conn = self._conns.get(peer)
+        conn = self._links.get(peer)
         if conn is None:
             return
         try:
@@ -278,7 +266,7 @@ class Sender:
                 else:
                     raise ProtocolError(f"unexpected {type(message).__name__} frame from a receiver")
         except P2pkvError as exc:
-            self._drop(peer)
+            self._links.drop(peer)
             with self._lock:
                 for item in list(self._sending.values()):
                     if item.peer == peer and item.awaiting_ack:
@@ -314,48 +302,14 @@ class Sender:
         log.info("transfer %s send %s peer=%s bytes=%d ms=%.1f transport=%s%s", item.transfer_id, outcome,
                  item.peer, item.nbytes, ms, item.transport, f" reason={reason}" if reason else "")
 
-    def _send_with_retry(self, peer: Address, frames: list[tuple[PushBlocks, tuple[memoryview, ...]]],
-                         deadline: float) -> Connection:
-        for attempt in (1, 2):
-            conn = self._connection(peer, deadline)
-            try:
-                conn.send_frames(frames, deadline)
-                return conn
-            except TransferError as exc:
-                self._drop(peer)
-                if attempt == 2 or time.monotonic() >= deadline:
-                    raise
-                log.info("reconnecting to %s after: %s", peer, exc)
-        raise AssertionError("unreachable")
-
     def _abort(self, peer: Address, transfer_id: str, reason: str) -> None:
-        with self._lock:
-            conn = self._conns.get(peer)
+        conn = self._links.get(peer)
         if conn is None:
             return
         try:
             conn.send_frame(PushAbort(transfer_id, reason[:200]), (), time.monotonic() + 1.0)
         except P2pkvError:
-            self._drop(peer)
-
-    def _connection(self, peer: Address, deadline: float) -> Connection:
-        with self._lock:
-            conn = self._conns.get(peer)
-        if conn is not None and conn.is_alive():
-            return conn
-        if conn is not None:
-            log.info("connection to %s was closed by the peer; reconnecting", peer)
-            self._drop(peer)
-        conn = client_handshake(self._connect(peer, deadline), self._hello, deadline, self._require_shm)
-        with self._lock:
-            self._conns[peer] = conn
-        return conn
-
-    def _drop(self, peer: Address) -> None:
-        with self._lock:
-            conn = self._conns.pop(peer, None)
-        if conn is not None:
-            conn.close()
+            self._links.drop(peer)
 
     def close(self) -> None:
         self._stop.set()
@@ -367,8 +321,4 @@ class Sender:
                 os.close(fd)
             except OSError:
                 pass
-        with self._lock:
-            conns = list(self._conns.values())
-            self._conns.clear()
-        for conn in conns:
-            conn.close()
+        self._links.close()

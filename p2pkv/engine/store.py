@@ -203,12 +203,13 @@ class ReceiveStore:
 
     def wait(self, transfer_id: str, deadline: float) -> StageState | None:
         """The transfer's state once it is complete or failed, or whatever it is at the deadline."""
+        def settled() -> bool:
+            item = self._items.get(transfer_id)
+            return item is not None and item.state is not StageState.RECEIVING
+
         with self._settled:
-            while (item := self._items.get(transfer_id)) is None or item.state is StageState.RECEIVING:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._settled.wait(left)
+            self._settled.wait_for(settled, max(0.0, deadline - time.monotonic()))
+            item = self._items.get(transfer_id)
             return None if item is None else item.state
 
     def reason(self, transfer_id: str) -> str:

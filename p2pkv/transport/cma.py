@@ -121,21 +121,24 @@ def read_remote_scattered(pid: int, local: Sequence[memoryview], remote: Sequenc
         if _LIBC.process_vm_readv(pid, local_iov, len(views), remote_iov, len(ranges), 0) == want:
             return
     for view in views:  # too many pieces, or a partial read: the careful path, one buffer at a time
-        take, ranges = _split(ranges, view.nbytes)
+        take, ranges = split_ranges(ranges, view.nbytes)
         read_remote(pid, view, take)
 
 
-def _split(ranges: list[tuple[int, int]], nbytes: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The first `nbytes` of `ranges`, and the rest."""
+def split_ranges(ranges: Sequence[tuple[int, int]], nbytes: int) -> tuple[list[tuple[int, int]],
+                                                                          list[tuple[int, int]]]:
+    """The first `nbytes` of `ranges` (a range may be cut in two), and the rest."""
     head: list[tuple[int, int]] = []
-    rest = list(ranges)
+    at = 0
     while nbytes:
-        address, length = rest[0]
+        address, length = ranges[at]
         step = min(length, nbytes)
         head.append((address, step))
-        rest[0:1] = [] if step == length else [(address + step, length - step)]
         nbytes -= step
-    return head, rest
+        if step < length:
+            return head, [(address + step, length - step), *ranges[at + 1 :]]
+        at += 1
+    return head, list(ranges[at:])
 
 
 def probe(pid: int, address: int, expected: bytes) -> str:

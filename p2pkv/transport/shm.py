@@ -106,16 +106,7 @@ class ShmConnection:
         """The next `nbytes` of the peer's ranges."""
         if nbytes > self._left:
             raise ProtocolError(f"asked for {nbytes} payload bytes, {self._left} left in the frame")
-        taken: list[tuple[int, int]] = []
-        while nbytes:
-            address, length = self._ranges[0]
-            step = min(length, nbytes)
-            taken.append((address, step))
-            if step == length:
-                self._ranges.pop(0)
-            else:
-                self._ranges[0] = (address + step, length - step)
-            nbytes -= step
+        taken, self._ranges = cma.split_ranges(self._ranges, nbytes)
         return taken
 
     def _consumed(self, nbytes: int, deadline: float) -> None:
@@ -129,12 +120,7 @@ class ShmConnection:
                 self._inner.flush(deadline)
 
     def recv_payload_into(self, view: memoryview, deadline: float) -> None:
-        if not self.reads_by_reference:
-            self._inner.recv_payload_into(view, deadline)
-            return
-        view = view.cast("B") if view.format != "B" else view
-        cma.read_remote(self.peer_pid, view, self._take(view.nbytes))
-        self._consumed(view.nbytes, deadline)
+        self.recv_payload_into_all((view,), deadline)
 
     def recv_payload_into_all(self, views: Sequence[memoryview], deadline: float) -> None:
         if not self.reads_by_reference:

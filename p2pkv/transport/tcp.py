@@ -86,8 +86,7 @@ class TcpConnection:
     # -- sending --
 
     def send_frame(self, message: Message, payload: Sequence[memoryview], deadline: float) -> None:
-        total = sum(v.nbytes for v in payload)
-        self.send_raw(encode_frame(message, total, self._secret), payload, deadline)
+        self.send_frames([(message, payload)], deadline)
 
     def send_frames(self, frames: Sequence[tuple[Message, Sequence[memoryview]]], deadline: float) -> None:
         """Several frames in as few system calls as the socket allows."""
@@ -97,20 +96,12 @@ class TcpConnection:
             buffers.extend(payload)
         self.send_buffers(buffers, deadline)
 
-    def send_raw(self, head: bytes, payload: Sequence[memoryview], deadline: float) -> None:
-        """`head`, then the payload views, as they are."""
-        self.send_buffers([head, *payload], deadline)
-
     def queue_frame(self, message: Message) -> None:
         """A payload-less frame sent with the next send, before the next wait for input, or once the queue is
         old or long (checked as each frame is read)."""
         if not self._outbox:
             self._queued_at = time.monotonic()
         self._outbox.append(encode_frame(message, 0, self._secret))
-
-    @property
-    def queued(self) -> int:
-        return len(self._outbox)
 
     def flush(self, deadline: float) -> None:
         if self._outbox:

@@ -258,14 +258,9 @@ class Offerer:
 
 
 def _wait_pull(engine: TransferEngine, tid: str) -> str:
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        result = engine.pull_result(tid)
-        assert result is not None
-        if result.state.value != "pending":
-            return f"{result.state.value} {result.reason}"
-        time.sleep(0.02)
-    return "pending"
+    result = engine.wait_pull(tid, 15)
+    assert result is not None
+    return "pending" if result.state.value == "pending" else f"{result.state.value} {result.reason}"
 
 
 def test_pull_lands_the_requested_blocks_in_place_and_frees_the_offer(receiver: TransferEngine,

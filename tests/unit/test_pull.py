@@ -50,10 +50,7 @@ def pull(engine: TransferEngine, peer: str, tid: str) -> np.ndarray:
     local = np.zeros((LAYERS, BLOCKS * BLOCK_BYTES), np.uint8)
     engine.pull(tid, Address.parse(peer), 0, BLOCKS, lambda layer, first, count: (
         local[layer][first * BLOCK_BYTES : (first + count) * BLOCK_BYTES].data,), time.monotonic() + 5)
-    deadline = time.monotonic() + 10
-    while (result := engine.pull_result(tid)) is not None and result.state is PullState.PENDING:
-        assert time.monotonic() < deadline, "the pull did not finish"
-        time.sleep(0.005)
+    result = engine.wait_pull(tid, 10)
     assert result is not None and result.state is PullState.DONE, result
     return local
 
