@@ -102,15 +102,34 @@ class LayerGeometry:
 
 def _storage_bytes(t: torch.Tensor) -> ByteBlocks:
     if t.device.type != "cpu":
-        raise IncompatiblePeerError(f"KV tensors on {t.device.type} need a GPU transport (not available yet)")
+        raise IncompatiblePeerError(f"KV tensors on {t.device.type} are reached through host copies (DeviceKv)")
     flat = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
     arr: ByteBlocks = flat.numpy()
     return arr
 
 
+def describe(tensors: Sequence[torch.Tensor], block_size: int, kernel: str) -> tuple[list[LayerGeometry],
+                                                                                     LayoutDigest]:
+    """Each layer's block geometry and the digest peers compare; refuses layers that differ."""
+    if not tensors:
+        raise IncompatiblePeerError("no KV cache tensors were registered")
+    first = tensors[0]
+    shapes = {(tuple(t.shape[1:]), t.dtype) for t in tensors}
+    if len(shapes) != 1:
+        raise IncompatiblePeerError(f"KV layers differ in block shape or dtype: {shapes}")
+    geometry = [LayerGeometry.of(t) for t in tensors]
+    if len({g.inner for g in geometry}) != 1:
+        raise IncompatiblePeerError("KV layers differ in how their blocks are laid out in memory")
+    block_bytes = first[0].numel() * first.element_size()
+    digest = LayoutDigest(num_layers=len(tensors), block_size=block_size, block_bytes=block_bytes,
+                          dtype=str(first.dtype).removeprefix("torch."), block_shape=tuple(first.shape[1:]),
+                          kernel=kernel, block_layout=geometry[0].signature())
+    return geometry, digest
+
+
 @dataclass
 class KvBlocks:
-    """Byte access to every layer's blocks, in the order the layers were registered."""
+    """Byte access to every layer's blocks, in the order the layers were registered (KV in host memory)."""
 
     storages: list[ByteBlocks]
     geometry: list[LayerGeometry]
@@ -118,21 +137,8 @@ class KvBlocks:
 
     @classmethod
     def from_tensors(cls, tensors: Sequence[torch.Tensor], block_size: int, kernel: str) -> KvBlocks:
-        if not tensors:
-            raise IncompatiblePeerError("no KV cache tensors were registered")
-        first = tensors[0]
-        shapes = {(tuple(t.shape[1:]), t.dtype) for t in tensors}
-        if len(shapes) != 1:
-            raise IncompatiblePeerError(f"KV layers differ in block shape or dtype: {shapes}")
-        geometry = [LayerGeometry.of(t) for t in tensors]
-        if len({g.inner for g in geometry}) != 1:
-            raise IncompatiblePeerError("KV layers differ in how their blocks are laid out in memory")
-        storages = [_storage_bytes(t) for t in tensors]
-        block_bytes = first[0].numel() * first.element_size()
-        digest = LayoutDigest(num_layers=len(tensors), block_size=block_size, block_bytes=block_bytes,
-                              dtype=str(first.dtype).removeprefix("torch."), block_shape=tuple(first.shape[1:]),
-                              kernel=kernel, block_layout=geometry[0].signature())
-        return cls(storages, geometry, digest)
+        geometry, digest = describe(tensors, block_size, kernel)
+        return cls([_storage_bytes(t) for t in tensors], geometry, digest)
 
     @property
     def block_bytes(self) -> int:

@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from p2pkv.config import ExtraConfig, Transport
@@ -112,9 +113,13 @@ class TransferEngine:
 
     # Sending side.
     def push_layer(self, transfer_id: str, peer: Address, layer: int, total_blocks: int,
-                   views: tuple[memoryview, ...], deadline: float) -> None:
+                   views: tuple[memoryview, ...], deadline: float,
+                   ready: Callable[[float], bool] | None = None) -> None:
+        """Queue one layer; `ready` (staged device KV) is called with the deadline before it is sent, and must
+        return True once `views` hold the layer's bytes."""
         assert self._sender is not None, "engine not started"
-        self._sender.submit(PushJob(transfer_id, peer, layer, self.layout.num_layers, total_blocks, views, deadline))
+        self._sender.submit(PushJob(transfer_id, peer, layer, self.layout.num_layers, total_blocks, views, deadline,
+                                    ready))
 
     def wait_sent(self, deadline: float) -> bool:
         assert self._sender is not None, "engine not started"

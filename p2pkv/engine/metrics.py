@@ -23,6 +23,8 @@ class EngineMetrics:
         self.refused_peers = Counter("p2pkv_refused_peers", "Peers refused at the handshake", registry=r)
         self.staging_bytes = Gauge("p2pkv_staging_bytes", "Bytes of received KV waiting to be loaded", registry=r)
         self.pool_bytes = Gauge("p2pkv_pool_bytes", "Bytes of the host pool holding staged KV", registry=r)
+        self.device_copy_bytes = Counter("p2pkv_device_copy_bytes", "KV bytes copied between the device's cache "
+                                         "and host buffers (GPU KV)", ["direction"], registry=r)
         self.transfer_seconds = Histogram("p2pkv_transfer_seconds", "Push time per transfer", ["direction"],
                                           registry=r)
         self._lock = threading.Lock()

@@ -9,6 +9,7 @@ import os
 import select
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from p2pkv.engine.links import Connect, Links
@@ -36,6 +37,7 @@ class PushJob:
     total_blocks: int
     views: tuple[memoryview, ...]
     deadline: float
+    ready: Callable[[float], bool] | None = None  # staged device KV: waits (to a deadline) until `views` hold it
 
 
 class OutState(enum.Enum):
@@ -219,6 +221,7 @@ class Sender:
         peer = jobs[0].peer
         with self._lock:
             live = [(job, item) for job in jobs if (item := self._sending.get(job.transfer_id)) is not None]
+        live = self._await_ready(peer, live)
         if not live:
             return
         frames = _frames([job for job, _ in live])
@@ -245,6 +248,27 @@ class Sender:
                 self._maybe_done_locked(item)
         self._metrics.bytes_sent.labels(conn.name).inc(total)
         self._metrics.add("bytes_sent", total)
+
+    def _await_ready(self, peer: Address, live: list[tuple[PushJob, Outgoing]]) -> list[tuple[PushJob, Outgoing]]:
+        """Wait for the device-to-host copies of staged layers; a copy that misses its deadline fails its transfer."""
+        failed: dict[str, str] = {}
+        for job, _ in live:
+            if job.ready is None or job.transfer_id in failed:
+                continue
+            try:
+                if not job.ready(job.deadline):
+                    failed[job.transfer_id] = f"layer {job.layer}: the copy from the device missed the deadline"
+            except Exception as exc:  # a device error fails this transfer, not the batch
+                failed[job.transfer_id] = f"layer {job.layer}: the copy from the device failed: {exc!r}"
+        if not failed:
+            return live
+        with self._lock:
+            for transfer_id, reason in failed.items():
+                if (item := self._sending.get(transfer_id)) is not None:
+                    self._finish_locked(item, OutState.FAILED, reason)
+        for transfer_id, reason in failed.items():
+            self._abort(peer, transfer_id, reason)
+        return [(job, item) for job, item in live if job.transfer_id not in failed]
 
     def _maybe_done_locked(self, item: Outgoing) -> None:
         if item.state is OutState.SENDING and item.complete:

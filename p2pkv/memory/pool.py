@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import logging
 import mmap
+import platform
+import sys
 import threading
 from dataclasses import dataclass
 
 from p2pkv.memory.buddy import BuddyAllocator, BuddyStats
 
 log = logging.getLogger(__name__)
+# Python's mmap module lacks MAP_NORESERVE here; Linux's value on x86-64 and arm64 (elsewhere: none).
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" and platform.machine() in
+                         ("x86_64", "aarch64") else 0)
 
 
 @dataclass(frozen=True)
@@ -32,15 +37,29 @@ class HostPool:
         self._memory: memoryview | None = None
         self._keepalive: object | None = None
         self._pinned_memory = False
+        self._failed = False
 
     @property
     def allocated(self) -> bool:
         return self._memory is not None
 
-    def _ensure(self) -> tuple[BuddyAllocator, memoryview]:
+    def prepare(self) -> None:
+        """Map (and pin) the memory now rather than on first use."""
+        self._ensure()
+
+    def _ensure(self) -> tuple[BuddyAllocator, memoryview] | None:
+        """The allocator and memory, mapped on first use; None if the memory could not be had (logged once)."""
         with self._lock:
+            if self._failed:
+                return None
             if self._allocator is None or self._memory is None:
-                self._memory, self._keepalive = self._allocate_memory()
+                try:
+                    self._memory, self._keepalive = self._allocate_memory()
+                except (OSError, RuntimeError) as exc:  # RuntimeError: CUDA could not pin that much
+                    self._failed = True
+                    log.error("host pool of %d bytes could not be mapped (%s); continuing without it: lower "
+                              "mem_pool_size_gb to what this host can hold", self._capacity, exc)
+                    return None
                 self._allocator = BuddyAllocator(self._capacity, self._min_block)
                 log.info("host pool of %d bytes mapped (pinned=%s)", self._capacity, self._pinned_memory)
             return self._allocator, self._memory
@@ -57,17 +76,22 @@ class HostPool:
             except ImportError:
                 pass
         # An anonymous mapping: pages are zero and materialise when first written, so a large pool costs
-        # nothing until it is used (a bytearray would be zero-filled, touching every page at once).
-        mapping = mmap.mmap(-1, self._capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # nothing until it is used (a bytearray would be zero-filled, touching every page at once). NORESERVE:
+        # a pool larger than this host's memory is still mapped; only the bytes handed out are ever touched.
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        mapping = mmap.mmap(-1, self._capacity, flags=flags)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             mapping.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults and cheaper cross-process reads
         return memoryview(mapping), mapping
 
     def allocate(self, size: int) -> PoolBuffer | None:
-        """A buffer of exactly `size` bytes, or None when the pool has no block that large free."""
+        """A buffer of exactly `size` bytes, or None when the pool has no block that large free (or no memory)."""
         if size <= 0 or size > self._capacity:
             return None
-        allocator, memory = self._ensure()
+        ready = self._ensure()
+        if ready is None:
+            return None
+        allocator, memory = ready
         offset = allocator.allocate(size)
         if offset is None:
             return None

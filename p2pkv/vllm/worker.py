@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -13,7 +15,9 @@ from p2pkv.engine.offers import OfferState, ViewSource
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import NO_SPACE, StageState
+from p2pkv.errors import P2pkvError
 from p2pkv.layout import KvBlocks
+from p2pkv.staging import STAGE_ENV, DeviceKv, TransferBuffers
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
 
 if TYPE_CHECKING:
@@ -36,13 +40,21 @@ def _kernel_tag(t: torch.Tensor) -> str:
     return str(t.device.type)
 
 
+def _raiser(exc: Exception) -> Callable[[float], bool]:
+    def ready(_deadline: float) -> bool:
+        raise exc
+
+    return ready
+
+
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, rank: int, block_size: int) -> None:
         self._config = config
         self._rank = rank
         self._block_size = block_size
         self._engine: TransferEngine | None = None
-        self._blocks: KvBlocks | None = None
+        self._blocks: KvBlocks | DeviceKv | None = None
+        self._staging: TransferBuffers | None = None  # KV the engine cannot address in place (a GPU's)
         self._layer_index: dict[str, int] = {}
         self._meta = P2pkvMetadata()
         self._pushed: dict[str, set[int]] = {}
@@ -60,12 +72,21 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = list(kv_caches)
         tensors = [kv_caches[n] for n in names]
-        self._blocks = KvBlocks.from_tensors(tensors, self._block_size, _kernel_tag(tensors[0]))
-        self._layer_index = {n: i for i, n in enumerate(names)}
         extra = self._config.extra
+        kernel = _kernel_tag(tensors[0])
+        if tensors[0].device.type != "cpu" or os.environ.get(STAGE_ENV) == "1":
+            device = DeviceKv(tensors, self._block_size, kernel, extra.transfer_timeout_s)
+            self._blocks, self._staging = device, TransferBuffers(device)
+        else:
+            self._blocks = KvBlocks.from_tensors(tensors, self._block_size, kernel)
+        self._layer_index = {n: i for i, n in enumerate(names)}
         metrics_port = extra.metrics_port + self._rank if extra.metrics_port else 0
         settings = EngineSettings.from_config(extra, self._config.worker_port(self._rank), metrics_port)
         self._engine = TransferEngine(settings, self._blocks.digest, self._rank)
+        if isinstance(self._blocks, DeviceKv):
+            self._blocks.pool, self._blocks.metrics = self._engine.pool, self._engine.metrics
+            if self._engine.pool is not None and self._blocks.on_gpu:
+                self._engine.pool.prepare()  # pinning takes about 0.5 s per GiB: at start-up, not in a transfer
         self._engine.start()
 
     def bind(self, meta: P2pkvMetadata) -> None:
@@ -76,7 +97,7 @@ class WorkerSide:
             self._loads[spec.req_id] = _Load(spec, deadline)
             if spec.pull_from is not None and spec.block_ids:
                 self.engine.pull(spec.transfer_id, spec.pull_from.offset(self._rank), spec.first_block,
-                                 len(spec.block_ids), self._views_of(spec.block_ids), deadline)
+                                 len(spec.block_ids), self._sink(spec), deadline)
 
     def save_layer(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
@@ -85,9 +106,21 @@ class WorkerSide:
         for spec in self._meta.saves:
             self._push(spec, layer)
 
+    def _sink(self, spec: LoadSpec) -> ViewSource:
+        """Where a pull writes: the blocks themselves, or the transfer's host buffer for device KV."""
+        if self._staging is not None:
+            return self._staging.sink(spec.transfer_id, spec.block_ids)
+        return self._views_of(spec.block_ids)
+
+    def _source(self, spec: SaveSpec) -> ViewSource:
+        """What a pull reads: the blocks themselves, or device KV copied to the transfer's host buffer."""
+        if self._staging is not None:
+            return self._staging.source(spec.transfer_id, spec.block_ids)
+        return self._views_of(spec.block_ids)
+
     def _views_of(self, block_ids: tuple[int, ...]) -> ViewSource:
         blocks = self._blocks
-        assert blocks is not None
+        assert isinstance(blocks, KvBlocks)
 
         def views(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
             return blocks.block_views(layer, block_ids[first : first + count])
@@ -105,9 +138,19 @@ class WorkerSide:
         self._sending[spec.req_id] = spec.transfer_id
         self._specs[spec.req_id] = spec
         deadline = time.monotonic() + self._config.extra.transfer_timeout_s
-        views = self._blocks.block_views(layer, spec.block_ids)
+        ready = None
+        if self._staging is not None:
+            try:
+                views, ready = self._staging.push_views(spec.transfer_id, layer, spec.block_ids)
+            except Exception as exc:  # no host memory, a device error: this transfer fails, not the forward pass
+                log.error("transfer %s: layer %d could not be copied from the device: %r", spec.transfer_id, layer,
+                          exc)
+                views, ready = (), _raiser(exc)
+        else:
+            assert isinstance(self._blocks, KvBlocks)
+            views = self._blocks.block_views(layer, spec.block_ids)
         self.engine.push_layer(spec.transfer_id, spec.peer.offset(self._rank), layer, len(spec.block_ids), views,
-                               deadline)
+                               deadline, ready)
 
     def wait_for_save(self) -> None:
         # Layers whose hook did not fire this step (none in normal runs) are pushed here so no transfer is short.
@@ -115,7 +158,7 @@ class WorkerSide:
             if spec.peer is None:
                 # GET: every layer is final now that the forward has run; hold the blocks for the pull.
                 self._sending[spec.req_id] = spec.transfer_id
-                self.engine.offer(spec.transfer_id, len(spec.block_ids), self._views_of(spec.block_ids),
+                self.engine.offer(spec.transfer_id, len(spec.block_ids), self._source(spec),
                                   self._config.extra.lease_s)
                 continue
             for layer in range(len(self._layer_index)):
@@ -137,8 +180,7 @@ class WorkerSide:
                 # The decode side had no room to stage the push: hold the blocks for it to pull instead.
                 spec = self._specs[req_id]
                 log.info("transfer %s: push refused (%s); holding the blocks for a pull", tid, out.reason)
-                self.engine.offer(tid, len(spec.block_ids), self._views_of(spec.block_ids),
-                                  self._config.extra.lease_s)
+                self.engine.offer(tid, len(spec.block_ids), self._source(spec), self._config.extra.lease_s)
         done: set[str] = set()
         for req_id in self._finished:
             tid = self._sending[req_id]
@@ -156,6 +198,8 @@ class WorkerSide:
             self._specs.pop(req_id, None)
             self.engine.forget_outgoing(tid)
             self.engine.offers.forget(tid)
+            if self._staging is not None:
+                self._staging.release(tid)
         return done
 
     def _finished_loading(self) -> set[str]:
@@ -170,7 +214,13 @@ class WorkerSide:
             if state is StageState.FAILED and self._fall_back_to_pull(load):
                 continue
             if state is StageState.COMPLETE:
-                self._land(load.spec)
+                try:
+                    self._land(load.spec)
+                except P2pkvError as exc:  # device KV: the copy into the blocks did not finish in time
+                    log.warning("transfer %s: %s; reporting %d blocks", load.spec.transfer_id, exc,
+                                len(load.spec.block_ids))
+                    self._load_errors.update(load.spec.block_ids)
+                    self.engine.metrics.transfers.labels("load", "failed").inc()
                 done.add(req_id)
             elif state is StageState.FAILED or now > load.deadline:
                 reason = "transfer failed" if state is StageState.FAILED else "deadline passed"
@@ -197,7 +247,7 @@ class WorkerSide:
         log.info("transfer %s: no staging space here; pulling from %s", spec.transfer_id, spec.fallback_from)
         load.spec = replace(spec, pull_from=spec.fallback_from)
         self.engine.pull(spec.transfer_id, spec.fallback_from.offset(self._rank), spec.first_block,
-                         len(spec.block_ids), self._views_of(spec.block_ids), load.deadline)
+                         len(spec.block_ids), self._sink(spec), load.deadline)
         return True
 
     def _pull_finished(self, load: _Load) -> bool:
@@ -206,10 +256,18 @@ class WorkerSide:
             return True
         result = self.engine.pull_result(spec.transfer_id)
         if result is not None and result.state is PullState.DONE:
+            self.engine.forget_pull(spec.transfer_id)
+            if self._staging is not None:
+                try:
+                    self._staging.land(spec.transfer_id)
+                except P2pkvError as exc:
+                    log.warning("transfer %s: %s; reporting %d blocks", spec.transfer_id, exc, len(spec.block_ids))
+                    self._load_errors.update(spec.block_ids)
+                    self.engine.metrics.transfers.labels("load", "failed").inc()
+                    return True
             self.engine.metrics.bytes_loaded.inc(result.nbytes)
             self.engine.metrics.add("bytes_loaded", result.nbytes)
             self.engine.metrics.transfers.labels("load", "ok").inc()
-            self.engine.forget_pull(spec.transfer_id)
             return True
         # Only a finished pull is reported: vLLM may free and reuse the blocks of a failed load, so the puller
         # (which honours the same deadline) must be done writing into them first.
@@ -219,6 +277,8 @@ class WorkerSide:
             self._load_errors.update(spec.block_ids)
             self.engine.metrics.transfers.labels("load", "failed").inc()
             self.engine.forget_pull(spec.transfer_id)
+            if self._staging is not None:
+                self._staging.release(spec.transfer_id)
             return True
         return False
 

@@ -93,14 +93,14 @@ def _alive(pid: int) -> bool:
 
 
 def start_up(model: str, work: Path, extra: dict[str, Any], vllm_args: list[str],
-             up_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], Path]:
+             up_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], Path]:
     """Start `p2pkv up` (1P1D unless `up_args` say otherwise); returns the process and its ready file's path."""
     ready = work / "ready.json"
     argv = [sys.executable, "-m", "p2pkv", "up", "--model", model, "--log-dir", str(work / "logs"),
             "--ready-file", str(ready), "--extra-config", json.dumps(extra), *up_args, "--", *vllm_args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
     with (work / "up.log").open("wb") as log:
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env), ready
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env), ready
 
 
 def wait_ready(proc: subprocess.Popen[bytes], ready: Path, timeout_s: float = 900) -> dict[str, Any]:
@@ -126,9 +126,11 @@ def stop_up(proc: subprocess.Popen[bytes], expect_code: int = 0) -> None:
 
 @contextmanager
 def up_with_colocated(model: str, work: Path, extra: dict[str, Any], vllm_args: list[str],
-                      up_args: tuple[str, ...] = ()) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any], str]]:
-    """`p2pkv up` plus one colocated vLLM without a connector (the oracle); stopped cleanly afterwards."""
-    proc, ready = start_up(model, work, extra, vllm_args, up_args)
+                      up_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                      ) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any], str]]:
+    """`p2pkv up` plus one colocated vLLM without a connector (the oracle); stopped cleanly afterwards. `env` is
+    added to the environment of `p2pkv up` and so of its instances."""
+    proc, ready = start_up(model, work, extra, vllm_args, up_args, env)
     colocated = Cluster(model=model, log_dir=work / "colocated")
     port = free_port()
     colocated.add_vllm("colocated", InstanceSpec("", port))

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from p2pkv.staging import STAGE_ENV
 from tests.integration.conftest import metric, up_with_colocated
 from tests.integration.test_disagg import greedy, ids_and_logprobs, prompt
 
@@ -22,10 +23,12 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def cluster_2p2d(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     # The clean stop at the end also checks that `p2pkv up` still serves after losing a prefill instance.
-    # This cluster moves KV over tcp (the 1P1D one uses shm, the default between instances of one host).
+    # This cluster moves KV over tcp (the 1P1D one uses shm, the default between instances of one host), and
+    # through host buffers as a GPU cache does (P2PKV_STAGE_KV): the GPU path's logic, run on vLLM's CPU build.
     work = tmp_path_factory.mktemp("xpyd")
     up_args = ("--prefill", "2", "--decode", "2")
-    with up_with_colocated(tiny_model, work, {"transport": "tcp"}, [], up_args) as (proc, info, coloc):
+    with up_with_colocated(tiny_model, work, {"transport": "tcp"}, [], up_args,
+                           {STAGE_ENV: "1"}) as (proc, info, coloc):
         info.update(model=tiny_model, colocated=coloc, up=proc)
         yield info
 
@@ -46,6 +49,13 @@ def test_2p2d_serves_concurrent_requests_and_survives_a_dead_prefill(cluster_2p2
     decoders = [i for i in cluster_2p2d["instances"] if i["role"] == "kv_consumer"]
     assert sum(metric(d["metrics"], 'p2pkv_bytes_received_total{transport="tcp"}') for d in decoders) > 0
     assert all(metric(d["metrics"], 'p2pkv_bytes_received_total{transport="shm"}') == 0 for d in decoders)
+    # Every byte went through host buffers: copied out of the prefill caches, into the decode caches.
+    producers = [i for i in cluster_2p2d["instances"] if i["role"] == "kv_producer"]
+    copied_out = sum(metric(p["metrics"], 'p2pkv_device_copy_bytes_total{direction="to_host"}') for p in producers)
+    copied_in = sum(metric(d["metrics"], 'p2pkv_device_copy_bytes_total{direction="to_device"}') for d in decoders)
+    loaded = sum(metric(d["metrics"], "p2pkv_bytes_loaded_total") for d in decoders)
+    assert copied_in == loaded > 0
+    assert copied_out >= loaded
     listed = _instances(cluster_2p2d)
     assert all(i["in_flight"] == 0 for i in listed)
     # `p2pkv up` lists nothing statically: the proxy knows every instance from its heartbeats.

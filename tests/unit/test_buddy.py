@@ -126,3 +126,18 @@ def test_bench_pool_command_prints_its_figures(capsys: pytest.CaptureFixture[str
     assert "allocate+release pairs/s (hot path)" in out and "fragmentation" in out
     rate = int(out.splitlines()[1].split()[-1].replace(",", ""))
     assert rate > 0
+
+
+def test_a_pool_that_cannot_be_mapped_hands_out_nothing_instead_of_raising() -> None:
+    pool = HostPool(1 << 50, pinned=False)  # a PiB: more address space than the kernel gives a process
+    assert pool.allocate(4096) is None
+    assert pool.allocate(4096) is None  # logged once, not retried
+    assert pool.stats() is None
+
+
+def test_a_pool_larger_than_this_host_is_mapped_lazily() -> None:
+    pool = HostPool(64 << 30, pinned=False)  # more than the 24 GiB of CI machines: only touched pages count
+    buf = pool.allocate(1 << 20)
+    assert buf is not None
+    buf.view[:] = b"\x01" * (1 << 20)
+    pool.release(buf)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2pkv.bench import gpu_check
+from p2pkv.bench import gpu_check, staged
+from p2pkv.memory import HostPool
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -34,3 +35,21 @@ def test_without_a_gpu_the_script_skips_every_row_and_succeeds() -> None:
     rows = [line for line in done.stdout.splitlines() if "no CUDA device on this machine" in line]
     assert len(rows) == len(gpu_check.CHECKS)
     assert all(" SKIP " in row for row in rows)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_tcp_with_gpu_tensors_through_the_pinned_pool() -> None:
+    assert "byte for byte" in gpu_check._tcp_staged()
+
+
+def test_the_staged_tcp_row_runs_on_host_tensors() -> None:
+    """The GPU row's code on CPU tensors (copies synchronous, no streams): a push and a pull land byte for byte,
+    and the bandwidth measurement runs, for blocks in one run and scattered."""
+    assert "byte for byte" in staged.round_trip("cpu", layers=2, blocks=16)
+    pool = HostPool(8 << 20, pinned=False)
+    for scattered in (False, True):
+        rate = staged.bandwidth("cpu", 2 << 20, scattered, pool, repeats=2)
+        assert rate.to_host_gbps > 0 and rate.to_device_gbps > 0 and rate.ratio > 0
+    stats = pool.stats()
+    assert stats is not None and stats.bytes_in_use == 0

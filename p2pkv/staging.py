@@ -1,0 +1,302 @@
+"""KV caches the engine cannot address in place (a GPU's): their blocks move through host buffers.
+
+The engine sends from and receives into host memory. For a KV cache on a GPU each transfer gets one host buffer
+(from the host pool, which is pinned where CUDA is; its own memory when the pool is full), holding the transfer's
+blocks layer after layer in payload order:
+
+- sending, `push_views`: a device-to-host copy of one layer's blocks is queued on a copy stream, after the work
+  already queued on the compute stream (the forward that wrote them). The engine sends the bytes once the copy is
+  done (`ready`), so layer L is on the wire while layer L+1 is still being copied;
+- GET, `source`: the layers not copied yet are copied; the puller is served from the buffer;
+- receiving: a pull lands in the transfer's buffer (`sink`) and is copied into the blocks when it is complete
+  (`land`); pushed bytes are copied from the staging store into the blocks (`DeviceKv.write_blocks`).
+
+With `P2PKV_STAGE_KV=1` a KV cache in host memory takes this path too, so its logic runs in CI without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+import torch
+
+from p2pkv.engine.metrics import EngineMetrics
+from p2pkv.engine.offers import ViewSource
+from p2pkv.errors import P2pkvError
+from p2pkv.layout import LayerGeometry, describe
+from p2pkv.memory import HostPool
+from p2pkv.memory.pool import PoolBuffer
+
+log = logging.getLogger(__name__)
+STAGE_ENV = "P2PKV_STAGE_KV"
+Marker = Callable[[], bool]  # True once the copies queued before it have finished
+Ready = Callable[[float], bool]  # wait until an absolute monotonic deadline; False if it passed first
+
+
+def _done() -> bool:
+    return True
+
+
+def wait_marker(marker: Marker, deadline: float) -> bool:
+    delay = 20e-6
+    while not marker():
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        time.sleep(min(delay, deadline - now))
+        delay = min(delay * 2, 1e-3)
+    return True
+
+
+class _Copier(Protocol):
+    def after_compute(self) -> contextlib.AbstractContextManager[None]:
+        """Copies issued inside run after the work queued so far on the compute stream."""
+
+    def mark(self) -> Marker:
+        """A marker for the copies issued so far."""
+
+
+class _HostCopier:
+    """Host tensors: `copy_` is synchronous, every copy is done when it returns."""
+
+    def after_compute(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def mark(self) -> Marker:
+        return _done
+
+
+class _CudaCopier:
+    """One copy stream per worker, ordered after the compute stream; markers are CUDA events (no host sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._stream = torch.cuda.Stream(device=device)
+
+    @contextlib.contextmanager
+    def after_compute(self) -> Iterator[None]:
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def mark(self) -> Marker:
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        query: Marker = event.query
+        return query
+
+
+class HostBuffer:
+    """Host memory for one transfer: a block of the host pool, or its own memory when the pool has none free."""
+
+    def __init__(self, nbytes: int, pool: HostPool | None, pin: bool) -> None:
+        self._pool = pool
+        self._block: PoolBuffer | None = pool.allocate(nbytes) if pool is not None else None
+        if self._block is not None:
+            self.tensor = torch.frombuffer(self._block.view, dtype=torch.uint8)
+        else:
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.view = memoryview(self.tensor.numpy()).cast("B")
+
+    @property
+    def from_pool(self) -> bool:
+        return self._block is not None
+
+    def release(self) -> None:
+        if self._block is not None and self._pool is not None:
+            self._pool.release(self._block)
+            self._block = None
+
+
+class DeviceKv:
+    """Every layer's blocks, reached through host copies. `copy_out`/`copy_in` queue the copies and return a marker;
+    `write_blocks` waits for its copy."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], block_size: int, kernel: str, copy_timeout_s: float) -> None:
+        self.geometry: list[LayerGeometry]
+        self.geometry, self.digest = describe(tensors, block_size, kernel)
+        device = tensors[0].device
+        self._storages = [torch.empty(0, dtype=torch.uint8, device=device).set_(t.untyped_storage())
+                          for t in tensors]
+        self.on_gpu = device.type == "cuda"
+        self._copier: _Copier = _CudaCopier(device) if self.on_gpu else _HostCopier()
+        self.copy_timeout_s = copy_timeout_s
+        self.pool: HostPool | None = None
+        self.metrics: EngineMetrics | None = None
+        # Dense blocks scattered over the cache: gathered on the device and moved with one copy, where that beats
+        # one copy per run of blocks (on a GPU each copy has a fixed launch cost; on the host it does not pay).
+        self._dense = self.geometry[0].inner == ((0, self.digest.block_bytes),)
+        self.gather_min_runs: int | None = 4 if self.on_gpu and self._dense else None
+
+    @property
+    def block_bytes(self) -> int:
+        return self.digest.block_bytes
+
+    @property
+    def num_layers(self) -> int:
+        return self.digest.num_layers
+
+    def buffer(self, num_blocks: int) -> HostBuffer:
+        """A host buffer for `num_blocks` blocks of every layer."""
+        return HostBuffer(max(1, self.num_layers * num_blocks * self.block_bytes), self.pool, self.on_gpu)
+
+    def _blocks_2d(self, layer: int) -> torch.Tensor:
+        """A dense layer as [blocks, block_bytes] rows (rows may be strided)."""
+        g, storage, bb = self.geometry[layer], self._storages[layer], self.digest.block_bytes
+        rows = (storage.numel() - g.base - bb) // g.block_stride + 1
+        return storage.as_strided((rows, bb), (g.block_stride, 1), g.base)
+
+    def _gathers(self, ranges: list[tuple[int, int]]) -> bool:
+        return self._dense and self.gather_min_runs is not None and len(ranges) >= self.gather_min_runs
+
+    def copy_out(self, layer: int, block_ids: Sequence[int], dst: torch.Tensor) -> Marker:
+        src = self._storages[layer]
+        ranges = self.geometry[layer].ranges(block_ids)
+        at = 0
+        with self._copier.after_compute():
+            if self._gathers(ranges):
+                ids = torch.tensor(block_ids, dtype=torch.int64).to(src.device, non_blocking=True)
+                rows = self._blocks_2d(layer).index_select(0, ids)  # on the copy stream: freed after the copy
+                at = rows.numel()
+                dst[:at].view(len(block_ids), -1).copy_(rows, non_blocking=True)
+            else:
+                for start, n in ranges:
+                    dst[at : at + n].copy_(src[start : start + n], non_blocking=True)
+                    at += n
+            marker = self._copier.mark()
+        if self.metrics is not None:
+            self.metrics.device_copy_bytes.labels("to_host").inc(at)
+        return marker
+
+    def copy_in(self, layer: int, block_ids: Sequence[int], src: torch.Tensor) -> Marker:
+        if src.numel() != len(block_ids) * self.block_bytes:
+            raise ValueError(f"{src.numel()} bytes for {len(block_ids)} blocks of {self.block_bytes}")
+        dst = self._storages[layer]
+        ranges = self.geometry[layer].ranges(block_ids)
+        at = 0
+        with self._copier.after_compute():
+            if self._gathers(ranges):
+                ids = torch.tensor(block_ids, dtype=torch.int64).to(dst.device, non_blocking=True)
+                rows = src.to(dst.device, non_blocking=True).view(len(block_ids), -1)
+                self._blocks_2d(layer).index_copy_(0, ids, rows)
+                at = src.numel()
+            else:
+                for start, n in ranges:
+                    dst[start : start + n].copy_(src[at : at + n], non_blocking=True)
+                    at += n
+            marker = self._copier.mark()
+        if self.metrics is not None:
+            self.metrics.device_copy_bytes.labels("to_device").inc(at)
+        return marker
+
+    def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:
+        """Copy whole blocks from host bytes (payload order) into the given blocks; returns once they are there."""
+        marker = self.copy_in(layer, block_ids, _host_tensor(src))
+        if not wait_marker(marker, time.monotonic() + self.copy_timeout_s):
+            raise P2pkvError(f"copying {len(block_ids)} blocks to the device took over {self.copy_timeout_s} s")
+
+
+def _host_tensor(src: memoryview) -> torch.Tensor:
+    """A uint8 tensor over host bytes, without a copy; read-only bytes are only ever read here."""
+    if not len(src):
+        return torch.empty(0, dtype=torch.uint8)
+    if not src.readonly:
+        return torch.frombuffer(src, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable"
+        return torch.frombuffer(src, dtype=torch.uint8)
+
+
+class _Staged:
+    def __init__(self, kv: DeviceKv, block_ids: Sequence[int]) -> None:
+        self.block_ids = tuple(block_ids)
+        self.buffer = kv.buffer(len(block_ids))
+        self.layer_bytes = len(block_ids) * kv.block_bytes
+        self.markers: dict[int, Marker] = {}
+
+    def layer(self, layer: int) -> torch.Tensor:
+        return self.buffer.tensor[layer * self.layer_bytes : (layer + 1) * self.layer_bytes]
+
+
+class TransferBuffers:
+    """The host buffers of the transfers in flight, by transfer id. Thread-safe: the engine's threads read them."""
+
+    def __init__(self, kv: DeviceKv) -> None:
+        self.kv = kv
+        self._lock = threading.Lock()
+        self._staged: dict[str, _Staged] = {}
+
+    def __len__(self) -> int:
+        return len(self._staged)
+
+    def _get(self, transfer_id: str, block_ids: Sequence[int]) -> _Staged:
+        with self._lock:
+            staged = self._staged.get(transfer_id)
+            if staged is None:
+                staged = self._staged[transfer_id] = _Staged(self.kv, block_ids)
+            return staged
+
+    def push_views(self, transfer_id: str, layer: int, block_ids: Sequence[int]) -> tuple[tuple[memoryview, ...],
+                                                                                         Ready]:
+        """Queue the copy of one layer's blocks; the bytes to send, and when they may be sent."""
+        staged = self._get(transfer_id, block_ids)
+        marker = staged.markers[layer] = self.kv.copy_out(layer, staged.block_ids, staged.layer(layer))
+        start = layer * staged.layer_bytes
+        return (staged.buffer.view[start : start + staged.layer_bytes],), lambda deadline: wait_marker(marker,
+                                                                                                       deadline)
+
+    def source(self, transfer_id: str, block_ids: Sequence[int]) -> ViewSource:
+        """GET: every layer copied to the host buffer (those not pushed already), served from there."""
+        staged = self._get(transfer_id, block_ids)
+        for layer in range(self.kv.num_layers):
+            if layer not in staged.markers:
+                staged.markers[layer] = self.kv.copy_out(layer, staged.block_ids, staged.layer(layer))
+        return self._views(staged, wait=True)
+
+    def sink(self, transfer_id: str, block_ids: Sequence[int]) -> ViewSource:
+        """A pull's destination: the transfer's host buffer, copied into the blocks by `land`."""
+        return self._views(self._get(transfer_id, block_ids), wait=False)
+
+    def _views(self, staged: _Staged, wait: bool) -> ViewSource:
+        bb = self.kv.block_bytes
+
+        def views(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
+            if wait and not wait_marker(staged.markers[layer], time.monotonic() + self.kv.copy_timeout_s):
+                raise P2pkvError(f"copying layer {layer} to the host took over {self.kv.copy_timeout_s} s")
+            start = layer * staged.layer_bytes + first * bb
+            return (staged.buffer.view[start : start + count * bb],)
+
+        return views
+
+    def land(self, transfer_id: str) -> None:
+        """Copy a completed pull from the transfer's buffer into its blocks, then free the buffer."""
+        with self._lock:
+            staged = self._staged.get(transfer_id)
+        if staged is None:
+            raise P2pkvError(f"transfer {transfer_id}: no host buffer to land from")
+        try:
+            markers = [self.kv.copy_in(layer, staged.block_ids, staged.layer(layer))
+                       for layer in range(self.kv.num_layers)]
+            deadline = time.monotonic() + self.kv.copy_timeout_s
+            if not all(wait_marker(m, deadline) for m in markers):
+                raise P2pkvError(f"copying transfer {transfer_id} to the device took over {self.kv.copy_timeout_s} s")
+        finally:
+            self.release(transfer_id)
+
+    def release(self, transfer_id: str) -> None:
+        """Free the transfer's buffer (idempotent). Copies still queued into it are waited for first."""
+        with self._lock:
+            staged = self._staged.pop(transfer_id, None)
+        if staged is None:
+            return
+        deadline = time.monotonic() + self.kv.copy_timeout_s
+        if not all(wait_marker(m, deadline) for m in staged.markers.values()):
+            log.error("transfer %s: a device copy is still running; its host buffer is leaked", transfer_id)
+            return
+        staged.buffer.release()

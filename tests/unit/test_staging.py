@@ -1,0 +1,196 @@
+"""KV reached through host buffers (the GPU path), run on CPU tensors: the same copies, buffers and engine hooks
+a CUDA cache uses, with `copy_` synchronous instead of queued on a copy stream."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from p2pkv.config import ExtraConfig, Transport
+from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.puller import PullState
+from p2pkv.engine.sender import OutState
+from p2pkv.engine.store import StageState
+from p2pkv.layout import KvBlocks
+from p2pkv.memory import HostPool
+from p2pkv.params import Address
+from p2pkv.staging import DeviceKv, HostBuffer, TransferBuffers
+from tests.unit.test_gpu_layouts import PHYSICAL_ORDERS, views
+
+SIZES = {"L": 3, "B": 12, "H": 4, "N": 16, "C": 8}
+BLOCK_BYTES = SIZES["H"] * SIZES["N"] * SIZES["C"] * 2  # bfloat16
+
+
+def caches(order: str, fill: bool) -> list[torch.Tensor]:
+    return views(order, torch.bfloat16, SIZES, fill)
+
+
+def host_kv(order: str, fill: bool) -> DeviceKv:
+    return DeviceKv(caches(order, fill), 16, "test", copy_timeout_s=5)
+
+
+@pytest.mark.parametrize("order", PHYSICAL_ORDERS)
+def test_staged_bytes_equal_the_blocks_and_land_back(order: str) -> None:
+    src_layers = caches(order, True)
+    src, reference = DeviceKv(src_layers, 16, "test", 5), KvBlocks.from_tensors(src_layers, 16, "test")
+    assert src.digest == reference.digest
+    moves = {3: 1, 4: 2, 9: 7, 10: 8}
+    buffers = TransferBuffers(src)
+    for layer in range(SIZES["L"]):
+        (staged,), ready = buffers.push_views("t", layer, list(moves))
+        assert ready(time.monotonic() + 1)
+        assert bytes(staged) == b"".join(bytes(v) for v in reference.block_views(layer, list(moves)))
+    dst_layers = caches(order, False)
+    dst = DeviceKv(dst_layers, 16, "test", 5)
+    for layer in range(SIZES["L"]):
+        dst.write_blocks(layer, list(moves.values()), buffers.source("t", list(moves))(layer, 0, len(moves))[0])
+        for s, d in moves.items():
+            assert torch.equal(dst_layers[layer][d], src_layers[layer][s])
+        untouched = [b for b in range(SIZES["B"]) if b not in moves.values()]
+        assert not dst_layers[layer][untouched].any()
+    buffers.release("t")
+    assert len(buffers) == 0
+
+
+def test_pull_sink_lands_on_land_and_frees_its_buffer() -> None:
+    src_layers, dst_layers = caches("LBNHC", True), caches("LBNHC", False)
+    source = TransferBuffers(DeviceKv(src_layers, 16, "test", 5)).source("t", [5, 6, 2])
+    dst = TransferBuffers(DeviceKv(dst_layers, 16, "test", 5))
+    sink = dst.sink("t", [0, 1, 11])
+    for layer in range(SIZES["L"]):
+        for first in range(3):  # block by block, as a pull in several frames would
+            sink(layer, first, 1)[0][:] = source(layer, first, 1)[0]
+        assert not dst_layers[layer].any(), "nothing reaches the blocks before land()"
+    dst.land("t")
+    assert len(dst) == 0
+    for layer in range(SIZES["L"]):
+        for s, d in ((5, 0), (6, 1), (2, 11)):
+            assert torch.equal(dst_layers[layer][d], src_layers[layer][s])
+
+
+def test_buffers_come_from_the_pool_and_go_back() -> None:
+    pool = HostPool(1 << 20, pinned=False)
+    kv = host_kv("LBHNC", True)
+    kv.pool = pool
+    buffers = TransferBuffers(kv)
+    buffers.push_views("a", 0, [1, 2, 3])
+    stats = pool.stats()
+    assert stats is not None and stats.bytes_requested == SIZES["L"] * 3 * BLOCK_BYTES
+    buffers.release("a")
+    buffers.release("a")  # idempotent
+    stats = pool.stats()
+    assert stats is not None and stats.bytes_in_use == 0
+    full = HostBuffer(2 << 20, pool, pin=False)  # larger than the pool: its own memory, same interface
+    assert not full.from_pool and len(full.view) == 2 << 20
+    full.release()
+
+
+def test_write_blocks_checks_the_size() -> None:
+    kv = host_kv("LBHNC", False)
+    with pytest.raises(ValueError, match="bytes for 2 blocks"):
+        kv.write_blocks(0, [1, 2], memoryview(bytes(BLOCK_BYTES)))
+
+
+@pytest.fixture(params=["tcp", "shm"])
+def engines(request: pytest.FixtureRequest) -> Iterator[tuple[TransferEngine, TransferEngine]]:
+    digest = host_kv("LBHNC", False).digest
+    made = []
+    for _ in range(2):
+        extra = ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=5, transport=Transport(request.param))
+        engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), digest)
+        engine.start()
+        made.append(engine)
+    yield made[0], made[1]
+    for engine in made:
+        engine.close()
+
+
+def test_staged_push_through_two_engines(engines: tuple[TransferEngine, TransferEngine]) -> None:
+    sender, receiver = engines
+    src_layers, dst_layers = caches("LBHNC", True), caches("LBHNC", False)
+    buffers = TransferBuffers(DeviceKv(src_layers, 16, "test", 5))
+    buffers.kv.metrics = sender.metrics
+    dst = DeviceKv(dst_layers, 16, "test", 5)
+    dst.metrics = receiver.metrics
+    blocks, placed = [7, 8, 9, 0], [1, 2, 3, 4]
+    deadline = time.monotonic() + 10
+    for layer in range(SIZES["L"]):
+        views_, ready = buffers.push_views("p", layer, blocks)
+        sender.push_layer("p", Address.parse(receiver.address), layer, len(blocks), views_, deadline, ready)
+    out = sender.wait_outgoing("p", 10)
+    assert out is not None and out.state is OutState.DONE, out
+    assert receiver.wait_staged("p", 10) is StageState.COMPLETE
+    item = receiver.take_staged("p")
+    assert item is not None
+    for layer in range(SIZES["L"]):
+        dst.write_blocks(layer, placed, item.layer_view(layer))
+        for s, d in zip(blocks, placed, strict=True):
+            assert torch.equal(dst_layers[layer][d], src_layers[layer][s])
+    receiver.release_staged(item)
+    buffers.release("p")
+    moved = SIZES["L"] * len(blocks) * BLOCK_BYTES
+    for engine, direction in ((sender, "to_host"), (receiver, "to_device")):
+        sample = engine.metrics.registry.get_sample_value("p2pkv_device_copy_bytes_total", {"direction": direction})
+        assert sample == moved
+
+
+def test_a_copy_that_misses_its_deadline_fails_the_transfer(engines: tuple[TransferEngine, TransferEngine]) -> None:
+    sender, receiver = engines
+    buffers = TransferBuffers(DeviceKv(caches("LBHNC", True), 16, "test", 5))
+    peer = Address.parse(receiver.address)
+    deadline = time.monotonic() + 10
+    views_, ready = buffers.push_views("late", 0, [1])
+    sender.push_layer("late", peer, 0, 1, views_, deadline, ready)
+    while receiver.staged_state("late") is None:  # layer 0 has arrived
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    views_, _ = buffers.push_views("late", 1, [1])
+    sender.push_layer("late", peer, 1, 1, views_, deadline, lambda _deadline: False)
+    out = sender.wait_outgoing("late", 10)
+    assert out is not None and out.state is OutState.FAILED
+    assert "layer 1" in out.reason and "deadline" in out.reason
+    assert receiver.wait_staged("late", 10) is StageState.FAILED  # the receiver is told, its staging freed
+    assert receiver.store.bytes_in_use == 0
+
+
+def test_staged_pull_through_two_engines(engines: tuple[TransferEngine, TransferEngine]) -> None:
+    offerer, puller = engines
+    src_layers, dst_layers = caches("LBHNC", True), caches("LBHNC", False)
+    source = TransferBuffers(DeviceKv(src_layers, 16, "test", 5))
+    sink = TransferBuffers(DeviceKv(dst_layers, 16, "test", 5))
+    offerer.offer("g", 3, source.source("g", [4, 5, 6]), lease_s=10)
+    puller.pull("g", Address.parse(offerer.address), 0, 3, sink.sink("g", [9, 10, 11]), time.monotonic() + 10)
+    result = puller.wait_pull("g", 10)
+    assert result is not None and result.state is PullState.DONE, result
+    sink.land("g")
+    for layer in range(SIZES["L"]):
+        for s, d in ((4, 9), (5, 10), (6, 11)):
+            assert torch.equal(dst_layers[layer][d], src_layers[layer][s])
+    source.release("g")
+
+
+@pytest.mark.parametrize("order", ["LBHNC", "BLHNC"])
+def test_gathered_copies_match_copies_by_run(order: str) -> None:
+    """The device gather (one copy for scattered dense blocks) moves what one copy per run moves."""
+    src_layers = caches(order, True)
+    by_run, gathered = DeviceKv(src_layers, 16, "test", 5), DeviceKv(src_layers, 16, "test", 5)
+    assert by_run.gather_min_runs is None, "on the host, one copy per run"
+    gathered.gather_min_runs = 1
+    blocks = [9, 2, 3, 11, 0]
+    out_a, out_b = TransferBuffers(by_run), TransferBuffers(gathered)
+    for layer in range(SIZES["L"]):
+        assert bytes(out_a.push_views("t", layer, blocks)[0][0]) == bytes(out_b.push_views("t", layer, blocks)[0][0])
+    dst_a, dst_b = caches(order, False), caches(order, False)
+    land_a, land_b = DeviceKv(dst_a, 16, "test", 5), DeviceKv(dst_b, 16, "test", 5)
+    land_b.gather_min_runs = 1
+    placed = [4, 1, 10, 7, 5]
+    for layer in range(SIZES["L"]):
+        payload = out_a.source("t", blocks)(layer, 0, len(blocks))[0]
+        land_a.write_blocks(layer, placed, payload)
+        land_b.write_blocks(layer, placed, payload)
+        assert torch.equal(dst_a[layer], dst_b[layer])
+        for s, d in zip(blocks, placed, strict=True):
+            assert torch.equal(dst_b[layer][d], src_layers[layer][s])
