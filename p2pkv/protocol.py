@@ -54,14 +54,30 @@ class CmaOffer(msgspec.Struct, frozen=True):
     token: bytes
 
 
+class DeviceExport(msgspec.Struct, frozen=True):
+    """The KV cache of a process, opened by a peer on its host to pull blocks device to device (cuda_ipc).
+
+    `kind` "cuda": `handles[i]` is layer i's storage as `torch.UntypedStorage._share_cuda_()` gives it (device,
+    IPC handle, size, offset, ref-counter handle and offset, event handle, event sync flag). `kind` "host" (the
+    stand-in that runs without a GPU): `handles[i]` is `(address, size)` of a CPU storage, read with
+    process_vm_readv. `device` names the GPU (its UUID) or is empty."""
+
+    kind: str
+    boot_id: str
+    pid: int
+    device: str
+    handles: list[tuple[int | bytes | bool | None, ...]]
+
+
 class Hello(msgspec.Struct, tag="hello", frozen=True):
-    """First frame on a new connection: who is speaking, what its KV looks like, and whether it may be read
-    directly (shm transport)."""
+    """First frame on a new connection: who is speaking, what its KV looks like, whether it may be read
+    directly (shm transport), and which device exports it can open (`device_kind`, cuda_ipc)."""
 
     engine_id: str
     rank: int
     layout: LayoutDigest
     cma: CmaOffer | None = None
+    device_kind: str = ""
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):
@@ -72,6 +88,7 @@ class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):
     reason: str = ""
     cma: CmaOffer | None = None
     reads_you: bool = False
+    device: DeviceExport | None = None  # the listener's KV cache, when the client can open that kind
 
 
 class CmaStatus(msgspec.Struct, tag="cma_status", frozen=True):
@@ -119,19 +136,31 @@ class PushAbort(msgspec.Struct, tag="abort", frozen=True):
 
 
 class PullRequest(msgspec.Struct, tag="pull", frozen=True):
-    """GET mode: the decode side asks for blocks `first_block .. first_block+num_blocks` of an offered transfer."""
+    """GET mode: the decode side asks for blocks `first_block .. first_block+num_blocks` of an offered transfer;
+    `by_reference`: it would rather copy them itself from the exported cache (cuda_ipc)."""
 
     transfer_id: str
     first_block: int
     num_blocks: int
+    by_reference: bool = False
 
 
 class PullReply(msgspec.Struct, tag="pull_reply", frozen=True):
-    """Answer to a pull; when accepted, one PushBlocks frame per layer follows on the same connection."""
+    """Answer to a pull; when accepted, PushBlocks frames with the bytes follow on the same connection, or, with
+    `by_reference`, one BlockRanges frame, answered by PayloadCopied once the puller has copied them."""
 
     transfer_id: str
     accepted: bool
     reason: str = ""
+    by_reference: bool = False
+
+
+class BlockRanges(msgspec.Struct, tag="ranges", frozen=True):
+    """cuda_ipc: where the pulled blocks lie, per layer: (byte offset, length) in that layer's exported storage,
+    in payload order."""
+
+    transfer_id: str
+    layers: list[list[tuple[int, int]]]
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
@@ -145,8 +174,8 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     engine_id: str = ""
 
 
-Message = (Hello | HelloReply | PushBlocks | PushAck | PushAbort | PullRequest | PullReply | Heartbeat | CmaStatus
-           | PayloadCopied)
+Message = (Hello | HelloReply | BlockRanges | PushBlocks | PushAck | PushAbort | PullRequest | PullReply | Heartbeat
+           | CmaStatus | PayloadCopied)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

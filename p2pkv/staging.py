@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from p2pkv.engine.device import RangeSource
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import ViewSource
 from p2pkv.errors import P2pkvError
@@ -61,6 +62,9 @@ class _Copier(Protocol):
     def mark(self) -> Marker:
         """A marker for the copies issued so far."""
 
+    def mark_compute(self) -> Marker:
+        """A marker for the work queued so far on the calling thread's current stream (the forward pass)."""
+
 
 class _HostCopier:
     """Host tensors: `copy_` is synchronous, every copy is done when it returns."""
@@ -69,6 +73,9 @@ class _HostCopier:
         return contextlib.nullcontext()
 
     def mark(self) -> Marker:
+        return _done
+
+    def mark_compute(self) -> Marker:
         return _done
 
 
@@ -88,6 +95,12 @@ class _CudaCopier:
     def mark(self) -> Marker:
         event = torch.cuda.Event()
         event.record(self._stream)
+        query: Marker = event.query
+        return query
+
+    def mark_compute(self) -> Marker:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._device))
         query: Marker = event.query
         return query
 
@@ -122,7 +135,7 @@ class DeviceKv:
         self.geometry: list[LayerGeometry]
         self.geometry, self.digest = describe(tensors, block_size, kernel)
         device = tensors[0].device
-        self._storages = [torch.empty(0, dtype=torch.uint8, device=device).set_(t.untyped_storage())
+        self.storages = [torch.empty(0, dtype=torch.uint8, device=device).set_(t.untyped_storage())
                           for t in tensors]
         self.on_gpu = device.type == "cuda"
         self._copier: _Copier = _CudaCopier(device) if self.on_gpu else _HostCopier()
@@ -142,13 +155,17 @@ class DeviceKv:
     def num_layers(self) -> int:
         return self.digest.num_layers
 
+    def mark_compute(self) -> Marker:
+        """When the work queued so far on the compute stream (the forward that wrote the blocks) is done."""
+        return self._copier.mark_compute()
+
     def buffer(self, num_blocks: int) -> HostBuffer:
         """A host buffer for `num_blocks` blocks of every layer."""
         return HostBuffer(max(1, self.num_layers * num_blocks * self.block_bytes), self.pool, self.on_gpu)
 
     def _blocks_2d(self, layer: int) -> torch.Tensor:
         """A dense layer as [blocks, block_bytes] rows (rows may be strided)."""
-        g, storage, bb = self.geometry[layer], self._storages[layer], self.digest.block_bytes
+        g, storage, bb = self.geometry[layer], self.storages[layer], self.digest.block_bytes
         rows = (storage.numel() - g.base - bb) // g.block_stride + 1
         return storage.as_strided((rows, bb), (g.block_stride, 1), g.base)
 
@@ -156,7 +173,7 @@ class DeviceKv:
         return self._dense and self.gather_min_runs is not None and len(ranges) >= self.gather_min_runs
 
     def copy_out(self, layer: int, block_ids: Sequence[int], dst: torch.Tensor) -> Marker:
-        src = self._storages[layer]
+        src = self.storages[layer]
         ranges = self.geometry[layer].ranges(block_ids)
         at = 0
         with self._copier.after_compute():
@@ -174,10 +191,19 @@ class DeviceKv:
             self.metrics.device_copy_bytes.labels("to_host").inc(at)
         return marker
 
+    def copy_pairs(self, layer: int, src: torch.Tensor, pairs: Sequence[tuple[int, int, int]]) -> Marker:
+        """Queue copies from `src` (a flat byte tensor on a device this one can reach) into this layer's storage:
+        (source offset, destination offset, length) each."""
+        dst = self.storages[layer]
+        with self._copier.after_compute():
+            for s_at, d_at, n in pairs:
+                dst[d_at : d_at + n].copy_(src[s_at : s_at + n], non_blocking=True)
+            return self._copier.mark()
+
     def copy_in(self, layer: int, block_ids: Sequence[int], src: torch.Tensor) -> Marker:
         if src.numel() != len(block_ids) * self.block_bytes:
             raise ValueError(f"{src.numel()} bytes for {len(block_ids)} blocks of {self.block_bytes}")
-        dst = self._storages[layer]
+        dst = self.storages[layer]
         ranges = self.geometry[layer].ranges(block_ids)
         at = 0
         with self._copier.after_compute():
@@ -214,14 +240,28 @@ def _host_tensor(src: memoryview) -> torch.Tensor:
 
 
 class _Staged:
+    """One transfer: its blocks, its host buffer (made on first use), and the copies queued into it."""
+
     def __init__(self, kv: DeviceKv, block_ids: Sequence[int]) -> None:
+        self.kv = kv
         self.block_ids = tuple(block_ids)
-        self.buffer = kv.buffer(len(block_ids))
         self.layer_bytes = len(block_ids) * kv.block_bytes
-        self.markers: dict[int, Marker] = {}
+        self.markers: dict[int, Marker] = {}  # layer -> its copy to the host buffer
+        self.compute: Marker = _done  # the forward that wrote the blocks (GET: recorded when they are offered)
+        self._buffer: HostBuffer | None = None
+
+    @property
+    def buffer(self) -> HostBuffer:
+        if self._buffer is None:
+            self._buffer = self.kv.buffer(len(self.block_ids))
+        return self._buffer
 
     def layer(self, layer: int) -> torch.Tensor:
         return self.buffer.tensor[layer * self.layer_bytes : (layer + 1) * self.layer_bytes]
+
+    def release(self) -> None:
+        if self._buffer is not None:
+            self._buffer.release()
 
 
 class TransferBuffers:
@@ -242,33 +282,62 @@ class TransferBuffers:
                 staged = self._staged[transfer_id] = _Staged(self.kv, block_ids)
             return staged
 
+    def _wait(self, marker: Marker, what: str) -> None:
+        if not wait_marker(marker, time.monotonic() + self.kv.copy_timeout_s):
+            raise P2pkvError(f"{what} took over {self.kv.copy_timeout_s} s")
+
     def push_views(self, transfer_id: str, layer: int, block_ids: Sequence[int]) -> tuple[tuple[memoryview, ...],
                                                                                          Ready]:
         """Queue the copy of one layer's blocks; the bytes to send, and when they may be sent."""
         staged = self._get(transfer_id, block_ids)
-        marker = staged.markers[layer] = self.kv.copy_out(layer, staged.block_ids, staged.layer(layer))
+        marker = self.kv.copy_out(layer, staged.block_ids, staged.layer(layer))
+        with self._lock:
+            staged.markers[layer] = marker
         start = layer * staged.layer_bytes
         return (staged.buffer.view[start : start + staged.layer_bytes],), lambda deadline: wait_marker(marker,
                                                                                                        deadline)
 
     def source(self, transfer_id: str, block_ids: Sequence[int]) -> ViewSource:
-        """GET: every layer copied to the host buffer (those not pushed already), served from there."""
+        """GET: the blocks as bytes, from the host buffer. Layers not pushed already are copied there when first
+        asked for (on the serving thread, after the forward recorded now); a pull by reference copies nothing."""
         staged = self._get(transfer_id, block_ids)
-        for layer in range(self.kv.num_layers):
-            if layer not in staged.markers:
-                staged.markers[layer] = self.kv.copy_out(layer, staged.block_ids, staged.layer(layer))
-        return self._views(staged, wait=True)
-
-    def sink(self, transfer_id: str, block_ids: Sequence[int]) -> ViewSource:
-        """A pull's destination: the transfer's host buffer, copied into the blocks by `land`."""
-        return self._views(self._get(transfer_id, block_ids), wait=False)
-
-    def _views(self, staged: _Staged, wait: bool) -> ViewSource:
+        staged.compute = self.kv.mark_compute()
         bb = self.kv.block_bytes
 
         def views(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
-            if wait and not wait_marker(staged.markers[layer], time.monotonic() + self.kv.copy_timeout_s):
-                raise P2pkvError(f"copying layer {layer} to the host took over {self.kv.copy_timeout_s} s")
+            with self._lock:
+                marker = staged.markers.get(layer)
+            if marker is None:
+                self._wait(staged.compute, "the forward pass")
+                marker = self.kv.copy_out(layer, staged.block_ids, staged.layer(layer))
+                with self._lock:
+                    staged.markers[layer] = marker
+            self._wait(marker, f"copying layer {layer} to the host")
+            start = layer * staged.layer_bytes + first * bb
+            return (staged.buffer.view[start : start + count * bb],)
+
+        return views
+
+    def ranges(self, transfer_id: str, block_ids: Sequence[int]) -> RangeSource:
+        """GET by reference (cuda_ipc): where the blocks lie in this worker's cache, once the forward that wrote
+        them (recorded now) has finished."""
+        staged = self._get(transfer_id, block_ids)
+        staged.compute = compute = self.kv.mark_compute()
+        ids = staged.block_ids
+
+        def ranges(layer: int, first: int, count: int) -> list[tuple[int, int]]:
+            self._wait(compute, "the forward pass")
+            return self.kv.geometry[layer].ranges(ids[first : first + count])
+
+        return ranges
+
+    def sink(self, transfer_id: str, block_ids: Sequence[int]) -> ViewSource:
+        """A pull's destination: the transfer's host buffer (made when first written), copied into the blocks by
+        `land`."""
+        staged = self._get(transfer_id, block_ids)
+        bb = self.kv.block_bytes
+
+        def views(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
             start = layer * staged.layer_bytes + first * bb
             return (staged.buffer.view[start : start + count * bb],)
 
@@ -293,10 +362,11 @@ class TransferBuffers:
         """Free the transfer's buffer (idempotent). Copies still queued into it are waited for first."""
         with self._lock:
             staged = self._staged.pop(transfer_id, None)
+            markers = list(staged.markers.values()) if staged is not None else []
         if staged is None:
             return
         deadline = time.monotonic() + self.kv.copy_timeout_s
-        if not all(wait_marker(m, deadline) for m in staged.markers.values()):
+        if not all(wait_marker(m, deadline) for m in markers):
             log.error("transfer %s: a device copy is still running; its host buffer is leaked", transfer_id)
             return
-        staged.buffer.release()
+        staged.release()

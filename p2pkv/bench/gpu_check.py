@@ -1,7 +1,7 @@
 """`scripts/gpu_check.sh`: every check that needs a CUDA GPU, as one table; exit status 1 if any row fails.
 
 Without a CUDA device every row is reported as skipped and the exit status is 0. Rows for parts that are not
-built yet (the NCCL and CUDA IPC data planes, the scatter kernel) fail on a GPU machine, so the table says plainly
+built yet (the NCCL data plane, the scatter kernel) fail on a GPU machine, so the table says plainly
 what is missing.
 """
 
@@ -115,6 +115,23 @@ def _tcp_staged() -> str:
     return detail
 
 
+def _cuda_ipc() -> str:
+    """Two processes on the one GPU: one offers, the other pulls by reference (CUDA IPC), every byte checked; the
+    copy out of the opened cache at least 80% of a device-to-device copy, 1 MiB to 1 GiB."""
+    from p2pkv.bench import ipc_check
+
+    summary, rates = ipc_check.run("cuda", STAGING_SIZES)
+    for r in rates:
+        print(f"  cuda_ipc {r.size >> 20:5d} MiB: copy {r.copy_gbps:7.1f} GB/s (device copy {r.base_gbps:7.1f}), "
+              f"ratio {r.ratio:.2f}; whole pull {r.pull_gbps:7.1f} GB/s")
+    worst = min(r.ratio for r in rates)
+    detail = (f"{summary}; copies {worst:.2f}x a device copy (min, 1 MiB-1 GiB); whole pulls "
+              f"{min(r.pull_gbps for r in rates):.1f}-{max(r.pull_gbps for r in rates):.1f} GB/s")
+    if worst < 0.8:
+        raise AssertionError(detail)
+    return detail
+
+
 def _missing() -> str:
     raise NotImplementedError(MISSING)
 
@@ -122,7 +139,7 @@ def _missing() -> str:
 CHECKS: tuple[tuple[str, Callable[[], str]], ...] = (
     ("KV layouts on CUDA tensors", _layouts_on_device),
     ("pinned host pool bandwidth", _pinned_pool),
-    ("cuda_ipc transport (two processes, one GPU)", _missing),
+    ("cuda_ipc transport (two processes, one GPU)", _cuda_ipc),
     ("nccl transport (one-rank send to self)", _missing),
     ("tcp with GPU tensors (pinned staging)", _tcp_staged),
     ("scatter into a paged cache >= 0.5x device copy", _missing),

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from p2pkv.config import ExtraConfig, Transport
+from p2pkv.engine.device import DeviceAccess, RangeSource
 from p2pkv.engine.handshake import local_offer
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import OfferState, OfferTable, ViewSource
@@ -61,8 +62,11 @@ class EngineSettings:
 class TransferEngine:
     """`start()` binds and starts threads; `close()` stops them in reverse order and is idempotent."""
 
-    def __init__(self, settings: EngineSettings, layout: LayoutDigest, rank: int = 0) -> None:
+    def __init__(self, settings: EngineSettings, layout: LayoutDigest, rank: int = 0,
+                 device: DeviceAccess | None = None) -> None:
+        """`device`: this worker's KV cache as peers on this host may open it (cuda_ipc), when it is on a GPU."""
         self.settings = settings
+        self.device = device
         self.layout = layout
         self.rank = rank
         self.engine_id = uuid.uuid4().hex[:12]
@@ -91,14 +95,25 @@ class TransferEngine:
         offer = local_offer() if s.transport is not Transport.TCP else None
         if s.transport is Transport.SHM and offer is None:
             log.warning("transport shm: cross-memory attach is not available here; using tcp")
+        device = self.device if s.transport in (Transport.AUTO, Transport.CUDA_IPC) else None
+        if s.transport is Transport.CUDA_IPC and device is None:
+            log.warning("transport cuda_ipc: the KV cache is not on a GPU; using shm or tcp")
+        export = None
+        if device is not None:
+            try:
+                export = device.export()
+            except Exception as exc:  # e.g. memory CUDA IPC cannot share: pulls carry bytes instead
+                log.warning("the KV cache cannot be exported for cuda_ipc (%r); pulls will carry bytes", exc)
+                device = None
         self._receiver = Receiver(listener, self.store, self.offers, self.layout, self.metrics, s.transfer_timeout_s,
-                                  offer)
+                                  offer, export)
         self._receiver.start()
-        hello = Hello(engine_id=self.engine_id, rank=self.rank, layout=self.layout, cma=offer)
+        hello = Hello(engine_id=self.engine_id, rank=self.rank, layout=self.layout, cma=offer,
+                      device_kind=device.kind if device is not None else "")
         require_shm = s.transport is Transport.SHM
         self._sender = Sender(self._connect, hello, self.metrics, require_shm)
         self._sender.start()
-        self._puller = Puller(self._connect, hello, self.metrics, require_shm)
+        self._puller = Puller(self._connect, hello, self.metrics, require_shm, device)
         self._puller.start()
         if s.metrics_port:
             from prometheus_client import start_http_server
@@ -139,17 +154,21 @@ class TransferEngine:
         self._sender.forget(transfer_id)
 
     # GET mode.
-    def offer(self, transfer_id: str, total_blocks: int, source: ViewSource, lease_s: float) -> None:
-        """Hold blocks for a decode engine to pull, until it does or the lease runs out."""
-        self.offers.offer(transfer_id, total_blocks, source, lease_s)
+    def offer(self, transfer_id: str, total_blocks: int, source: ViewSource, lease_s: float,
+              ranges: RangeSource | None = None) -> None:
+        """Hold blocks for a decode engine to pull, until it does or the lease runs out; `ranges`: where they lie
+        in the exported cache, for a puller that copies them itself (cuda_ipc)."""
+        self.offers.offer(transfer_id, total_blocks, source, lease_s, ranges)
 
     def offer_state(self, transfer_id: str) -> OfferState | None:
         return self.offers.poll(transfer_id)
 
     def pull(self, transfer_id: str, peer: Address, first_block: int, num_blocks: int, sink: ViewSource,
-             deadline: float) -> None:
+             deadline: float, device_blocks: tuple[int, ...] | None = None) -> None:
+        """Fetch blocks into `sink`; or, given `device_blocks` and a peer whose cache opens here (cuda_ipc), copy
+        them straight into those blocks of this worker's cache (the result says `by_reference`)."""
         assert self._puller is not None, "engine not started"
-        self._puller.submit(PullJob(transfer_id, peer, first_block, num_blocks, sink, deadline))
+        self._puller.submit(PullJob(transfer_id, peer, first_block, num_blocks, sink, deadline, device_blocks))
 
     def pull_result(self, transfer_id: str) -> PullResult | None:
         assert self._puller is not None, "engine not started"

@@ -8,7 +8,7 @@ import os
 import time
 
 from p2pkv.errors import IncompatiblePeerError, P2pkvError, TransferError
-from p2pkv.protocol import CmaOffer, CmaStatus, Hello, HelloReply
+from p2pkv.protocol import CmaOffer, CmaStatus, DeviceExport, Hello, HelloReply
 from p2pkv.transport import cma
 from p2pkv.transport.base import Connection
 from p2pkv.transport.shm import ShmConnection
@@ -54,6 +54,7 @@ def client_handshake(conn: Connection, hello: Hello, deadline: float, require_sh
         reply = got[0]
         if not reply.accepted:
             raise IncompatiblePeerError(f"peer {conn.peer} refused us: {reply.reason}")
+        conn.peer_device = reply.device
         if hello.cma is None or not isinstance(conn, TcpConnection):
             return conn
         reason = why_unreadable(reply.cma)
@@ -63,19 +64,23 @@ def client_handshake(conn: Connection, hello: Hello, deadline: float, require_sh
             _note_fallback(conn.peer, reason, require_shm)
             return conn
         pid = reply.cma.pid if reply.cma is not None else 0
-        return ShmConnection(conn, pid, sends_by_reference=reply.reads_you, reads_by_reference=not reason)
+        shm = ShmConnection(conn, pid, sends_by_reference=reply.reads_you, reads_by_reference=not reason)
+        shm.peer_device = reply.device
+        return shm
     except P2pkvError:
         conn.close()
         raise
 
 
-def server_reply(conn: Connection, hello: Hello, offer: CmaOffer | None,
-                 deadline: float) -> Connection:
-    """Accept a compatible client; with shm on both sides, answer with our offer and wrap the connection."""
+def server_reply(conn: Connection, hello: Hello, offer: CmaOffer | None, deadline: float,
+                 device: DeviceExport | None = None) -> Connection:
+    """Accept a compatible client; with shm on both sides, answer with our offer and wrap the connection. Our
+    device export goes to a client that can open that kind (cuda_ipc)."""
+    export = device if device is not None and hello.device_kind == device.kind else None
     if offer is None or hello.cma is None or not isinstance(conn, TcpConnection):
-        conn.send_frame(HelloReply(accepted=True), (), deadline)
+        conn.send_frame(HelloReply(accepted=True, device=export), (), deadline)
         return conn
     reason = why_unreadable(hello.cma)
-    conn.send_frame(HelloReply(accepted=True, cma=offer, reads_you=not reason), (), deadline)
+    conn.send_frame(HelloReply(accepted=True, cma=offer, reads_you=not reason, device=export), (), deadline)
     # The client answers our offer with a CmaStatus frame, which the shm connection consumes.
     return ShmConnection(conn, hello.cma.pid, sends_by_reference=False, reads_by_reference=not reason)

@@ -47,6 +47,10 @@ class Links:
             self._conns[peer] = conn
         return conn, False
 
+    def open(self, peer: Address, deadline: float) -> Connection:
+        """The link to `peer`, connected and through the handshake; no other I/O."""
+        return self._open(peer, deadline)[0]
+
     def send(self, peer: Address, frames: Frames, deadline: float) -> Connection:
         """Send `frames` to `peer`; a send that fails on a cached link is tried once more on a new one."""
         conn, cached = self._open(peer, deadline)

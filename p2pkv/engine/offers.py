@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from p2pkv.engine.device import RangeSource
+
 log = logging.getLogger(__name__)
 
 # views(layer, first_block, num_blocks) -> the bytes of those blocks of that layer, in order.
@@ -30,6 +32,7 @@ class Offer:
     source: ViewSource
     lease_deadline: float
     state: OfferState = OfferState.OFFERED
+    ranges: RangeSource | None = None  # where the blocks lie in the exported cache, for pulls by reference
 
     @property
     def finished(self) -> bool:
@@ -41,9 +44,11 @@ class OfferTable:
         self._lock = threading.Lock()
         self._offers: dict[str, Offer] = {}
 
-    def offer(self, transfer_id: str, total_blocks: int, source: ViewSource, lease_s: float) -> None:
+    def offer(self, transfer_id: str, total_blocks: int, source: ViewSource, lease_s: float,
+              ranges: RangeSource | None = None) -> None:
         with self._lock:
-            self._offers[transfer_id] = Offer(transfer_id, total_blocks, source, time.monotonic() + lease_s)
+            self._offers[transfer_id] = Offer(transfer_id, total_blocks, source, time.monotonic() + lease_s,
+                                              ranges=ranges)
 
     def claim(self, transfer_id: str, first_block: int, num_blocks: int) -> Offer | str:
         """The offer, now SERVING, or why it cannot be pulled."""

@@ -9,13 +9,14 @@ import threading
 import time
 from dataclasses import dataclass
 
+from p2pkv.engine.device import DeviceAccess, RemoteCache
 from p2pkv.engine.links import Connect, Links
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import UNKNOWN_TRANSFER, ViewSource
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
 from p2pkv.params import Address
-from p2pkv.protocol import Hello, Message, PullReply, PullRequest, PushBlocks
+from p2pkv.protocol import BlockRanges, Hello, Message, PayloadCopied, PullReply, PullRequest, PushBlocks
 from p2pkv.transport.base import Connection
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,8 @@ class PullState(enum.Enum):
 
 @dataclass(frozen=True)
 class PullJob:
-    """Fetch blocks `first_block ..` of a transfer into `sink(layer, 0, num_blocks)`, the local blocks."""
+    """Fetch blocks `first_block ..` of a transfer into `sink(layer, 0, num_blocks)`, the local blocks; or, where
+    the peer's cache can be opened here (cuda_ipc), copy them straight into local blocks `device_blocks`."""
 
     transfer_id: str
     peer: Address
@@ -43,6 +45,7 @@ class PullJob:
     num_blocks: int
     sink: ViewSource
     deadline: float
+    device_blocks: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -51,11 +54,15 @@ class PullResult:
     reason: str = ""
     nbytes: int = 0
     transport: str = "tcp"
+    by_reference: bool = False  # copied from the peer's cache into the device blocks; the sink was not written
 
 
 class Puller:
-    def __init__(self, connect: Connect, hello: Hello, metrics: EngineMetrics, require_shm: bool = False) -> None:
+    def __init__(self, connect: Connect, hello: Hello, metrics: EngineMetrics, require_shm: bool = False,
+                 device: DeviceAccess | None = None) -> None:
         self._links = Links(connect, hello, require_shm)
+        self._device = device
+        self._remotes: dict[Address, tuple[Connection, RemoteCache | None]] = {}  # puller thread only
         self._layout = hello.layout
         self._metrics = metrics
         self._queue: queue.Queue[PullJob] = queue.Queue()
@@ -99,8 +106,8 @@ class Puller:
                 continue
             started = time.monotonic()
             try:
-                nbytes, transport = self._pull_until_offered(job)
-                result = PullResult(PullState.DONE, "", nbytes, transport)
+                nbytes, transport, by_reference = self._pull_until_offered(job)
+                result = PullResult(PullState.DONE, "", nbytes, transport, by_reference)
             except P2pkvError as exc:
                 result = PullResult(PullState.FAILED, str(exc))
             except Exception as exc:  # a bug must fail the transfer, not kill the thread and hang the load
@@ -116,7 +123,7 @@ class Puller:
                     self._results[job.transfer_id] = result
                 self._settled.notify_all()
 
-    def _pull_until_offered(self, job: PullJob) -> tuple[int, str]:
+    def _pull_until_offered(self, job: PullJob) -> tuple[int, str, bool]:
         """A push refused for lack of space is offered by the sender moments later: retry until the deadline."""
         while True:
             try:
@@ -126,13 +133,33 @@ class Puller:
                     raise TransferError("the sender never offered the transfer") from None
                 time.sleep(_RETRY_S)
 
-    def _pull(self, job: PullJob) -> tuple[int, str]:
-        """Bytes pulled and the transport used. The link to each peer is kept for the next pull; after a failure
-        part-way through a pull its state is unknown, so it is closed."""
+    def _remote(self, peer: Address, conn: Connection) -> RemoteCache | None:
+        """The peer's exported cache opened here, once per link; None where there is none or it cannot be."""
+        known = self._remotes.get(peer)
+        if known is not None and known[0] is conn:
+            return known[1]
+        if known is not None and known[1] is not None:
+            known[1].close()
+        remote = None
+        if self._device is not None and conn.peer_device is not None:
+            try:
+                remote = self._device.open(conn.peer_device)
+                log.info("pulls from %s copy from its cache directly (%s)", peer, remote.transport)
+            except P2pkvError as exc:
+                log.warning("cannot open the cache of %s (%s); pulling its bytes over %s", peer, exc, conn.name)
+        self._remotes[peer] = (conn, remote)
+        return remote
+
+    def _pull(self, job: PullJob) -> tuple[int, str, bool]:
+        """Bytes pulled, the transport used and whether by reference. The link to each peer is kept for the next
+        pull; after a failure part-way through a pull its state is unknown, so it is closed."""
         if time.monotonic() >= job.deadline:
             raise TransferError("deadline passed before the pull started")
-        conn = self._links.send(job.peer, [(PullRequest(job.transfer_id, job.first_block, job.num_blocks), ())],
-                                job.deadline)
+        by_reference = False
+        if job.device_blocks is not None and self._device is not None:
+            by_reference = self._remote(job.peer, self._links.open(job.peer, job.deadline)) is not None
+        request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, by_reference)
+        conn = self._links.send(job.peer, [(request, ())], job.deadline)
         try:
             reply = self._next(conn, job.deadline)
             if not isinstance(reply[0], PullReply) or reply[0].transfer_id != job.transfer_id or reply[1]:
@@ -144,6 +171,8 @@ class Puller:
             raise NotOfferedYet(job.transfer_id)
         if not reply[0].accepted:
             raise TransferError(f"{job.peer} refused the pull: {reply[0].reason}")
+        if reply[0].by_reference:
+            return self._copy_by_reference(conn, job, by_reference)
         try:
             nbytes, layer, num_layers = 0, 0, self._layout.num_layers
             per_layer = job.num_blocks * self._layout.block_bytes
@@ -162,7 +191,29 @@ class Puller:
             raise
         self._metrics.bytes_received.labels(conn.name).inc(nbytes)
         self._metrics.add("bytes_received", nbytes)
-        return nbytes, conn.name
+        return nbytes, conn.name, False
+
+    def _copy_by_reference(self, conn: Connection, job: PullJob, asked: bool) -> tuple[int, str, bool]:
+        """The peer said where the blocks lie in its cache: copy them into ours, then confirm."""
+        try:
+            remote = self._remote(job.peer, conn)  # the link the request went over (a reconnect opens anew)
+            if not asked or remote is None or job.device_blocks is None:
+                raise ProtocolError("a pull answered by reference that was not asked for")
+            message, payload_len = self._next(conn, job.deadline)
+            per_layer = job.num_blocks * self._layout.block_bytes
+            if (not isinstance(message, BlockRanges) or message.transfer_id != job.transfer_id or payload_len
+                    or len(message.layers) != self._layout.num_layers
+                    or any(sum(n for _, n in layer) != per_layer for layer in message.layers)
+                    or len(job.device_blocks) != job.num_blocks):
+                raise ProtocolError(f"unexpected frame for a pull by reference: {type(message).__name__}")
+            nbytes = remote.copy_into(message.layers, job.device_blocks, job.deadline)
+            conn.send_frame(PayloadCopied(job.transfer_id, 0, self._layout.num_layers), (), job.deadline)
+        except BaseException:
+            self._links.drop(job.peer)
+            raise
+        self._metrics.bytes_received.labels(remote.transport).inc(nbytes)
+        self._metrics.add("bytes_received", nbytes)
+        return nbytes, remote.transport, True
 
     @staticmethod
     def _next(conn: Connection, deadline: float) -> tuple[Message, int]:
@@ -176,3 +227,7 @@ class Puller:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._links.close()
+        for _, remote in self._remotes.values():
+            if remote is not None:
+                remote.close()
+        self._remotes.clear()

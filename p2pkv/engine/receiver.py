@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from p2pkv.engine.device import RangeSource
 from p2pkv.engine.handshake import server_reply
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import OfferTable
@@ -15,7 +16,9 @@ from p2pkv.engine.store import ReceiveStore
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import ProtocolError, TransferError
 from p2pkv.protocol import (
+    BlockRanges,
     CmaOffer,
+    DeviceExport,
     Hello,
     HelloReply,
     LayoutDigest,
@@ -37,9 +40,11 @@ class Receiver:
     """Owns the listener thread and the reader threads it starts; `close()` stops and joins them all."""
 
     def __init__(self, listener: Listener, store: ReceiveStore, offers: OfferTable, layout: LayoutDigest,
-                 metrics: EngineMetrics, frame_timeout_s: float, offer: CmaOffer | None = None) -> None:
+                 metrics: EngineMetrics, frame_timeout_s: float, offer: CmaOffer | None = None,
+                 device: DeviceExport | None = None) -> None:
         self._listener = listener
         self._offer = offer
+        self._device = device
         self._store = store
         self._offers = offers
         self._layout = layout
@@ -96,7 +101,7 @@ class Receiver:
             self._metrics.refused_peers.inc()
             conn.send_frame(HelloReply(accepted=False, reason=reason), (), deadline)
             return None
-        return server_reply(conn, hello, self._offer, deadline)
+        return server_reply(conn, hello, self._offer, deadline, self._device)
 
     def _serve(self, conn: Connection) -> None:
         source = f"{conn.peer}#{id(conn)}"
@@ -151,8 +156,12 @@ class Receiver:
             log.warning("transfer %s: refusing a pull from %s: %s", pull.transfer_id, conn.peer, claim)
             conn.send_frame(PullReply(pull.transfer_id, False, claim), (), deadline)
             return
-        started, nbytes = time.monotonic(), 0
+        started, nbytes, transport = time.monotonic(), 0, conn.name
         try:
+            if pull.by_reference and claim.ranges is not None and self._device is not None:
+                nbytes = self._serve_by_reference(conn, pull, claim.ranges, deadline)
+                transport = "cuda_ipc" if self._device is not None and self._device.kind == "cuda" else "host_ipc"
+                return
             # Every layer in one frame: the pulled blocks are whole layers of the puller's transfer.
             num_layers = self._layout.num_layers
             views = [v for layer in range(num_layers) for v in claim.source(layer, pull.first_block, pull.num_blocks)]
@@ -167,10 +176,18 @@ class Receiver:
             # TCP: sent bytes sit in the socket's buffers. shm: the puller has copied every layer, or it is gone
             # (then it reports load errors and recomputes). Either way the blocks are free to go.
             self._offers.finish(claim)
-            self._metrics.bytes_sent.labels(conn.name).inc(nbytes)
+            self._metrics.bytes_sent.labels(transport).inc(nbytes)
             self._metrics.add("bytes_sent", nbytes)
             log.info("transfer %s served peer=%s bytes=%d ms=%.1f transport=%s", pull.transfer_id, conn.peer,
-                     nbytes, (time.monotonic() - started) * 1000, conn.name)
+                     nbytes, (time.monotonic() - started) * 1000, transport)
+
+    def _serve_by_reference(self, conn: Connection, pull: PullRequest, ranges: RangeSource, deadline: float) -> int:
+        """cuda_ipc: say where the blocks lie in our exported cache; the puller copies them and confirms."""
+        layers = [ranges(layer, pull.first_block, pull.num_blocks) for layer in range(self._layout.num_layers)]
+        conn.send_frames([(PullReply(pull.transfer_id, True, by_reference=True), ()),
+                          (BlockRanges(pull.transfer_id, layers), ())], deadline)
+        self._await_copies(conn, pull.transfer_id, deadline)
+        return sum(n for layer in layers for _, n in layer)
 
     def _await_copies(self, conn: Connection, transfer_id: str, deadline: float) -> None:
         """shm: the puller reads the blocks from this process; wait until it has copied every layer."""

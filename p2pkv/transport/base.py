@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from p2pkv.protocol import Message
+from p2pkv.protocol import DeviceExport, Message
 
 
 class Connection(Protocol):
@@ -13,6 +13,7 @@ class Connection(Protocol):
 
     name: str
     peer: str
+    peer_device: DeviceExport | None  # the peer's exported KV cache, when the handshake brought one (cuda_ipc)
 
     def send_frame(self, message: Message, payload: Sequence[memoryview], deadline: float) -> None:
         """Send one message followed by the concatenation of `payload`."""

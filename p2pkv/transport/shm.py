@@ -16,7 +16,7 @@ import struct
 from collections.abc import Sequence
 
 from p2pkv.errors import ProtocolError, TransferError
-from p2pkv.protocol import CmaStatus, Message, PayloadCopied, PushBlocks, encode_frame
+from p2pkv.protocol import CmaStatus, DeviceExport, Message, PayloadCopied, PushBlocks, encode_frame
 from p2pkv.transport import cma
 from p2pkv.transport.tcp import TcpConnection
 
@@ -34,6 +34,7 @@ def encode_ranges(payload: Sequence[memoryview]) -> bytes:
 
 class ShmConnection:
     name = "shm"
+    peer_device: DeviceExport | None = None  # set by the handshake
 
     def __init__(self, inner: TcpConnection, peer_pid: int, sends_by_reference: bool,
                  reads_by_reference: bool) -> None:

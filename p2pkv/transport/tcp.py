@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from p2pkv.errors import TransferError, TransferTimeout
 from p2pkv.params import Address
-from p2pkv.protocol import PREFIX_BYTES, FrameLimits, Message, decode_message, decode_prefix, encode_frame
+from p2pkv.protocol import PREFIX_BYTES, DeviceExport, FrameLimits, Message, decode_message, decode_prefix, encode_frame
 
 _SOCKET_BUFFER = 4 << 20
 _READ_BUFFER = 64 << 10
@@ -44,6 +44,7 @@ def _bytes_view(view: memoryview | bytes) -> memoryview:
 
 class TcpConnection:
     name = "tcp"
+    peer_device: DeviceExport | None = None  # set by the handshake
 
     def __init__(self, sock: socket.socket, peer: str, secret: bytes, limits: FrameLimits) -> None:
         sock.setblocking(False)

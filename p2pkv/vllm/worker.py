@@ -16,6 +16,7 @@ from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import NO_SPACE, StageState
 from p2pkv.errors import P2pkvError
+from p2pkv.ipc import CacheAccess
 from p2pkv.layout import KvBlocks
 from p2pkv.staging import STAGE_ENV, DeviceKv, TransferBuffers
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
@@ -74,15 +75,16 @@ class WorkerSide:
         tensors = [kv_caches[n] for n in names]
         extra = self._config.extra
         kernel = _kernel_tag(tensors[0])
+        access = None
         if tensors[0].device.type != "cpu" or os.environ.get(STAGE_ENV) == "1":
             device = DeviceKv(tensors, self._block_size, kernel, extra.transfer_timeout_s)
-            self._blocks, self._staging = device, TransferBuffers(device)
+            self._blocks, self._staging, access = device, TransferBuffers(device), CacheAccess(device)
         else:
             self._blocks = KvBlocks.from_tensors(tensors, self._block_size, kernel)
         self._layer_index = {n: i for i, n in enumerate(names)}
         metrics_port = extra.metrics_port + self._rank if extra.metrics_port else 0
         settings = EngineSettings.from_config(extra, self._config.worker_port(self._rank), metrics_port)
-        self._engine = TransferEngine(settings, self._blocks.digest, self._rank)
+        self._engine = TransferEngine(settings, self._blocks.digest, self._rank, access)
         if isinstance(self._blocks, DeviceKv):
             self._blocks.pool, self._blocks.metrics = self._engine.pool, self._engine.metrics
             if self._engine.pool is not None and self._blocks.on_gpu:
@@ -97,7 +99,7 @@ class WorkerSide:
             self._loads[spec.req_id] = _Load(spec, deadline)
             if spec.pull_from is not None and spec.block_ids:
                 self.engine.pull(spec.transfer_id, spec.pull_from.offset(self._rank), spec.first_block,
-                                 len(spec.block_ids), self._sink(spec), deadline)
+                                 len(spec.block_ids), self._sink(spec), deadline, self._device_blocks(spec))
 
     def save_layer(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
@@ -111,6 +113,16 @@ class WorkerSide:
         if self._staging is not None:
             return self._staging.sink(spec.transfer_id, spec.block_ids)
         return self._views_of(spec.block_ids)
+
+    def _device_blocks(self, spec: LoadSpec) -> tuple[int, ...] | None:
+        """Device KV: the blocks a pull may copy into straight from the peer's cache (cuda_ipc)."""
+        return tuple(spec.block_ids) if self._staging is not None else None
+
+    def _offer(self, spec: SaveSpec) -> None:
+        """GET: hold the blocks for the decode side; device KV also says where they lie, for cuda_ipc pulls."""
+        ranges = self._staging.ranges(spec.transfer_id, spec.block_ids) if self._staging is not None else None
+        self.engine.offer(spec.transfer_id, len(spec.block_ids), self._source(spec), self._config.extra.lease_s,
+                          ranges)
 
     def _source(self, spec: SaveSpec) -> ViewSource:
         """What a pull reads: the blocks themselves, or device KV copied to the transfer's host buffer."""
@@ -158,8 +170,7 @@ class WorkerSide:
             if spec.peer is None:
                 # GET: every layer is final now that the forward has run; hold the blocks for the pull.
                 self._sending[spec.req_id] = spec.transfer_id
-                self.engine.offer(spec.transfer_id, len(spec.block_ids), self._source(spec),
-                                  self._config.extra.lease_s)
+                self._offer(spec)
                 continue
             for layer in range(len(self._layer_index)):
                 self._push(spec, layer)
@@ -180,7 +191,7 @@ class WorkerSide:
                 # The decode side had no room to stage the push: hold the blocks for it to pull instead.
                 spec = self._specs[req_id]
                 log.info("transfer %s: push refused (%s); holding the blocks for a pull", tid, out.reason)
-                self.engine.offer(tid, len(spec.block_ids), self._source(spec), self._config.extra.lease_s)
+                self._offer(spec)
         done: set[str] = set()
         for req_id in self._finished:
             tid = self._sending[req_id]
@@ -247,7 +258,7 @@ class WorkerSide:
         log.info("transfer %s: no staging space here; pulling from %s", spec.transfer_id, spec.fallback_from)
         load.spec = replace(spec, pull_from=spec.fallback_from)
         self.engine.pull(spec.transfer_id, spec.fallback_from.offset(self._rank), spec.first_block,
-                         len(spec.block_ids), self._sink(spec), load.deadline)
+                         len(spec.block_ids), self._sink(spec), load.deadline, self._device_blocks(spec))
         return True
 
     def _pull_finished(self, load: _Load) -> bool:
@@ -257,7 +268,9 @@ class WorkerSide:
         result = self.engine.pull_result(spec.transfer_id)
         if result is not None and result.state is PullState.DONE:
             self.engine.forget_pull(spec.transfer_id)
-            if self._staging is not None:
+            if self._staging is not None and result.by_reference:
+                self._staging.release(spec.transfer_id)  # copied device to device: the host buffer was not used
+            elif self._staging is not None:
                 try:
                     self._staging.land(spec.transfer_id)
                 except P2pkvError as exc:

@@ -251,6 +251,14 @@ class Offerer:
         state: str | None = json.loads(self.proc.stdout.readline())["state"]
         return state
 
+    def wait_state(self, tid: str, want: str, timeout_s: float = 5) -> str | None:
+        """The offer's state once it is `want`, or whatever it is at the deadline (the offerer marks an offer
+        served on its own thread, just after the puller may have seen the last byte)."""
+        deadline = time.monotonic() + timeout_s
+        while (state := self.state(tid)) != want and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return state
+
     def close(self) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
@@ -280,7 +288,7 @@ def test_pull_lands_the_requested_blocks_in_place_and_frees_the_offer(receiver: 
         expected = payload(11, LAYERS, BLOCKS, BLOCK_BYTES)
         for layer in range(LAYERS):
             assert bytes(local[layer]) == expected[layer][2 * BLOCK_BYTES : 5 * BLOCK_BYTES].tobytes()
-        assert offerer.state("g-1") == "served"
+        assert offerer.wait_state("g-1", "served") == "served"
         assert received_over(receiver, transport) == 3 * BLOCK_BYTES * LAYERS
         # A second pull of the same transfer is refused: the blocks were released.
         receiver.pull("g-1", Address.parse(offerer.address), 0, 1, sink, time.monotonic() + 10)

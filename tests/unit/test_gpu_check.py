@@ -53,3 +53,9 @@ def test_the_staged_tcp_row_runs_on_host_tensors() -> None:
         assert rate.to_host_gbps > 0 and rate.to_device_gbps > 0 and rate.ratio > 0
     stats = pool.stats()
     assert stats is not None and stats.bytes_in_use == 0
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_ipc_between_two_processes_on_one_gpu() -> None:
+    assert "byte for byte" in gpu_check._cuda_ipc()

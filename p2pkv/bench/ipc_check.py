@@ -1,0 +1,159 @@
+"""Pulls by reference between two processes (cuda_ipc on a GPU; kind "host" on CPU): the GPU check's row for
+cuda_ipc, written against a `device` so that the unit tests run the same code on CPU caches.
+
+A child process holds a cache whose every byte is a known function of its block and position, and offers
+transfers; this process pulls them into its own cache by reference and checks every byte. Bandwidth: for each size,
+the pull from request to confirmation, and the copy out of the opened cache alone, against a plain copy of the
+same bytes inside this process (for `cuda`: a device-to-device copy), measured in the same run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from p2pkv.config import ExtraConfig, Transport
+from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.device import RemoteCache
+from p2pkv.engine.puller import PullState
+from p2pkv.ipc import CacheAccess
+from p2pkv.params import Address
+from p2pkv.staging import DeviceKv, TransferBuffers
+
+BLOCK_BYTES = 64 << 10  # 16 tokens x 8 heads x 128 dims x K and V, bf16
+CHECK_BLOCKS = 64
+_SPAWN = mp.get_context("spawn")
+
+
+def pattern(block_ids: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """The bytes the offering process puts in these blocks: [len(block_ids), block_bytes] uint8."""
+    pos = torch.arange(block_bytes, dtype=torch.int32, device=block_ids.device)
+    mixed = block_ids.to(torch.int32)[:, None] * 131 + pos[None, :] * 7 + (pos[None, :] >> 8) * 13
+    return (mixed & 255).to(torch.uint8)
+
+
+def _engine(kv: DeviceKv) -> TransferEngine:
+    extra = ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=120, transport=Transport.AUTO)
+    engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), kv.digest, device=CacheAccess(kv))
+    engine.start()
+    return engine
+
+
+def _cache(device: str, blocks: int) -> torch.Tensor:
+    return torch.zeros(blocks, BLOCK_BYTES, dtype=torch.uint8, device=device)
+
+
+def offer_process(pipe: Connection, device: str, blocks: int, plan: list[tuple[str, list[int]]]) -> None:
+    """Child: fill a cache with `pattern`, offer each (transfer id, block ids) of `plan`, send the engine's address
+    and the cache's export, and hold the offers until told to stop."""
+    cache = _cache(device, blocks)
+    step = max(1, (256 << 20) // BLOCK_BYTES)
+    for first in range(0, blocks, step):  # in slices: the pattern's int32 temporaries stay small
+        ids = torch.arange(first, min(blocks, first + step), device=device)
+        cache[first : first + len(ids)] = pattern(ids, BLOCK_BYTES)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    kv = DeviceKv([cache], 16, device, 120)
+    buffers = TransferBuffers(kv)
+    engine = _engine(kv)
+    try:
+        for tid, ids in plan:
+            engine.offer(tid, len(ids), buffers.source(tid, ids), 600, buffers.ranges(tid, ids))
+        pipe.send((engine.address, CacheAccess(kv).export()))
+        pipe.poll(600)
+    finally:
+        engine.close()
+
+
+@dataclass(frozen=True)
+class IpcRate:
+    size: int
+    pull_gbps: float  # request to confirmation, control messages included
+    copy_gbps: float  # the copy out of the opened cache alone
+    base_gbps: float  # a plain copy of the same bytes in this process
+
+    @property
+    def ratio(self) -> float:
+        return self.copy_gbps / self.base_gbps
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(device: str, sizes: Sequence[int], repeats: int = 3) -> tuple[str, list[IpcRate]]:
+    """The correctness check's summary, and one rate per size."""
+    largest = max(sizes) // BLOCK_BYTES
+    blocks = max(2 * CHECK_BLOCKS, largest)
+    check_src = list(range(0, 2 * CHECK_BLOCKS, 2))  # scattered in the sender's cache
+    plan = [("check", check_src)]
+    plan += [(f"bw-{size}-{r}", list(range(size // BLOCK_BYTES))) for size in sizes for r in range(repeats)]
+    parent, child = _SPAWN.Pipe()
+    proc = _SPAWN.Process(target=offer_process, args=(child, device, blocks, plan), daemon=True)
+    proc.start()
+    cache = _cache(device, blocks)
+    kv = DeviceKv([cache], 16, device, 120)
+    engine = _engine(kv)
+    try:
+        if not parent.poll(300):
+            raise RuntimeError("the offering process did not start")
+        address, export = parent.recv()
+        peer = Address.parse(address)
+        check_dst = list(reversed(range(1, 2 * CHECK_BLOCKS, 2)))  # scattered here too, in another order
+        result = _pull(engine, peer, "check", check_dst)
+        got = cache[torch.tensor(check_dst, device=device)]
+        if not torch.equal(got, pattern(torch.tensor(check_src, device=device), BLOCK_BYTES)):
+            raise AssertionError("pulled blocks differ from the sender's")
+        summary = (f"{CHECK_BLOCKS} scattered blocks pulled by reference over {result}, byte for byte, between two "
+                   "processes")
+        remote = CacheAccess(kv).open(export)
+        rates = [_rate(engine, peer, remote, cache, device, size, repeats) for size in sizes]
+        remote.close()
+        return summary, rates
+    finally:
+        engine.close()  # unmaps the child's cache before the child exits
+        parent.send("stop")
+        proc.join(60)
+
+
+def _rate(engine: TransferEngine, peer: Address, remote: RemoteCache, cache: torch.Tensor, device: str, size: int,
+          repeats: int) -> IpcRate:
+    """Best of `repeats`: whole pulls, copies out of the opened cache, plain copies of the same bytes."""
+    ids = list(range(size // BLOCK_BYTES))
+    pull_s = copy_s = base_s = float("inf")
+    src, dst = cache[: len(ids)].clone(), torch.empty_like(cache[: len(ids)])
+    for r in range(repeats):
+        started = _now(device)
+        _pull(engine, peer, f"bw-{size}-{r}", ids)
+        pull_s = min(pull_s, _now(device) - started)
+        started = _now(device)
+        remote.copy_into([[(0, size)]], ids, time.monotonic() + 60)
+        copy_s = min(copy_s, _now(device) - started)
+        started = _now(device)
+        dst.copy_(src)
+        base_s = min(base_s, _now(device) - started)
+    return IpcRate(size, size / pull_s / 1e9, size / copy_s / 1e9, size / base_s / 1e9)
+
+
+def _pull(engine: TransferEngine, peer: Address, tid: str, ids: list[int]) -> str:
+    def unused_sink(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
+        raise AssertionError("a pull by reference wrote to the host sink")
+
+    engine.pull(tid, peer, 0, len(ids), unused_sink, time.monotonic() + 120, tuple(ids))
+    result = engine.wait_pull(tid, 120)
+    if result is None or result.state is not PullState.DONE or not result.by_reference:
+        raise AssertionError(f"pull {tid}: {result}")
+    engine.forget_pull(tid)
+    return result.transport
+
+
+def _now(device: str) -> float:
+    """The time once the device has finished what was queued."""
+    _sync(device)
+    return time.perf_counter()

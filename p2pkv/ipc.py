@@ -1,0 +1,151 @@
+"""cuda_ipc: a worker's KV cache opened by a peer on the same host, which copies the blocks it pulls straight
+from the sender's cache into its own, device to device, with no host copy.
+
+Each worker exports its layers once (`CacheAccess.export`, sent in the handshake reply); a peer opens them once per
+link (`CacheAccess.open`). A GPU cache is exported with CUDA IPC through torch (`UntypedStorage._share_cuda_`, the
+call torch.multiprocessing uses; opened with `_new_shared_cuda`, which maps each allocation once per process).
+A CPU cache (`P2PKV_STAGE_KV=1`) is exported as addresses that the peer reads with process_vm_readv: the same
+protocol and bookkeeping, run by the tests on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+
+from p2pkv.engine.device import RemoteCache, Run
+from p2pkv.errors import P2pkvError, TransferTimeout
+from p2pkv.protocol import DeviceExport
+from p2pkv.staging import DeviceKv, wait_marker
+from p2pkv.transport import cma
+
+
+def pair_ranges(remote: Sequence[Run], local: Sequence[Run]) -> list[tuple[int, int, int]]:
+    """Two lists of ranges holding the same bytes in the same order, as (remote offset, local offset, length)
+    pieces, cut where either side's range ends."""
+    out: list[tuple[int, int, int]] = []
+    r = [list(x) for x in remote if x[1]]
+    lo = [list(x) for x in local if x[1]]
+    i = j = 0
+    while i < len(r) and j < len(lo):
+        n = min(r[i][1], lo[j][1])
+        out.append((r[i][0], lo[j][0], n))
+        for ranges, k in ((r, i), (lo, j)):
+            ranges[k][0] += n
+            ranges[k][1] -= n
+        if not r[i][1]:
+            i += 1
+        if not lo[j][1]:
+            j += 1
+    if i < len(r) or j < len(lo):
+        raise P2pkvError("the remote ranges and the local blocks hold different numbers of bytes")
+    return out
+
+
+def _check_bounds(ranges: Sequence[Run], size: int) -> None:
+    for offset, n in ranges:
+        if offset < 0 or n < 0 or offset + n > size:
+            raise P2pkvError(f"range {offset}+{n} lies outside the peer's exported storage of {size} bytes")
+
+
+class _CudaRemote:
+    transport = "cuda_ipc"
+
+    def __init__(self, kv: DeviceKv, export: DeviceExport) -> None:
+        self._kv = kv
+        local = kv.storages[0].device
+        self._storages: list[torch.Tensor] = []
+        try:
+            for handle in export.handles:
+                # The producer's device index means nothing here: the allocation is mapped on this worker's GPU.
+                storage = torch.UntypedStorage._new_shared_cuda(local.index or 0, *handle[1:])
+                self._storages.append(torch.empty(0, dtype=torch.uint8, device=local).set_(storage))
+        except (RuntimeError, TypeError) as exc:
+            raise P2pkvError(f"CUDA IPC open failed: {exc}") from None
+
+    def copy_into(self, remote: Sequence[Sequence[Run]], block_ids: Sequence[int], deadline: float) -> int:
+        markers, total = [], 0
+        for layer, ranges in enumerate(remote):
+            src = self._storages[layer]
+            _check_bounds(ranges, src.numel())
+            pairs = pair_ranges(ranges, self._kv.geometry[layer].ranges(block_ids))
+            markers.append(self._kv.copy_pairs(layer, src, pairs))
+            total += sum(n for _, _, n in pairs)
+        if not all(wait_marker(m, deadline) for m in markers):
+            raise TransferTimeout("copying from the peer's GPU missed the deadline")
+        return total
+
+    def close(self) -> None:
+        self._storages.clear()
+
+
+def _span(handle: Sequence[object]) -> tuple[int, int]:
+    if len(handle) != 2 or not isinstance(handle[0], int) or not isinstance(handle[1], int):
+        raise P2pkvError(f"a host export entry is (address, size), got {handle!r}")
+    return handle[0], handle[1]
+
+
+class _HostRemote:
+    transport = "host_ipc"
+
+    def __init__(self, kv: DeviceKv, export: DeviceExport) -> None:
+        self._kv = kv
+        self._pid = export.pid
+        self._spans = [_span(h) for h in export.handles]
+        self._local = [memoryview(s.numpy()) for s in kv.storages]
+        if self._spans and self._spans[0][1]:
+            probe = bytearray(1)
+            cma.read_remote(self._pid, memoryview(probe), [(self._spans[0][0], 1)])  # TransferError if unreadable
+
+    def copy_into(self, remote: Sequence[Sequence[Run]], block_ids: Sequence[int], deadline: float) -> int:
+        total = 0
+        for layer, ranges in enumerate(remote):
+            base, size = self._spans[layer]
+            _check_bounds(ranges, size)
+            local = self._local[layer]
+            views = [local[a : a + n] for a, n in self._kv.geometry[layer].ranges(block_ids)]
+            cma.read_remote_scattered(self._pid, views, [(base + a, n) for a, n in ranges])
+            total += sum(n for _, n in ranges)
+            if time.monotonic() > deadline:
+                raise TransferTimeout("copying from the peer's memory missed the deadline")
+        return total
+
+    def close(self) -> None:
+        self._local.clear()
+
+
+class CacheAccess:
+    """This worker's cache as peers on this host open it, and their caches opened here."""
+
+    def __init__(self, kv: DeviceKv) -> None:
+        self.kv = kv
+        self.kind = "cuda" if kv.on_gpu else "host"
+
+    def export(self) -> DeviceExport:
+        if self.kind == "cuda":
+            handles = [tuple(s.untyped_storage()._share_cuda_()) for s in self.kv.storages]
+            device = str(torch.cuda.get_device_properties(self.kv.storages[0].device).uuid)
+        else:
+            cma.allow_readers()
+            handles = [(s.data_ptr(), s.numel()) for s in self.kv.storages]
+            device = ""
+        return DeviceExport(self.kind, cma.boot_id(), os.getpid(), device, handles)
+
+    def open(self, export: DeviceExport) -> RemoteCache:
+        if export.kind != self.kind:
+            raise P2pkvError(f"the peer exports a {export.kind} cache, this worker's is {self.kind}")
+        if export.boot_id != cma.boot_id():
+            raise P2pkvError("the peer is on another host")
+        if len(export.handles) != self.kv.num_layers:
+            raise P2pkvError(f"the peer exports {len(export.handles)} layers, this worker has {self.kv.num_layers}")
+        if self.kind == "cuda":
+            return _CudaRemote(self.kv, export)
+        try:
+            return _HostRemote(self.kv, export)
+        except P2pkvError as exc:
+            raise P2pkvError(f"the peer's memory cannot be read: {exc}") from None
+
+

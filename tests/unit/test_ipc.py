@@ -1,0 +1,180 @@
+"""Pulls by reference (cuda_ipc): the puller opens the offerer's exported cache and copies the blocks itself. Run
+here with CPU caches exported as addresses and read with process_vm_readv (kind "host"): the same handshake,
+protocol, bookkeeping and range pairing a GPU cache uses, without a GPU."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from p2pkv.bench import ipc_check
+from p2pkv.config import ExtraConfig, Transport
+from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.offers import OfferState
+from p2pkv.engine.puller import PullResult, PullState
+from p2pkv.errors import P2pkvError
+from p2pkv.ipc import CacheAccess, pair_ranges
+from p2pkv.memory import HostPool
+from p2pkv.params import Address
+from p2pkv.protocol import DeviceExport
+from p2pkv.staging import DeviceKv, TransferBuffers
+from p2pkv.transport import cma
+from tests.unit.test_staging import SIZES, caches
+
+pytestmark = pytest.mark.skipif(not cma.available(), reason="needs cross-memory attach (Linux)")
+
+
+def test_pair_ranges_cuts_where_either_side_ends() -> None:
+    assert pair_ranges([(0, 10), (100, 6)], [(50, 4), (60, 12)]) == [(0, 50, 4), (4, 60, 6), (100, 66, 6)]
+    with pytest.raises(P2pkvError, match="different numbers of bytes"):
+        pair_ranges([(0, 10)], [(0, 9)])
+
+
+class Side:
+    def __init__(self, fill: bool, transport: Transport = Transport.AUTO, exports: bool = True) -> None:
+        self.layers = caches("LBHNC", fill)
+        self.kv = DeviceKv(self.layers, 16, "test", 5)
+        self.kv.pool = HostPool(1 << 20, pinned=False)
+        self.buffers = TransferBuffers(self.kv)
+        extra = ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=5, transport=transport)
+        self.engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), self.kv.digest,
+                                     device=CacheAccess(self.kv) if exports else None)
+        self.engine.start()
+
+    @property
+    def address(self) -> Address:
+        return Address.parse(self.engine.address)
+
+    def pool_in_use(self) -> int:
+        assert self.kv.pool is not None
+        stats = self.kv.pool.stats()
+        return 0 if stats is None else stats.bytes_in_use
+
+
+MakeSide = Callable[..., Side]
+
+
+@pytest.fixture
+def make_side() -> Iterator[MakeSide]:
+    made: list[Side] = []
+
+    def make(fill: bool, transport: Transport = Transport.AUTO, exports: bool = True) -> Side:
+        made.append(Side(fill, transport, exports))
+        return made[-1]
+
+    yield make
+    for side in made:
+        side.engine.close()
+
+
+def _pull(offerer: Side, puller: Side, tid: str, src_blocks: list[int], dst_blocks: list[int],
+          by_ranges: bool = True) -> PullResult:
+    ranges = offerer.buffers.ranges(tid, src_blocks) if by_ranges else None
+    offerer.engine.offer(tid, len(src_blocks), offerer.buffers.source(tid, src_blocks), 10, ranges)
+    puller.engine.pull(tid, offerer.address, 0, len(dst_blocks), puller.buffers.sink(tid, dst_blocks),
+                       time.monotonic() + 10, tuple(dst_blocks))
+    result = puller.engine.wait_pull(tid, 10)
+    assert result is not None and result.state is PullState.DONE, result
+    return result
+
+
+def _same(src: Side, dst: Side, moves: dict[int, int]) -> bool:
+    return all(torch.equal(dst.layers[layer][d], src.layers[layer][s]) for layer in range(SIZES["L"])
+               for s, d in moves.items())
+
+
+@pytest.mark.parametrize("transport", [Transport.AUTO, Transport.CUDA_IPC])
+def test_a_pull_by_reference_copies_cache_to_cache(make_side: MakeSide, transport: Transport) -> None:
+    offerer, puller = make_side(True, transport=transport), make_side(False, transport=transport)
+    moves = {3: 0, 4: 1, 9: 7, 1: 11}
+    for round_ in range(2):  # the peer's cache is opened once per link and reused
+        tid = f"ref-{round_}"
+        result = _pull(offerer, puller, tid, list(moves), list(moves.values()))
+        assert result.by_reference and result.transport == "host_ipc"
+        assert result.nbytes == SIZES["L"] * len(moves) * offerer.kv.block_bytes
+        assert _same(offerer, puller, moves)
+        deadline = time.monotonic() + 5  # served once the offerer has read the puller's copy confirmation
+        while offerer.engine.offer_state(tid) is not OfferState.SERVED:
+            assert time.monotonic() < deadline, offerer.engine.offer_state(tid)
+            time.sleep(0.002)
+        assert puller.pool_in_use() == 0 and offerer.pool_in_use() == 0, "no host buffer was used on either side"
+        puller.buffers.release(tid)
+        offerer.buffers.release(tid)
+        for layer in puller.layers:
+            layer.zero_()
+    received = puller.engine.metrics.registry.get_sample_value("p2pkv_bytes_received_total",
+                                                               {"transport": "host_ipc"})
+    assert received == 2 * SIZES["L"] * len(moves) * offerer.kv.block_bytes
+
+
+def test_without_ranges_or_export_the_pull_carries_bytes(make_side: MakeSide) -> None:
+    moves = {2: 5, 3: 6}
+    offerer, puller = make_side(True), make_side(False)
+    result = _pull(offerer, puller, "bytes-1", list(moves), list(moves.values()), by_ranges=False)
+    assert not result.by_reference
+    assert not _same(offerer, puller, moves), "bytes pulled into the host buffer land only with land()"
+    puller.buffers.land("bytes-1")
+    assert _same(offerer, puller, moves)
+    plain = make_side(True, exports=False)  # an offerer that exports nothing
+    result = _pull(plain, puller, "bytes-2", list(moves), list(moves.values()))
+    assert not result.by_reference
+    puller.buffers.release("bytes-2")
+
+
+def test_transport_tcp_never_pulls_by_reference(make_side: MakeSide) -> None:
+    offerer = make_side(True, transport=Transport.TCP)
+    puller = make_side(False, transport=Transport.TCP)
+    result = _pull(offerer, puller, "tcp-1", [1, 2], [3, 4])
+    assert not result.by_reference and result.transport == "tcp"
+    puller.buffers.land("tcp-1")
+    assert _same(offerer, puller, {1: 3, 2: 4})
+
+
+def test_ranges_outside_the_export_are_refused() -> None:
+    src, dst = DeviceKv(caches("LBHNC", True), 16, "test", 5), DeviceKv(caches("LBHNC", False), 16, "test", 5)
+    remote = CacheAccess(dst).open(CacheAccess(src).export())
+    size = src.storages[0].numel()
+    with pytest.raises(P2pkvError, match="outside the peer's exported storage"):
+        remote.copy_into([[(size - 10, src.block_bytes)]] * SIZES["L"], [0], time.monotonic() + 5)
+    assert remote.copy_into([[(0, src.block_bytes)]] * SIZES["L"], [2], time.monotonic() + 5) == (
+        SIZES["L"] * src.block_bytes)
+
+
+def test_an_export_from_another_host_or_kind_is_not_opened() -> None:
+    kv = DeviceKv(caches("LBHNC", False), 16, "test", 5)
+    export = CacheAccess(kv).export()
+    access = CacheAccess(kv)
+    with pytest.raises(P2pkvError, match="another host"):
+        access.open(type(export)(export.kind, "other-boot", export.pid, "", export.handles))
+    with pytest.raises(P2pkvError, match="exports a cuda cache"):
+        access.open(type(export)("cuda", export.boot_id, export.pid, "", export.handles))
+
+
+def test_the_cuda_ipc_row_runs_between_two_processes_on_host_caches() -> None:
+    """The GPU check's cuda_ipc row on CPU caches: a child process offers, this one pulls by reference (process_vm_readv
+    standing in for CUDA IPC); every byte is checked, and the rates are measured."""
+    summary, rates = ipc_check.run("cpu", [1 << 20, 4 << 20], repeats=2)
+    assert "byte for byte" in summary and "host_ipc" in summary
+    assert [r.size for r in rates] == [1 << 20, 4 << 20]
+    assert all(r.pull_gbps > 0 and r.copy_gbps > 0 and r.base_gbps > 0 for r in rates)
+
+
+def test_a_cache_that_cannot_be_exported_still_serves_pulls_as_bytes(make_side: MakeSide) -> None:
+    class Unshareable(CacheAccess):
+        def export(self) -> DeviceExport:
+            raise RuntimeError("memory from an allocator CUDA IPC cannot share")
+
+    offerer = make_side(True)
+    offerer.engine.close()
+    extra = ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=5)
+    offerer.engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), offerer.kv.digest,
+                                    device=Unshareable(offerer.kv))
+    offerer.engine.start()  # logs a warning instead of failing the worker
+    puller = make_side(False)
+    result = _pull(offerer, puller, "plain", [1, 2], [3, 4])
+    assert not result.by_reference
+    puller.buffers.land("plain")
+    assert _same(offerer, puller, {1: 3, 2: 4})
