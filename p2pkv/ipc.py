@@ -10,6 +10,7 @@ protocol and bookkeeping, run by the tests on machines without a GPU.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -21,6 +22,8 @@ from p2pkv.errors import P2pkvError, TransferTimeout
 from p2pkv.protocol import DeviceExport
 from p2pkv.staging import DeviceKv, wait_marker
 from p2pkv.transport import cma
+
+log = logging.getLogger(__name__)
 
 
 def pair_ranges(remote: Sequence[Run], local: Sequence[Run]) -> list[tuple[int, int, int]]:
@@ -75,6 +78,11 @@ class _CudaRemote:
             markers.append(self._kv.copy_pairs(layer, src, pairs))
             total += sum(n for _, _, n in pairs)
         if not all(wait_marker(m, deadline) for m in markers):
+            # The load will be reported failed and vLLM may reuse these blocks: let the queued copies finish
+            # first (bounded), so that none writes into a block after that.
+            grace = time.monotonic() + self._kv.copy_timeout_s
+            if not all(wait_marker(m, grace) for m in markers):
+                log.error("copies from the peer's GPU are still running after the deadline and a grace period")
             raise TransferTimeout("copying from the peer's GPU missed the deadline")
         return total
 

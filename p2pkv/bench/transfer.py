@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from p2pkv.bench import transfer_gpu
 from p2pkv.bench.transfer_peer import WINDOW, Shape, engine_for, kv_buffer, offer_run, push_run, stream_run
 from p2pkv.engine import TransferEngine
 from p2pkv.engine.puller import PullState
@@ -238,6 +239,7 @@ def main(sizes: Sequence[int], transports: Sequence[str], budget_bytes: int, plo
         print(f"latency of {what}: {ms:.3f} ms (median)")
     write_plot(rows, transports, Path(plot))
     print(f"plot written to {plot}")
+    failed += transfer_gpu.run(sizes, TARGET_FROM)
     if failed:
         print(f"target ({TARGET}x the baseline from {_size(TARGET_FROM)} up) missed: " + "; ".join(failed))
         return 1

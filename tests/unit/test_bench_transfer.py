@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from p2pkv.bench.transfer import main, run
 from p2pkv.bench.transfer_peer import Shape
@@ -34,3 +35,5 @@ def test_bench_transfer_measures_each_transport_and_plots(tmp_path: Path, capsys
     out = capsys.readouterr().out
     assert "shm GB/s" in out and "latency of a 64 KiB transfer over shm" in out
     assert "latency of a 1 MiB pull (GET) over shm" in out
+    if not torch.cuda.is_available():
+        assert "cuda_ipc: no CUDA device here, not measured" in out
