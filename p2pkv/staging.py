@@ -172,24 +172,39 @@ class DeviceKv:
     def _gathers(self, ranges: list[tuple[int, int]]) -> bool:
         return self._dense and self.gather_min_runs is not None and len(ranges) >= self.gather_min_runs
 
-    def copy_out(self, layer: int, block_ids: Sequence[int], dst: torch.Tensor) -> Marker:
-        src = self.storages[layer]
+    def _move(self, layer: int, block_ids: Sequence[int], host: torch.Tensor, to_host: bool) -> Marker:
+        """Queue the copies between the blocks and `host` (payload order), in either direction."""
+        cache = self.storages[layer]
         ranges = self.geometry[layer].ranges(block_ids)
         at = 0
         with self._copier.after_compute():
             if self._gathers(ranges):
-                ids = torch.tensor(block_ids, dtype=torch.int64).to(src.device, non_blocking=True)
-                rows = self._blocks_2d(layer).index_select(0, ids)  # on the copy stream: freed after the copy
+                ids = torch.tensor(block_ids, dtype=torch.int64).to(cache.device, non_blocking=True)
+                rows = host[: len(block_ids) * self.block_bytes].view(len(block_ids), -1)
+                if to_host:  # the gathered rows are made on the copy stream: freed only after the copy
+                    rows.copy_(self._blocks_2d(layer).index_select(0, ids), non_blocking=True)
+                else:
+                    self._blocks_2d(layer).index_copy_(0, ids, rows.to(cache.device, non_blocking=True))
                 at = rows.numel()
-                dst[:at].view(len(block_ids), -1).copy_(rows, non_blocking=True)
             else:
                 for start, n in ranges:
-                    dst[at : at + n].copy_(src[start : start + n], non_blocking=True)
+                    there, here = host[at : at + n], cache[start : start + n]
+                    (there if to_host else here).copy_(here if to_host else there, non_blocking=True)
                     at += n
             marker = self._copier.mark()
         if self.metrics is not None:
-            self.metrics.device_copy_bytes.labels("to_host").inc(at)
+            self.metrics.device_copy_bytes.labels("to_host" if to_host else "to_device").inc(at)
         return marker
+
+    def copy_out(self, layer: int, block_ids: Sequence[int], dst: torch.Tensor) -> Marker:
+        """Queue the copy of the blocks into host memory `dst`, in payload order."""
+        return self._move(layer, block_ids, dst, to_host=True)
+
+    def copy_in(self, layer: int, block_ids: Sequence[int], src: torch.Tensor) -> Marker:
+        """Queue the copy of host bytes `src` (payload order) into the blocks."""
+        if src.numel() != len(block_ids) * self.block_bytes:
+            raise ValueError(f"{src.numel()} bytes for {len(block_ids)} blocks of {self.block_bytes}")
+        return self._move(layer, block_ids, src, to_host=False)
 
     def copy_pairs(self, layer: int, src: torch.Tensor, pairs: Sequence[tuple[int, int, int]]) -> Marker:
         """Queue copies from `src` (a flat byte tensor on a device this one can reach) into this layer's storage:
@@ -199,27 +214,6 @@ class DeviceKv:
             for s_at, d_at, n in pairs:
                 dst[d_at : d_at + n].copy_(src[s_at : s_at + n], non_blocking=True)
             return self._copier.mark()
-
-    def copy_in(self, layer: int, block_ids: Sequence[int], src: torch.Tensor) -> Marker:
-        if src.numel() != len(block_ids) * self.block_bytes:
-            raise ValueError(f"{src.numel()} bytes for {len(block_ids)} blocks of {self.block_bytes}")
-        dst = self.storages[layer]
-        ranges = self.geometry[layer].ranges(block_ids)
-        at = 0
-        with self._copier.after_compute():
-            if self._gathers(ranges):
-                ids = torch.tensor(block_ids, dtype=torch.int64).to(dst.device, non_blocking=True)
-                rows = src.to(dst.device, non_blocking=True).view(len(block_ids), -1)
-                self._blocks_2d(layer).index_copy_(0, ids, rows)
-                at = src.numel()
-            else:
-                for start, n in ranges:
-                    dst[start : start + n].copy_(src[at : at + n], non_blocking=True)
-                    at += n
-            marker = self._copier.mark()
-        if self.metrics is not None:
-            self.metrics.device_copy_bytes.labels("to_device").inc(at)
-        return marker
 
     def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:
         """Copy whole blocks from host bytes (payload order) into the given blocks; returns once they are there."""

@@ -189,8 +189,7 @@ class Puller:
         except BaseException:
             self._links.drop(job.peer)
             raise
-        self._metrics.bytes_received.labels(conn.name).inc(nbytes)
-        self._metrics.add("bytes_received", nbytes)
+        self._count(conn.name, nbytes)
         return nbytes, conn.name, False
 
     def _copy_by_reference(self, conn: Connection, job: PullJob, asked: bool) -> tuple[int, str, bool]:
@@ -211,9 +210,12 @@ class Puller:
         except BaseException:
             self._links.drop(job.peer)
             raise
-        self._metrics.bytes_received.labels(remote.transport).inc(nbytes)
-        self._metrics.add("bytes_received", nbytes)
+        self._count(remote.transport, nbytes)
         return nbytes, remote.transport, True
+
+    def _count(self, transport: str, nbytes: int) -> None:
+        self._metrics.bytes_received.labels(transport).inc(nbytes)
+        self._metrics.add("bytes_received", nbytes)
 
     @staticmethod
     def _next(conn: Connection, deadline: float) -> tuple[Message, int]:
