@@ -59,3 +59,9 @@ def test_the_staged_tcp_row_runs_on_host_tensors() -> None:
 @needs_gpu
 def test_cuda_ipc_between_two_processes_on_one_gpu() -> None:
     assert "byte for byte" in gpu_check._cuda_ipc()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_nccl_pipe_sends_blocks_to_itself() -> None:
+    assert "byte for byte" in gpu_check._nccl_self()

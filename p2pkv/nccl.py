@@ -1,0 +1,92 @@
+"""The NCCL data plane's pipe: one communicator per peer pair, grouped sends and receives on a stream of its own.
+
+Bound through `cupy.cuda.nccl`: a maintained binding of the NCCL library, used by the old connector's users' stacks
+already (vLLM's own pynccl wraps the same library with ctypes); PyTorch's `torch.cuda.nccl` has no point-to-point
+calls. Not wired into the engine yet: the engine's pulls across hosts still carry bytes over tcp (see the design
+doc); `scripts/gpu_check.sh` checks this pipe with a one-rank send to itself (NCCL refuses two ranks on one GPU).
+
+- the unique id travels as 128 bytes (`unique_id`, `from_bytes`), over the control plane;
+- `exchange` issues every send and receive of a request in one `groupStart`/`groupEnd`, on the pipe's stream after
+  the work queued on the compute stream, and returns a marker (a CUDA event): no host-side stream synchronize;
+- `nccl_num_channels` goes to NCCL as NCCL_MIN_NCHANNELS/NCCL_MAX_NCHANNELS before the communicator is made;
+- `close` destroys the communicator (when the peer leaves or restarts).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from p2pkv.errors import P2pkvError
+from p2pkv.staging import Marker
+
+UNIQUE_ID_BYTES = 128
+
+
+def _nccl() -> Any:
+    try:
+        from cupy.cuda import nccl  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise P2pkvError(f"the nccl transport needs CuPy with NCCL (cupy-cuda12x or cupy-cuda13x): {exc}") from None
+    return nccl
+
+
+def to_bytes(uid: Sequence[int]) -> bytes:
+    """NCCL's unique id (cupy gives it as 128 signed chars) as bytes for the control plane."""
+    if len(uid) != UNIQUE_ID_BYTES:
+        raise P2pkvError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(uid)}")
+    return bytes(c & 0xFF for c in uid)
+
+
+def from_bytes(raw: bytes) -> tuple[int, ...]:
+    """The id back in cupy's form (signed chars)."""
+    if len(raw) != UNIQUE_ID_BYTES:
+        raise P2pkvError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(raw)}")
+    return tuple(b - 256 if b > 127 else b for b in raw)
+
+
+def unique_id() -> bytes:
+    return to_bytes(_nccl().get_unique_id())
+
+
+class NcclPipe:
+    def __init__(self, nranks: int, uid: bytes, rank: int, device: torch.device, channels: int) -> None:
+        nccl = _nccl()
+        for key in ("NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS"):
+            os.environ[key] = str(channels)  # read by NCCL when the communicator is made
+        self._device = device
+        with torch.cuda.device(device):
+            self._comm = nccl.NcclCommunicator(nranks, from_bytes(uid), rank)
+            self._stream = torch.cuda.Stream(device)
+        self._closed = False
+
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> Marker:
+        """Send and receive contiguous byte tensors (each with its peer rank) in one grouped call."""
+        nccl = _nccl()
+        for t, _ in (*sends, *recvs):
+            if t.dtype != torch.uint8 or not t.is_contiguous() or t.device != self._device:
+                raise P2pkvError("NCCL pieces must be contiguous uint8 tensors on the pipe's device")
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        stream = self._stream.cuda_stream
+        nccl.groupStart()
+        try:
+            for t, peer in sends:
+                self._comm.send(t.data_ptr(), t.numel(), nccl.NCCL_UINT8, peer, stream)
+            for t, peer in recvs:
+                self._comm.recv(t.data_ptr(), t.numel(), nccl.NCCL_UINT8, peer, stream)
+        finally:
+            nccl.groupEnd()
+        for t, _ in (*sends, *recvs):
+            t.record_stream(self._stream)  # the caching allocator keeps their memory until the stream is past
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        query: Marker = event.query
+        return query
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._comm.destroy()
