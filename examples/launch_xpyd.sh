@@ -30,8 +30,12 @@ for ((i = 0; i < P + D; i++)); do
   config=$(printf '{"kv_connector":"P2pNcclConnector","kv_connector_module_path":"p2pkv.vllm","kv_role":"%s",'\
 '"kv_port":%d,"kv_load_failure_policy":"recompute","kv_connector_extra_config":{"kv_host":"%s",'\
 '"proxy_ip":"%s","proxy_port":%d,"http_port":%d}}' "$role" "$kv" "$HOST" "$HOST" "$DISCOVERY_PORT" "$http")
+  # This instance's GPU first (vLLM uses the first one it sees), then the others: GET pulls between instances can
+  # then open each other's KV cache with CUDA IPC (cuda_ipc), which needs the peer's GPU to be visible.
+  gpus=$((FIRST_GPU + i))
+  for ((j = 0; j < P + D; j++)); do ((j != i)) && gpus="$gpus,$((FIRST_GPU + j))"; done
   # shellcheck disable=SC2086  # EXTRA_ARGS is a list of arguments
-  CUDA_VISIBLE_DEVICES=$((FIRST_GPU + i)) python -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+  CUDA_VISIBLE_DEVICES=$gpus python -m vllm.entrypoints.openai.api_server --model "$MODEL" \
     --host "$HOST" --port "$http" --kv-transfer-config "$config" $EXTRA_ARGS >"$LOGS/$name.log" 2>&1 &
   pids+=($!)
   echo "$name: http://$HOST:$http (KV port $kv), log $LOGS/$name.log"

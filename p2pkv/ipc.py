@@ -59,13 +59,17 @@ class _CudaRemote:
 
     def __init__(self, kv: DeviceKv, export: DeviceExport) -> None:
         self._kv = kv
-        local = kv.storages[0].device
+        # The producer's device index means nothing here (each process numbers the GPUs it sees): find its GPU
+        # by UUID among ours. It must be visible: CUDA_VISIBLE_DEVICES="own GPU first, then the others".
+        visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+        index = visible.get(export.device)
+        if index is None:
+            raise P2pkvError(f"the peer's GPU {export.device} is not visible to this process (CUDA_VISIBLE_DEVICES)")
         self._storages: list[torch.Tensor] = []
         try:
             for handle in export.handles:
-                # The producer's device index means nothing here: the allocation is mapped on this worker's GPU.
-                storage = torch.UntypedStorage._new_shared_cuda(local.index or 0, *handle[1:])
-                self._storages.append(torch.empty(0, dtype=torch.uint8, device=local).set_(storage))
+                storage = torch.UntypedStorage._new_shared_cuda(index, *handle[1:])
+                self._storages.append(torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(storage))
         except (RuntimeError, TypeError) as exc:
             raise P2pkvError(f"CUDA IPC open failed: {exc}") from None
 
