@@ -55,6 +55,32 @@ def wait_marker(marker: Marker, deadline: float) -> bool:
     return True
 
 
+def _word_bytes(*views: torch.Tensor) -> int:
+    """The widest integer word (8, 4, 2 or 1 bytes) that every [rows, bytes] uint8 view can be read as: rows and
+    starts aligned to it, bytes contiguous."""
+    for size in (8, 4, 2):
+        if all(v.stride(-1) == 1 and v.shape[-1] % size == 0 and v.data_ptr() % size == 0
+               and all(s % size == 0 for s in v.stride()[:-1]) for v in views):
+            return size
+    return 1
+
+
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def gather_rows(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a [rows, bytes] uint8 view, as one contiguous [len(ids), bytes] uint8 tensor. The indexing
+    kernel moves 8-byte words where the layout allows: as bytes it runs at a fraction of a plain copy."""
+    word = _WORDS[_word_bytes(blocks)]
+    return blocks.view(word).index_select(0, ids).view(torch.uint8)
+
+
+def scatter_rows(blocks: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write contiguous `rows` ([len(ids), bytes] uint8) into rows `ids` of a [rows, bytes] uint8 view."""
+    word = _WORDS[_word_bytes(blocks, rows)]
+    blocks.view(word).index_copy_(0, ids, rows.view(word))
+
+
 class _Copier(Protocol):
     def after_compute(self) -> contextlib.AbstractContextManager[None]:
         """Copies issued inside run after the work queued so far on the compute stream."""
@@ -163,7 +189,7 @@ class DeviceKv:
         """A host buffer for `num_blocks` blocks of every layer."""
         return HostBuffer(max(1, self.num_layers * num_blocks * self.block_bytes), self.pool, self.on_gpu)
 
-    def _blocks_2d(self, layer: int) -> torch.Tensor:
+    def blocks_2d(self, layer: int) -> torch.Tensor:
         """A dense layer as [blocks, block_bytes] rows (rows may be strided)."""
         g, storage, bb = self.geometry[layer], self.storages[layer], self.digest.block_bytes
         rows = (storage.numel() - g.base - bb) // g.block_stride + 1
@@ -182,9 +208,9 @@ class DeviceKv:
                 ids = torch.tensor(block_ids, dtype=torch.int64).to(cache.device, non_blocking=True)
                 rows = host[: len(block_ids) * self.block_bytes].view(len(block_ids), -1)
                 if to_host:  # the gathered rows are made on the copy stream: freed only after the copy
-                    rows.copy_(self._blocks_2d(layer).index_select(0, ids), non_blocking=True)
+                    rows.copy_(gather_rows(self.blocks_2d(layer), ids), non_blocking=True)
                 else:
-                    self._blocks_2d(layer).index_copy_(0, ids, rows.to(cache.device, non_blocking=True))
+                    scatter_rows(self.blocks_2d(layer), ids, rows.to(cache.device, non_blocking=True))
                 at = rows.numel()
             else:
                 for start, n in ranges:

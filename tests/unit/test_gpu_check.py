@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2pkv.bench import gpu_check, staged
+from p2pkv.bench import gpu_check, gpu_rows, staged
 from p2pkv.memory import HostPool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def test_without_a_gpu_the_script_skips_every_row_and_succeeds() -> None:
 @pytest.mark.gpu
 @needs_gpu
 def test_tcp_with_gpu_tensors_through_the_pinned_pool() -> None:
-    assert "byte for byte" in gpu_check._tcp_staged()
+    assert "byte for byte" in gpu_rows.tcp_staged()
 
 
 def test_the_staged_tcp_row_runs_on_host_tensors() -> None:
@@ -58,10 +58,16 @@ def test_the_staged_tcp_row_runs_on_host_tensors() -> None:
 @pytest.mark.gpu
 @needs_gpu
 def test_cuda_ipc_between_two_processes_on_one_gpu() -> None:
-    assert "byte for byte" in gpu_check._cuda_ipc()
+    assert "byte for byte" in gpu_rows.cuda_ipc()
 
 
 @pytest.mark.gpu
 @needs_gpu
 def test_nccl_pipe_sends_blocks_to_itself() -> None:
-    assert "byte for byte" in gpu_check._nccl_self()
+    assert "byte for byte" in gpu_rows.nccl_self()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_scatter_into_a_paged_cache_at_half_a_device_copy() -> None:
+    assert "a device copy at worst" in gpu_rows.scatter()

@@ -17,7 +17,7 @@ from p2pkv.engine.store import StageState
 from p2pkv.layout import KvBlocks
 from p2pkv.memory import HostPool
 from p2pkv.params import Address
-from p2pkv.staging import DeviceKv, HostBuffer, TransferBuffers
+from p2pkv.staging import DeviceKv, HostBuffer, TransferBuffers, _word_bytes, gather_rows, scatter_rows
 from tests.unit.test_gpu_layouts import PHYSICAL_ORDERS, views
 
 SIZES = {"L": 3, "B": 12, "H": 4, "N": 16, "C": 8}
@@ -194,3 +194,17 @@ def test_gathered_copies_match_copies_by_run(order: str) -> None:
         assert torch.equal(dst_a[layer], dst_b[layer])
         for s, d in zip(blocks, placed, strict=True):
             assert torch.equal(dst_b[layer][d], src_layers[layer][s])
+
+
+@pytest.mark.parametrize(("row_bytes", "stride", "word"), [(64, 128, 8), (12, 16, 4), (6, 10, 2), (5, 8, 1)])
+def test_rows_move_as_the_widest_word_the_layout_allows(row_bytes: int, stride: int, word: int) -> None:
+    flat = torch.randint(0, 256, (stride * 10,), dtype=torch.uint8)
+    blocks = flat.as_strided((10, row_bytes), (stride, 1))
+    assert _word_bytes(blocks) == word
+    ids = torch.tensor([7, 2, 9])
+    assert torch.equal(gather_rows(blocks, ids), blocks.index_select(0, ids))
+    rows = torch.randint(0, 256, (3, row_bytes), dtype=torch.uint8)
+    expected_flat = flat.clone()
+    expected_flat.as_strided((10, row_bytes), (stride, 1))[ids] = rows  # byte by byte, gaps between rows kept
+    scatter_rows(blocks, ids, rows)
+    assert torch.equal(flat, expected_flat)
