@@ -181,12 +181,27 @@ class Router:
                         answer.status_code)
         return None
 
+    async def _send_decode(self, state: InstanceState, url: str, body: dict[str, Any],
+                           headers: dict[str, str]) -> httpx.Response:
+        """The decode request, sent once more on a new connection when the first broke before any answer: a
+        pooled keep-alive connection the server closed as the request went out (the decode side still holds the
+        transfer, so the second try finds it)."""
+        try:
+            return await self.client.send(self.client.build_request("POST", url, json=body, headers=headers),
+                                          stream=True)
+        except httpx.TimeoutException:
+            raise
+        except httpx.TransportError as exc:
+            log.warning("decode instance %s: %r; sending once more on a new connection", state.instance.http, exc)
+            self.metrics.decode_resends.inc()
+        return await self.client.send(self.client.build_request("POST", url, json=body, headers=headers),
+                                      stream=True)
+
     async def _decode(self, state: InstanceState, url: str, body: dict[str, Any], headers: dict[str, str],
                       started: float) -> Response:
         state.in_flight += 1
         try:
-            upstream = await self.client.send(self.client.build_request("POST", url, json=body, headers=headers),
-                                              stream=True)
+            upstream = await self._send_decode(state, url, body, headers)
         except httpx.TimeoutException as exc:
             state.in_flight -= 1
             self.metrics.requests.labels("decode_error").inc()
@@ -195,6 +210,7 @@ class Router:
             state.in_flight -= 1
             state.failures += 1
             self.metrics.requests.labels("decode_error").inc()
+            log.warning("decode instance %s failed: %r", state.instance.http, exc)
             return _error(502, f"decode instance {state.instance.http} failed: {exc!r}")
         except asyncio.CancelledError:  # the client went away
             state.in_flight -= 1

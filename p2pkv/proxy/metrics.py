@@ -21,6 +21,9 @@ class ProxyMetrics:
                                       "From the client's request to the first decode bytes", registry=r)
         self.retries = Counter("p2pkv_proxy_prefill_retries", "Prefill attempts retried on another instance",
                                registry=r)
+        self.decode_resends = Counter("p2pkv_proxy_decode_resends",
+                                      "Decode requests sent again after their connection broke before any answer",
+                                      registry=r)
         self.fallbacks = Counter("p2pkv_proxy_decode_only_fallbacks",
                                  "Requests sent to a decode instance alone because no prefill succeeded", registry=r)
         self.heartbeats = Counter("p2pkv_proxy_heartbeats", "Discovery messages by outcome (accepted, refused)",

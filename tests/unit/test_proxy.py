@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -261,3 +262,78 @@ def wait_idle(proxy: str, timeout_s: float = 5.0) -> None:
     while any(i["in_flight"] for i in httpx.get(f"http://{proxy}/instances").json()["instances"]):
         assert time.monotonic() < deadline, "requests still counted in flight"
         time.sleep(0.05)
+
+
+class DropsFirstRequest:
+    """A decode backend on a raw socket: the first completion request's connection is closed right after the
+    request is read, without an answer (as a server closing an idle keep-alive connection while the request goes
+    out); other requests (the proxy's KV-address probe too) are answered."""
+
+    ANSWER = {"choices": [{"text": "abc"}]}
+    PROBE = {"choices": [{"text": ""}], "kv_transfer_params": {"p2pkv": 1, "kv_port": 23456, "kv_host": ""}}
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.server.settimeout(0.2)
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.requests = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _read_body(conn: socket.socket) -> bytes | None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return None
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length")), 0)
+        while len(body) < length:
+            body += conn.recv(65536)
+        return body
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(5)
+                body = self._read_body(conn)
+                if body is None:
+                    continue
+                sent = json.loads(body) if body else {}  # GET /v1/models has none
+                probe = bool((sent.get("kv_transfer_params") or {}).get("probe"))
+                if body and not probe:
+                    self.requests += 1
+                    if self.requests == 1:
+                        continue  # closed without an answer
+                reply = self.ANSWER if body and not probe else self.PROBE if probe else {"data": [{"id": "tiny"}]}
+                answer = json.dumps(reply).encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                             + f"Content-Length: {len(answer)}\r\n\r\n".encode() + answer)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.server.close()
+
+
+def test_a_decode_connection_broken_before_any_answer_is_sent_once_more(backends: Any) -> None:
+    p, _, _, _ = backends
+    decode = DropsFirstRequest()
+    try:
+        with serve(proxy_for(p, decode.address)) as proxy:
+            resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x"}, timeout=30)
+            metrics = httpx.get(f"http://{proxy}/metrics").text
+    finally:
+        decode.close()
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == "abc"
+    assert decode.requests == 2
+    assert "p2pkv_proxy_decode_resends_total 1.0" in metrics
