@@ -17,10 +17,11 @@ from collections.abc import Sequence
 
 import torch
 
+from p2pkv.device_copy import settle
 from p2pkv.engine.device import RemoteCache, Run
 from p2pkv.errors import P2pkvError, TransferTimeout
 from p2pkv.protocol import DeviceExport
-from p2pkv.staging import DeviceKv, wait_marker
+from p2pkv.staging import DeviceKv
 from p2pkv.transport import cma
 
 log = logging.getLogger(__name__)
@@ -81,12 +82,8 @@ class _CudaRemote:
             pairs = pair_ranges(ranges, self._kv.geometry[layer].ranges(block_ids))
             markers.append(self._kv.copy_pairs(layer, src, pairs))
             total += sum(n for _, _, n in pairs)
-        if not all(wait_marker(m, deadline) for m in markers):
-            # The load will be reported failed and vLLM may reuse these blocks: let the queued copies finish
-            # first (bounded), so that none writes into a block after that.
-            grace = time.monotonic() + self._kv.copy_timeout_s
-            if not all(wait_marker(m, grace) for m in markers):
-                log.error("copies from the peer's GPU are still running after the deadline and a grace period")
+        # On a miss the load is reported failed and vLLM may reuse these blocks: settle lets the copies finish first.
+        if not settle(markers, deadline, self._kv.copy_timeout_s):
             raise TransferTimeout("copying from the peer's GPU missed the deadline")
         return total
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from p2pkv.device_copy import Marker
 from p2pkv.errors import P2pkvError
-from p2pkv.staging import Marker
 
 UNIQUE_ID_BYTES = 128
 

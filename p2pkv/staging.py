@@ -16,16 +16,26 @@ With `P2PKV_STAGE_KV=1` a KV cache in host memory takes this path too, so its lo
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from collections.abc import Sequence
 
 import torch
 
+from p2pkv.device_copy import (
+    Copier,
+    CudaCopier,
+    HostCopier,
+    Marker,
+    Ready,
+    done,
+    gather_rows,
+    scatter_rows,
+    settle,
+    wait_marker,
+)
 from p2pkv.engine.device import RangeSource
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import ViewSource
@@ -33,102 +43,10 @@ from p2pkv.errors import P2pkvError
 from p2pkv.layout import LayerGeometry, describe
 from p2pkv.memory import HostPool
 from p2pkv.memory.pool import PoolBuffer
+from p2pkv.protocol import LayoutDigest
 
 log = logging.getLogger(__name__)
 STAGE_ENV = "P2PKV_STAGE_KV"
-Marker = Callable[[], bool]  # True once the copies queued before it have finished
-Ready = Callable[[float], bool]  # wait until an absolute monotonic deadline; False if it passed first
-
-
-def _done() -> bool:
-    return True
-
-
-def wait_marker(marker: Marker, deadline: float) -> bool:
-    delay = 20e-6
-    while not marker():
-        now = time.monotonic()
-        if now >= deadline:
-            return False
-        time.sleep(min(delay, deadline - now))
-        delay = min(delay * 2, 1e-3)
-    return True
-
-
-def _word_bytes(*views: torch.Tensor) -> int:
-    """The widest integer word (8, 4, 2 or 1 bytes) that every [rows, bytes] uint8 view can be read as: rows and
-    starts aligned to it, bytes contiguous."""
-    for size in (8, 4, 2):
-        if all(v.stride(-1) == 1 and v.shape[-1] % size == 0 and v.data_ptr() % size == 0
-               and all(s % size == 0 for s in v.stride()[:-1]) for v in views):
-            return size
-    return 1
-
-
-_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-def gather_rows(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of a [rows, bytes] uint8 view, as one contiguous [len(ids), bytes] uint8 tensor. The indexing
-    kernel moves 8-byte words where the layout allows: as bytes it runs at a fraction of a plain copy."""
-    word = _WORDS[_word_bytes(blocks)]
-    return blocks.view(word).index_select(0, ids).view(torch.uint8)
-
-
-def scatter_rows(blocks: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
-    """Write contiguous `rows` ([len(ids), bytes] uint8) into rows `ids` of a [rows, bytes] uint8 view."""
-    word = _WORDS[_word_bytes(blocks, rows)]
-    blocks.view(word).index_copy_(0, ids, rows.view(word))
-
-
-class _Copier(Protocol):
-    def after_compute(self) -> contextlib.AbstractContextManager[None]:
-        """Copies issued inside run after the work queued so far on the compute stream."""
-
-    def mark(self) -> Marker:
-        """A marker for the copies issued so far."""
-
-    def mark_compute(self) -> Marker:
-        """A marker for the work queued so far on the calling thread's current stream (the forward pass)."""
-
-
-class _HostCopier:
-    """Host tensors: `copy_` is synchronous, every copy is done when it returns."""
-
-    def after_compute(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def mark(self) -> Marker:
-        return _done
-
-    def mark_compute(self) -> Marker:
-        return _done
-
-
-class _CudaCopier:
-    """One copy stream per worker, ordered after the compute stream; markers are CUDA events (no host sync)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-        self._stream = torch.cuda.Stream(device=device)
-
-    @contextlib.contextmanager
-    def after_compute(self) -> Iterator[None]:
-        self._stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(self._stream):
-            yield
-
-    def mark(self) -> Marker:
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        query: Marker = event.query
-        return query
-
-    def mark_compute(self) -> Marker:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self._device))
-        query: Marker = event.query
-        return query
 
 
 class HostBuffer:
@@ -164,7 +82,7 @@ class DeviceKv:
         self.storages = [torch.empty(0, dtype=torch.uint8, device=device).set_(t.untyped_storage())
                           for t in tensors]
         self.on_gpu = device.type == "cuda"
-        self._copier: _Copier = _CudaCopier(device) if self.on_gpu else _HostCopier()
+        self._copier: Copier = CudaCopier(device) if self.on_gpu else HostCopier()
         self.copy_timeout_s = copy_timeout_s
         self.pool: HostPool | None = None
         self.metrics: EngineMetrics | None = None
@@ -244,7 +162,7 @@ class DeviceKv:
     def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:
         """Copy whole blocks from host bytes (payload order) into the given blocks; returns once they are there."""
         marker = self.copy_in(layer, block_ids, _host_tensor(src))
-        if not wait_marker(marker, time.monotonic() + self.copy_timeout_s):
+        if not settle([marker], time.monotonic() + self.copy_timeout_s, self.copy_timeout_s):
             raise P2pkvError(f"copying {len(block_ids)} blocks to the device took over {self.copy_timeout_s} s")
 
 
@@ -267,7 +185,7 @@ class _Staged:
         self.block_ids = tuple(block_ids)
         self.layer_bytes = len(block_ids) * kv.block_bytes
         self.markers: dict[int, Marker] = {}  # layer -> its copy to the host buffer
-        self.compute: Marker = _done  # the forward that wrote the blocks (GET: recorded when they are offered)
+        self.compute: Marker = done  # the forward that wrote the blocks (GET: recorded when they are offered)
         self._buffer: HostBuffer | None = None
 
     @property
@@ -294,6 +212,16 @@ class TransferBuffers:
 
     def __len__(self) -> int:
         return len(self._staged)
+
+    @property
+    def digest(self) -> LayoutDigest:
+        return self.kv.digest
+
+    def device_blocks(self, block_ids: Sequence[int]) -> tuple[int, ...] | None:
+        return tuple(block_ids)
+
+    def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:
+        self.kv.write_blocks(layer, block_ids, src)
 
     def _get(self, transfer_id: str, block_ids: Sequence[int]) -> _Staged:
         with self._lock:
@@ -372,8 +300,7 @@ class TransferBuffers:
         try:
             markers = [self.kv.copy_in(layer, staged.block_ids, staged.layer(layer))
                        for layer in range(self.kv.num_layers)]
-            deadline = time.monotonic() + self.kv.copy_timeout_s
-            if not all(wait_marker(m, deadline) for m in markers):
+            if not settle(markers, time.monotonic() + self.kv.copy_timeout_s, self.kv.copy_timeout_s):
                 raise P2pkvError(f"copying transfer {transfer_id} to the device took over {self.kv.copy_timeout_s} s")
         finally:
             self.release(transfer_id)

@@ -6,7 +6,6 @@ GPU yet (no task so far has had one).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,6 +59,7 @@ def _pinned_pool() -> str:
     """The host pool is pinned with CUDA, and copies between it and the device reach 80% of a plain pinned copy."""
     import torch
 
+    from p2pkv.bench.staged import mean_seconds
     from p2pkv.memory import HostPool
 
     size = 1 << 30
@@ -73,13 +73,7 @@ def _pinned_pool() -> str:
     device = torch.empty(size // 2, dtype=torch.uint8, device="cuda")
 
     def gbps(src: torch.Tensor, dst: torch.Tensor) -> float:
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        for _ in range(5):
-            dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        return float(5 * src.numel() / (time.perf_counter() - started) / 1e9)
+        return float(src.numel() / mean_seconds(lambda: dst.copy_(src, non_blocking=True), "cuda") / 1e9)
 
     h2d, base_h2d = gbps(host, device), gbps(baseline_host, device)
     d2h, base_d2h = gbps(device, host), gbps(device, baseline_host)

@@ -5,7 +5,6 @@ returns its detail line, prints its measurements, and raises when it fails."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 STAGING_SIZES = tuple(1 << p for p in range(20, 31, 2))  # 1 MiB to 1 GiB
 
@@ -55,9 +54,10 @@ def nccl_self() -> str:
     import torch
 
     from p2pkv.bench.staged import TOKENS, caches
+    from p2pkv.device_copy import wait_marker
     from p2pkv.ipc import pair_ranges
     from p2pkv.nccl import NcclPipe, unique_id
-    from p2pkv.staging import DeviceKv, wait_marker
+    from p2pkv.staging import DeviceKv
 
     device = torch.device("cuda", torch.cuda.current_device())
     pipe = NcclPipe(1, unique_id(), 0, device, channels=8)
@@ -102,25 +102,13 @@ def nccl_self() -> str:
             f"{low:.2f}x a device copy at worst (1 MiB-1 GiB, reported, no target)")
 
 
-def _timed_5(work: Callable[[], object]) -> float:
-    """Mean seconds of 5 runs after one warm-up, the device drained before and after."""
-    import torch
-
-    work()
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(5):
-        work()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - started) / 5
-
-
 def _scatter_once(size: int) -> tuple[float, float, float]:
     """Seconds to scatter `size` bytes of blocks (ours, torch's byte-wise index_copy_) and to copy them plainly."""
     import torch
 
-    from p2pkv.bench.staged import BLOCK_BYTES, TOKENS, caches
-    from p2pkv.staging import DeviceKv, scatter_rows
+    from p2pkv.bench.staged import BLOCK_BYTES, TOKENS, caches, mean_seconds
+    from p2pkv.device_copy import scatter_rows
+    from p2pkv.staging import DeviceKv
 
     n = size // BLOCK_BYTES
     (layer,) = caches("cuda", 1, 2 * n, False)
@@ -128,10 +116,11 @@ def _scatter_once(size: int) -> tuple[float, float, float]:
     ids = torch.randperm(2 * n, device="cuda")[:n]
     rows = torch.randint(0, 255, (n, BLOCK_BYTES), dtype=torch.uint8, device="cuda")
     flat = torch.empty(n * BLOCK_BYTES, dtype=torch.uint8, device="cuda")
-    ours = _timed_5(lambda: scatter_rows(blocks, ids, rows))
+    ours = mean_seconds(lambda: scatter_rows(blocks, ids, rows), "cuda")
     if not torch.equal(blocks[ids], rows):
         raise AssertionError(f"{size} bytes: scattered blocks differ")
-    return ours, _timed_5(lambda: blocks.index_copy_(0, ids, rows)), _timed_5(lambda: flat.copy_(rows.view(-1)))
+    bytewise = mean_seconds(lambda: blocks.index_copy_(0, ids, rows), "cuda")
+    return ours, bytewise, mean_seconds(lambda: flat.copy_(rows.view(-1)), "cuda")
 
 
 def scatter() -> str:

@@ -10,18 +10,20 @@ tensors. Written against a `device` so that the same code runs on CPU tensors in
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from p2pkv.config import ExtraConfig, Transport
+from p2pkv.device_copy import wait_marker
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import StageState
 from p2pkv.memory import HostPool
 from p2pkv.params import Address
-from p2pkv.staging import DeviceKv, TransferBuffers, wait_marker
+from p2pkv.staging import DeviceKv, TransferBuffers
 
 # vLLM's FlashAttention view per layer: [blocks, heads, tokens, K and V]; 16-token blocks, 8 heads, 128 dims, bf16.
 HEADS, TOKENS, KV_DIMS = 8, 16, 256
@@ -113,15 +115,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _rate(nbytes: int, repeats: int, run: object, device: str) -> float:
-    assert callable(run)
-    run()
+def mean_seconds(work: Callable[[], object], device: str, repeats: int = 5) -> float:
+    """Mean seconds of `repeats` runs after one warm-up, the device drained before and after."""
+    work()
     _sync(device)
     started = time.perf_counter()
     for _ in range(repeats):
-        run()
+        work()
     _sync(device)
-    return nbytes * repeats / (time.perf_counter() - started) / 1e9
+    return (time.perf_counter() - started) / repeats
+
+
+def _rate(nbytes: int, repeats: int, run: Callable[[], object], device: str) -> float:
+    return nbytes / mean_seconds(run, device, repeats) / 1e9
 
 
 def bandwidth(device: str, size: int, scattered: bool, pool: HostPool, repeats: int = 5) -> StagingRate:

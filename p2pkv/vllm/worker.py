@@ -9,15 +9,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from p2pkv.blocks import BlockAccess, InPlaceBlocks
 from p2pkv.config import ConnectorConfig
 from p2pkv.engine import EngineSettings, TransferEngine
-from p2pkv.engine.offers import OfferState, ViewSource
+from p2pkv.engine.offers import OfferState
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import NO_SPACE, StageState
 from p2pkv.errors import P2pkvError
 from p2pkv.ipc import CacheAccess
 from p2pkv.layout import KvBlocks
+from p2pkv.params import Address
 from p2pkv.staging import STAGE_ENV, DeviceKv, TransferBuffers
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
 
@@ -54,8 +56,7 @@ class WorkerSide:
         self._rank = rank
         self._block_size = block_size
         self._engine: TransferEngine | None = None
-        self._blocks: KvBlocks | DeviceKv | None = None
-        self._staging: TransferBuffers | None = None  # KV the engine cannot address in place (a GPU's)
+        self._blocks: BlockAccess | None = None
         self._layer_index: dict[str, int] = {}
         self._meta = P2pkvMetadata()
         self._pushed: dict[str, set[int]] = {}
@@ -75,19 +76,20 @@ class WorkerSide:
         tensors = [kv_caches[n] for n in names]
         extra = self._config.extra
         kernel = _kernel_tag(tensors[0])
-        access = None
+        device, access = None, None
         if tensors[0].device.type != "cpu" or os.environ.get(STAGE_ENV) == "1":
+            # KV the engine cannot address in place (a GPU's): through host buffers, and pulls by reference.
             device = DeviceKv(tensors, self._block_size, kernel, extra.transfer_timeout_s)
-            self._blocks, self._staging, access = device, TransferBuffers(device), CacheAccess(device)
+            self._blocks, access = TransferBuffers(device), CacheAccess(device)
         else:
-            self._blocks = KvBlocks.from_tensors(tensors, self._block_size, kernel)
+            self._blocks = InPlaceBlocks(KvBlocks.from_tensors(tensors, self._block_size, kernel))
         self._layer_index = {n: i for i, n in enumerate(names)}
         metrics_port = extra.metrics_port + self._rank if extra.metrics_port else 0
         settings = EngineSettings.from_config(extra, self._config.worker_port(self._rank), metrics_port)
         self._engine = TransferEngine(settings, self._blocks.digest, self._rank, access)
-        if isinstance(self._blocks, DeviceKv):
-            self._blocks.pool, self._blocks.metrics = self._engine.pool, self._engine.metrics
-            if self._engine.pool is not None and self._blocks.on_gpu:
+        if device is not None:
+            device.pool, device.metrics = self._engine.pool, self._engine.metrics
+            if self._engine.pool is not None and device.on_gpu:
                 self._engine.pool.prepare()  # pinning takes about 0.5 s per GiB: at start-up, not in a transfer
         self._engine.start()
 
@@ -98,8 +100,7 @@ class WorkerSide:
         for spec in meta.loads:
             self._loads[spec.req_id] = _Load(spec, deadline)
             if spec.pull_from is not None and spec.block_ids:
-                self.engine.pull(spec.transfer_id, spec.pull_from.offset(self._rank), spec.first_block,
-                                 len(spec.block_ids), self._sink(spec), deadline, self._device_blocks(spec))
+                self._pull(spec, spec.pull_from, deadline)
 
     def save_layer(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
@@ -108,39 +109,23 @@ class WorkerSide:
         for spec in self._meta.saves:
             self._push(spec, layer)
 
-    def _sink(self, spec: LoadSpec) -> ViewSource:
-        """Where a pull writes: the blocks themselves, or the transfer's host buffer for device KV."""
-        if self._staging is not None:
-            return self._staging.sink(spec.transfer_id, spec.block_ids)
-        return self._views_of(spec.block_ids)
+    @property
+    def blocks(self) -> BlockAccess:
+        assert self._blocks is not None, "register_kv_caches has not run"
+        return self._blocks
 
-    def _device_blocks(self, spec: LoadSpec) -> tuple[int, ...] | None:
-        """Device KV: the blocks a pull may copy into straight from the peer's cache (cuda_ipc)."""
-        return tuple(spec.block_ids) if self._staging is not None else None
+    def _pull(self, spec: LoadSpec, peer: Address, deadline: float) -> None:
+        self.engine.pull(spec.transfer_id, peer.offset(self._rank), spec.first_block, len(spec.block_ids),
+                         self.blocks.sink(spec.transfer_id, spec.block_ids), deadline,
+                         self.blocks.device_blocks(spec.block_ids))
 
     def _offer(self, spec: SaveSpec) -> None:
-        """GET: hold the blocks for the decode side; device KV also says where they lie, for cuda_ipc pulls."""
-        ranges = self._staging.ranges(spec.transfer_id, spec.block_ids) if self._staging is not None else None
-        self.engine.offer(spec.transfer_id, len(spec.block_ids), self._source(spec), self._config.extra.lease_s,
-                          ranges)
-
-    def _source(self, spec: SaveSpec) -> ViewSource:
-        """What a pull reads: the blocks themselves, or device KV copied to the transfer's host buffer."""
-        if self._staging is not None:
-            return self._staging.source(spec.transfer_id, spec.block_ids)
-        return self._views_of(spec.block_ids)
-
-    def _views_of(self, block_ids: tuple[int, ...]) -> ViewSource:
-        blocks = self._blocks
-        assert isinstance(blocks, KvBlocks)
-
-        def views(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
-            return blocks.block_views(layer, block_ids[first : first + count])
-
-        return views
+        """GET: hold the blocks for the decode side (and say where they lie, for cuda_ipc pulls)."""
+        tid, ids = spec.transfer_id, spec.block_ids
+        self.engine.offer(tid, len(ids), self.blocks.source(tid, ids), self._config.extra.lease_s,
+                          self.blocks.ranges(tid, ids))
 
     def _push(self, spec: SaveSpec, layer: int) -> None:
-        assert self._blocks is not None
         if spec.peer is None:
             return
         pushed = self._pushed[spec.transfer_id]
@@ -150,17 +135,11 @@ class WorkerSide:
         self._sending[spec.req_id] = spec.transfer_id
         self._specs[spec.req_id] = spec
         deadline = time.monotonic() + self._config.extra.transfer_timeout_s
-        ready = None
-        if self._staging is not None:
-            try:
-                views, ready = self._staging.push_views(spec.transfer_id, layer, spec.block_ids)
-            except Exception as exc:  # no host memory, a device error: this transfer fails, not the forward pass
-                log.error("transfer %s: layer %d could not be copied from the device: %r", spec.transfer_id, layer,
-                          exc)
-                views, ready = (), _raiser(exc)
-        else:
-            assert isinstance(self._blocks, KvBlocks)
-            views = self._blocks.block_views(layer, spec.block_ids)
+        try:
+            views, ready = self.blocks.push_views(spec.transfer_id, layer, spec.block_ids)
+        except Exception as exc:  # no host memory, a device error: this transfer fails, not the forward pass
+            log.error("transfer %s: layer %d could not be copied from the device: %r", spec.transfer_id, layer, exc)
+            views, ready = (), _raiser(exc)
         self.engine.push_layer(spec.transfer_id, spec.peer.offset(self._rank), layer, len(spec.block_ids), views,
                                deadline, ready)
 
@@ -209,8 +188,7 @@ class WorkerSide:
             self._specs.pop(req_id, None)
             self.engine.forget_outgoing(tid)
             self.engine.offers.forget(tid)
-            if self._staging is not None:
-                self._staging.release(tid)
+            self.blocks.release(tid)
         return done
 
     def _finished_loading(self) -> set[str]:
@@ -228,17 +206,10 @@ class WorkerSide:
                 try:
                     self._land(load.spec)
                 except P2pkvError as exc:  # device KV: the copy into the blocks did not finish in time
-                    log.warning("transfer %s: %s; reporting %d blocks", load.spec.transfer_id, exc,
-                                len(load.spec.block_ids))
-                    self._load_errors.update(load.spec.block_ids)
-                    self.engine.metrics.transfers.labels("load", "failed").inc()
+                    self._fail_load(load.spec, str(exc))
                 done.add(req_id)
             elif state is StageState.FAILED or now > load.deadline:
-                reason = "transfer failed" if state is StageState.FAILED else "deadline passed"
-                log.warning("transfer %s: load failed (%s); reporting %d blocks", load.spec.transfer_id, reason,
-                            len(load.spec.block_ids))
-                self._load_errors.update(load.spec.block_ids)
-                self.engine.metrics.transfers.labels("load", "failed").inc()
+                self._fail_load(load.spec, "transfer failed" if state is StageState.FAILED else "deadline passed")
                 item = self.engine.take_staged(load.spec.transfer_id)
                 if item is not None:
                     self.engine.release_staged(item)
@@ -257,8 +228,7 @@ class WorkerSide:
             self.engine.release_staged(item)
         log.info("transfer %s: no staging space here; pulling from %s", spec.transfer_id, spec.fallback_from)
         load.spec = replace(spec, pull_from=spec.fallback_from)
-        self.engine.pull(spec.transfer_id, spec.fallback_from.offset(self._rank), spec.first_block,
-                         len(spec.block_ids), self._sink(spec), load.deadline, self._device_blocks(spec))
+        self._pull(spec, spec.fallback_from, load.deadline)
         return True
 
     def _pull_finished(self, load: _Load) -> bool:
@@ -268,16 +238,14 @@ class WorkerSide:
         result = self.engine.pull_result(spec.transfer_id)
         if result is not None and result.state is PullState.DONE:
             self.engine.forget_pull(spec.transfer_id)
-            if self._staging is not None and result.by_reference:
-                self._staging.release(spec.transfer_id)  # copied device to device: the host buffer was not used
-            elif self._staging is not None:
-                try:
-                    self._staging.land(spec.transfer_id)
-                except P2pkvError as exc:
-                    log.warning("transfer %s: %s; reporting %d blocks", spec.transfer_id, exc, len(spec.block_ids))
-                    self._load_errors.update(spec.block_ids)
-                    self.engine.metrics.transfers.labels("load", "failed").inc()
-                    return True
+            try:
+                if not result.by_reference:  # copied device to device otherwise: nothing to land
+                    self.blocks.land(spec.transfer_id)
+            except P2pkvError as exc:
+                self._fail_load(spec, str(exc))
+                return True
+            finally:
+                self.blocks.release(spec.transfer_id)
             self.engine.metrics.bytes_loaded.inc(result.nbytes)
             self.engine.metrics.add("bytes_loaded", result.nbytes)
             self.engine.metrics.transfers.labels("load", "ok").inc()
@@ -285,18 +253,13 @@ class WorkerSide:
         # Only a finished pull is reported: vLLM may free and reuse the blocks of a failed load, so the puller
         # (which honours the same deadline) must be done writing into them first.
         if result is None or result.state is PullState.FAILED:
-            log.warning("transfer %s: pull failed (%s); reporting %d blocks", spec.transfer_id,
-                        result.reason if result is not None else "deadline passed", len(spec.block_ids))
-            self._load_errors.update(spec.block_ids)
-            self.engine.metrics.transfers.labels("load", "failed").inc()
+            self._fail_load(spec, "pull failed: " + (result.reason if result is not None else "deadline passed"))
             self.engine.forget_pull(spec.transfer_id)
-            if self._staging is not None:
-                self._staging.release(spec.transfer_id)
+            self.blocks.release(spec.transfer_id)
             return True
         return False
 
     def _land(self, spec: LoadSpec) -> None:
-        assert self._blocks is not None
         item = self.engine.take_staged(spec.transfer_id)
         assert item is not None
         try:
@@ -308,7 +271,7 @@ class WorkerSide:
                 src = item.layer_view(layer)[start : start + n * item.block_bytes]
                 if spec.corrupt and self._config.extra.test_fault_injection:
                     src = memoryview(bytes(b ^ 0x5A for b in src[:4096]) + bytes(src[4096:]))
-                self._blocks.write_blocks(layer, spec.block_ids, src)
+                self.blocks.write_blocks(layer, spec.block_ids, src)
             nbytes = n * item.block_bytes * item.num_layers
             self.engine.metrics.bytes_loaded.inc(nbytes)
             self.engine.metrics.add("bytes_loaded", nbytes)
@@ -317,6 +280,13 @@ class WorkerSide:
                      item.source.split("#")[0], n, nbytes, (time.monotonic() - item.created) * 1000, item.transport)
         finally:
             self.engine.release_staged(item)
+
+    def _fail_load(self, spec: LoadSpec, reason: str) -> None:
+        """Report the load's blocks to vLLM as load errors (it recomputes or fails the request)."""
+        log.warning("transfer %s: load failed (%s); reporting %d blocks", spec.transfer_id, reason,
+                    len(spec.block_ids))
+        self._load_errors.update(spec.block_ids)
+        self.engine.metrics.transfers.labels("load", "failed").inc()
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

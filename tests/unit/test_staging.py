@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from p2pkv.config import ExtraConfig, Transport
+from p2pkv.device_copy import _word_bytes, gather_rows, scatter_rows
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
@@ -17,7 +18,7 @@ from p2pkv.engine.store import StageState
 from p2pkv.layout import KvBlocks
 from p2pkv.memory import HostPool
 from p2pkv.params import Address
-from p2pkv.staging import DeviceKv, HostBuffer, TransferBuffers, _word_bytes, gather_rows, scatter_rows
+from p2pkv.staging import DeviceKv, HostBuffer, TransferBuffers
 from tests.unit.test_gpu_layouts import PHYSICAL_ORDERS, views
 
 SIZES = {"L": 3, "B": 12, "H": 4, "N": 16, "C": 8}
