@@ -36,10 +36,11 @@ class LoadFailurePolicy(enum.Enum):
 
 
 class Transport(enum.Enum):
-    AUTO = "auto"  # shm with peers on this host (cuda_ipc for pulls of GPU KV), tcp with the others
+    AUTO = "auto"  # shm with peers on this host (cuda_ipc for pulls of GPU KV), tcp (nccl for such pulls) elsewhere
     TCP = "tcp"
     SHM = "shm"  # same-host peers; falls back to tcp, with a warning, where it cannot be set up
     CUDA_IPC = "cuda_ipc"  # GPU KV, same-host peers: pulls copy device to device; else as auto, with a warning
+    NCCL = "nccl"  # GPU KV: pulls go through an NCCL communicator per peer pair; else as auto, with a warning
 
 
 @dataclass(frozen=True)

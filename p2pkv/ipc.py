@@ -18,35 +18,13 @@ from collections.abc import Sequence
 import torch
 
 from p2pkv.device_copy import settle
-from p2pkv.engine.device import RemoteCache, Run
+from p2pkv.engine.device import RemoteCache, Run, pair_ranges
 from p2pkv.errors import P2pkvError, TransferTimeout
 from p2pkv.protocol import DeviceExport
 from p2pkv.staging import DeviceKv
 from p2pkv.transport import cma
 
 log = logging.getLogger(__name__)
-
-
-def pair_ranges(remote: Sequence[Run], local: Sequence[Run]) -> list[tuple[int, int, int]]:
-    """Two lists of ranges holding the same bytes in the same order, as (remote offset, local offset, length)
-    pieces, cut where either side's range ends."""
-    out: list[tuple[int, int, int]] = []
-    r = [list(x) for x in remote if x[1]]
-    lo = [list(x) for x in local if x[1]]
-    i = j = 0
-    while i < len(r) and j < len(lo):
-        n = min(r[i][1], lo[j][1])
-        out.append((r[i][0], lo[j][0], n))
-        for ranges, k in ((r, i), (lo, j)):
-            ranges[k][0] += n
-            ranges[k][1] -= n
-        if not r[i][1]:
-            i += 1
-        if not lo[j][1]:
-            j += 1
-    if i < len(r) or j < len(lo):
-        raise P2pkvError("the remote ranges and the local blocks hold different numbers of bytes")
-    return out
 
 
 def _check_bounds(ranges: Sequence[Run], size: int) -> None:

@@ -2,14 +2,17 @@
 
 Bound through `cupy.cuda.nccl`: a maintained binding of the NCCL library, used by the old connector's users' stacks
 already (vLLM's own pynccl wraps the same library with ctypes); PyTorch's `torch.cuda.nccl` has no point-to-point
-calls. Not wired into the engine yet: the engine's pulls across hosts still carry bytes over tcp (see the design
-doc); `scripts/gpu_check.sh` checks this pipe with a one-rank send to itself (NCCL refuses two ranks on one GPU).
+calls. The engine uses it through `p2pkv.pipes.NcclPipes` (GET pulls between GPU workers that cannot open each
+other's memory); `scripts/gpu_check.sh` checks it with a one-rank send to itself (NCCL refuses two ranks on one
+GPU), and the tests run the same engine protocol over gloo.
 
 - the unique id travels as 128 bytes (`unique_id`, `from_bytes`), over the control plane;
 - `exchange` issues every send and receive of a request in one `groupStart`/`groupEnd`, on the pipe's stream after
   the work queued on the compute stream, and returns a marker (a CUDA event): no host-side stream synchronize;
 - `nccl_num_channels` goes to NCCL as NCCL_MIN_NCHANNELS/NCCL_MAX_NCHANNELS before the communicator is made;
-- `close` destroys the communicator (when the peer leaves or restarts).
+- `close` destroys the communicator (when the peer leaves or restarts), or aborts it after a failed transfer.
+- `ncclCommInitRank` blocks until the peer joins: the engine runs it on a thread of its own, to a deadline
+  (`p2pkv.engine.pipes.PipeSlot`), and frees a communicator made after it.
 """
 
 from __future__ import annotations
@@ -86,7 +89,11 @@ class NcclPipe:
         query: Marker = event.query
         return query
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """`abort` where operations may still be pending (a transfer failed part-way): destroy would wait for them."""
         if not self._closed:
             self._closed = True
-            self._comm.destroy()
+            if abort:
+                self._comm.abort()
+            else:
+                self._comm.destroy()

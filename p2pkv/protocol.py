@@ -71,13 +71,15 @@ class DeviceExport(msgspec.Struct, frozen=True):
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
     """First frame on a new connection: who is speaking, what its KV looks like, whether it may be read
-    directly (shm transport), and which device exports it can open (`device_kind`, cuda_ipc)."""
+    directly (shm transport), which device exports it can open (`device_kind`, cuda_ipc), and which kind of pipe
+it can make (`pipe_kind`, nccl)."""
 
     engine_id: str
     rank: int
     layout: LayoutDigest
     cma: CmaOffer | None = None
     device_kind: str = ""
+    pipe_kind: str = ""
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):
@@ -89,6 +91,14 @@ class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):
     cma: CmaOffer | None = None
     reads_you: bool = False
     device: DeviceExport | None = None  # the listener's KV cache, when the client can open that kind
+    pipe_kind: str = ""  # the client's pipe kind, when the listener can join that kind too
+
+
+class PipeOpen(msgspec.Struct, tag="pipe_open", frozen=True):
+    """Sent by the client once per connection, after the handshake: join the pipe it is making (`token`: the
+    kind's rendezvous, e.g. NCCL's unique id). Pulls go by pipe once both sides have it."""
+
+    token: bytes
 
 
 class CmaStatus(msgspec.Struct, tag="cma_status", frozen=True):
@@ -137,22 +147,27 @@ class PushAbort(msgspec.Struct, tag="abort", frozen=True):
 
 class PullRequest(msgspec.Struct, tag="pull", frozen=True):
     """GET mode: the decode side asks for blocks `first_block .. first_block+num_blocks` of an offered transfer;
-    `by_reference`: it would rather copy them itself from the exported cache (cuda_ipc)."""
+    `by_reference`: it would rather copy them itself from the exported cache (cuda_ipc); `pipe_runs`: it would
+    rather receive them through the connection's pipe, into these (offset, length) runs of its storages, per
+    layer (nccl)."""
 
     transfer_id: str
     first_block: int
     num_blocks: int
     by_reference: bool = False
+    pipe_runs: list[list[tuple[int, int]]] = msgspec.field(default_factory=list)
 
 
 class PullReply(msgspec.Struct, tag="pull_reply", frozen=True):
     """Answer to a pull; when accepted, PushBlocks frames with the bytes follow on the same connection, or, with
-    `by_reference`, one BlockRanges frame, answered by PayloadCopied once the puller has copied them."""
+    `by_reference` or `by_pipe`, one BlockRanges frame, answered by PayloadCopied once the puller has copied or
+    received them (by pipe, both sides then post the same pieces: `pair_ranges` of the two sides' runs)."""
 
     transfer_id: str
     accepted: bool
     reason: str = ""
     by_reference: bool = False
+    by_pipe: bool = False
 
 
 class BlockRanges(msgspec.Struct, tag="ranges", frozen=True):
@@ -175,7 +190,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
 
 
 Message = (Hello | HelloReply | BlockRanges | PushBlocks | PushAck | PushAbort | PullRequest | PullReply | Heartbeat
-           | CmaStatus | PayloadCopied)
+           | CmaStatus | PayloadCopied | PipeOpen)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

@@ -55,7 +55,7 @@ def nccl_self() -> str:
 
     from p2pkv.bench.staged import TOKENS, caches
     from p2pkv.device_copy import wait_marker
-    from p2pkv.ipc import pair_ranges
+    from p2pkv.engine.device import pair_ranges
     from p2pkv.nccl import NcclPipe, unique_id
     from p2pkv.staging import DeviceKv
 

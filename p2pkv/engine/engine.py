@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from p2pkv.config import ExtraConfig, Transport
-from p2pkv.engine.device import DeviceAccess, RangeSource
+from p2pkv.engine.device import DeviceAccess, PipeMaker, RangeSource
 from p2pkv.engine.handshake import local_offer
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import OfferState, OfferTable, ViewSource
@@ -63,10 +63,12 @@ class TransferEngine:
     """`start()` binds and starts threads; `close()` stops them in reverse order and is idempotent."""
 
     def __init__(self, settings: EngineSettings, layout: LayoutDigest, rank: int = 0,
-                 device: DeviceAccess | None = None) -> None:
-        """`device`: this worker's KV cache as peers on this host may open it (cuda_ipc), when it is on a GPU."""
+                 device: DeviceAccess | None = None, pipes: PipeMaker | None = None) -> None:
+        """`device`: this worker's KV cache as peers on this host may open it (cuda_ipc), when it is on a GPU;
+        `pipes`: what makes a communicator with a peer (nccl), when this worker can."""
         self.settings = settings
         self.device = device
+        self.pipes = pipes
         self.layout = layout
         self.rank = rank
         self.engine_id = uuid.uuid4().hex[:12]
@@ -105,15 +107,19 @@ class TransferEngine:
             except Exception as exc:  # e.g. memory CUDA IPC cannot share: pulls carry bytes instead
                 log.warning("the KV cache cannot be exported for cuda_ipc (%r); pulls will carry bytes", exc)
                 device = None
+        pipes = self.pipes if s.transport in (Transport.AUTO, Transport.NCCL) else None
+        if s.transport is Transport.NCCL and pipes is None:
+            log.warning("transport nccl: this worker cannot make NCCL pipes (no GPU KV, or no CuPy); using shm or tcp")
         self._receiver = Receiver(listener, self.store, self.offers, self.layout, self.metrics, s.transfer_timeout_s,
-                                  offer, export)
+                                  offer, export, pipes, s.connect_timeout_s)
         self._receiver.start()
         hello = Hello(engine_id=self.engine_id, rank=self.rank, layout=self.layout, cma=offer,
-                      device_kind=device.kind if device is not None else "")
+                      device_kind=device.kind if device is not None else "",
+                      pipe_kind=pipes.kind if pipes is not None else "")
         require_shm = s.transport is Transport.SHM
         self._sender = Sender(self._connect, hello, self.metrics, require_shm)
         self._sender.start()
-        self._puller = Puller(self._connect, hello, self.metrics, require_shm, device)
+        self._puller = Puller(self._connect, hello, self.metrics, require_shm, device, pipes, s.connect_timeout_s)
         self._puller.start()
         if s.metrics_port:
             from prometheus_client import start_http_server

@@ -9,14 +9,15 @@ import threading
 import time
 from dataclasses import dataclass
 
-from p2pkv.engine.device import DeviceAccess, RemoteCache
+from p2pkv.engine.device import DeviceAccess, Pipe, PipeMaker, RemoteCache, Run, pair_ranges
 from p2pkv.engine.links import Connect, Links
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import UNKNOWN_TRANSFER, ViewSource
+from p2pkv.engine.pipes import PipeSlot
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
 from p2pkv.params import Address
-from p2pkv.protocol import BlockRanges, Hello, Message, PayloadCopied, PullReply, PullRequest, PushBlocks
+from p2pkv.protocol import BlockRanges, Hello, Message, PayloadCopied, PipeOpen, PullReply, PullRequest, PushBlocks
 from p2pkv.transport.base import Connection
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ class PullState(enum.Enum):
 @dataclass(frozen=True)
 class PullJob:
     """Fetch blocks `first_block ..` of a transfer into `sink(layer, 0, num_blocks)`, the local blocks; or, where
-    the peer's cache can be opened here (cuda_ipc), copy them straight into local blocks `device_blocks`."""
+    the peer's cache can be opened here (cuda_ipc) or the link has a pipe (nccl), move them straight into local
+    blocks `device_blocks`."""
 
     transfer_id: str
     peer: Address
@@ -54,15 +56,19 @@ class PullResult:
     reason: str = ""
     nbytes: int = 0
     transport: str = "tcp"
-    by_reference: bool = False  # copied from the peer's cache into the device blocks; the sink was not written
+    by_reference: bool = False  # copied or received into the device blocks (cuda_ipc, nccl); the sink was not written
 
 
 class Puller:
     def __init__(self, connect: Connect, hello: Hello, metrics: EngineMetrics, require_shm: bool = False,
-                 device: DeviceAccess | None = None) -> None:
+                 device: DeviceAccess | None = None, pipes: PipeMaker | None = None,
+                 pipe_setup_s: float = 5.0) -> None:
         self._links = Links(connect, hello, require_shm)
         self._device = device
         self._remotes: dict[Address, tuple[Connection, RemoteCache | None]] = {}  # puller thread only
+        self._maker = pipes
+        self._pipe_setup_s = pipe_setup_s
+        self._pipes: dict[Address, tuple[Connection, PipeSlot]] = {}  # puller thread only
         self._layout = hello.layout
         self._metrics = metrics
         self._queue: queue.Queue[PullJob] = queue.Queue()
@@ -150,22 +156,53 @@ class Puller:
         self._remotes[peer] = (conn, remote)
         return remote
 
+    def _pipe(self, peer: Address, conn: Connection, deadline: float) -> Pipe | None:
+        """The link's pipe once it is made; the first pull on a link starts making it (off the request path: that
+        pull and those until it is ready carry bytes)."""
+        known = self._pipes.get(peer)
+        if known is not None and known[0] is conn:
+            return known[1].ready()
+        if known is not None:
+            known[1].close()  # the peer restarted or the link broke: its communicator goes with it
+            del self._pipes[peer]
+        if self._maker is None or not conn.peer_pipe:
+            return None
+        token, setup = self._maker.create()
+        try:
+            conn.send_frame(PipeOpen(token), (), deadline)
+        except TransferError as exc:  # the link is gone: this pull reconnects and carries bytes
+            log.info("could not ask %s to join a pipe: %s", peer, exc)
+            self._links.drop(peer)
+            return None
+        self._pipes[peer] = (conn, PipeSlot(str(peer), self._maker.kind, setup, self._pipe_setup_s))
+        return None
+
+    def _drop(self, peer: Address) -> None:
+        """After a failure part-way through a pull: the link's state, and its pipe's, are unknown."""
+        self._links.drop(peer)
+        known = self._pipes.pop(peer, None)
+        if known is not None:
+            known[1].close()
+
     def _pull(self, job: PullJob) -> tuple[int, str, bool]:
         """Bytes pulled, the transport used and whether by reference. The link to each peer is kept for the next
         pull; after a failure part-way through a pull its state is unknown, so it is closed."""
         if time.monotonic() >= job.deadline:
             raise TransferError("deadline passed before the pull started")
-        by_reference = False
-        if job.device_blocks is not None and self._device is not None:
-            by_reference = self._remote(job.peer, self._links.open(job.peer, job.deadline)) is not None
-        request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, by_reference)
+        by_reference, pipe_runs = False, []
+        if job.device_blocks is not None and (self._device is not None or self._maker is not None):
+            conn = self._links.open(job.peer, job.deadline)
+            by_reference = self._device is not None and self._remote(job.peer, conn) is not None
+            if not by_reference and self._maker is not None and self._pipe(job.peer, conn, job.deadline):
+                pipe_runs = self._local_runs(job.device_blocks)
+        request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, by_reference, pipe_runs)
         conn = self._links.send(job.peer, [(request, ())], job.deadline)
         try:
             reply = self._next(conn, job.deadline)
             if not isinstance(reply[0], PullReply) or reply[0].transfer_id != job.transfer_id or reply[1]:
                 raise ProtocolError(f"expected a pull reply, got {type(reply[0]).__name__}")
         except P2pkvError:
-            self._links.drop(job.peer)
+            self._drop(job.peer)
             raise
         if not reply[0].accepted and reply[0].reason == UNKNOWN_TRANSFER:
             raise NotOfferedYet(job.transfer_id)
@@ -173,6 +210,8 @@ class Puller:
             raise TransferError(f"{job.peer} refused the pull: {reply[0].reason}")
         if reply[0].by_reference:
             return self._copy_by_reference(conn, job, by_reference)
+        if reply[0].by_pipe:
+            return self._receive_by_pipe(conn, job, pipe_runs)
         try:
             nbytes, layer, num_layers = 0, 0, self._layout.num_layers
             per_layer = job.num_blocks * self._layout.block_bytes
@@ -187,10 +226,25 @@ class Puller:
                 layer += message.layers
                 nbytes += payload_len
         except BaseException:
-            self._links.drop(job.peer)
+            self._drop(job.peer)
             raise
         self._count(conn.name, nbytes)
         return nbytes, conn.name, False
+
+    def _local_runs(self, block_ids: tuple[int, ...]) -> list[list[Run]]:
+        assert self._maker is not None
+        return [self._maker.runs(layer, block_ids) for layer in range(self._layout.num_layers)]
+
+    def _ranges(self, conn: Connection, job: PullJob) -> list[list[Run]]:
+        """The peer's BlockRanges frame: where the pulled blocks lie in its cache, checked against the pull."""
+        message, payload_len = self._next(conn, job.deadline)
+        per_layer = job.num_blocks * self._layout.block_bytes
+        if (not isinstance(message, BlockRanges) or message.transfer_id != job.transfer_id or payload_len
+                or len(message.layers) != self._layout.num_layers
+                or any(sum(n for _, n in layer) != per_layer for layer in message.layers)
+                or job.device_blocks is None or len(job.device_blocks) != job.num_blocks):
+            raise ProtocolError(f"unexpected frame for a pull by reference: {type(message).__name__}")
+        return message.layers
 
     def _copy_by_reference(self, conn: Connection, job: PullJob, asked: bool) -> tuple[int, str, bool]:
         """The peer said where the blocks lie in its cache: copy them into ours, then confirm."""
@@ -198,20 +252,33 @@ class Puller:
             remote = self._remote(job.peer, conn)  # the link the request went over (a reconnect opens anew)
             if not asked or remote is None or job.device_blocks is None:
                 raise ProtocolError("a pull answered by reference that was not asked for")
-            message, payload_len = self._next(conn, job.deadline)
-            per_layer = job.num_blocks * self._layout.block_bytes
-            if (not isinstance(message, BlockRanges) or message.transfer_id != job.transfer_id or payload_len
-                    or len(message.layers) != self._layout.num_layers
-                    or any(sum(n for _, n in layer) != per_layer for layer in message.layers)
-                    or len(job.device_blocks) != job.num_blocks):
-                raise ProtocolError(f"unexpected frame for a pull by reference: {type(message).__name__}")
-            nbytes = remote.copy_into(message.layers, job.device_blocks, job.deadline)
+            nbytes = remote.copy_into(self._ranges(conn, job), job.device_blocks, job.deadline)
             conn.send_frame(PayloadCopied(job.transfer_id, 0, self._layout.num_layers), (), job.deadline)
         except BaseException:
-            self._links.drop(job.peer)
+            self._drop(job.peer)
             raise
         self._count(remote.transport, nbytes)
         return nbytes, remote.transport, True
+
+    def _receive_by_pipe(self, conn: Connection, job: PullJob, runs: list[list[Run]]) -> tuple[int, str, bool]:
+        """The peer sends the blocks through the link's pipe: post the receives its ranges and ours pair into,
+        then confirm once they have landed."""
+        try:
+            known = self._pipes.get(job.peer)
+            pipe = known[1].ready() if known is not None and known[0] is conn else None
+            if not runs or pipe is None:
+                raise ProtocolError("a pull answered by pipe that was not asked for")
+            theirs = self._ranges(conn, job)
+            pieces = [(layer, mine, n) for layer in range(self._layout.num_layers)
+                      for _, mine, n in pair_ranges(theirs[layer], runs[layer])]
+            pipe.recv(pieces, job.deadline)
+            conn.send_frame(PayloadCopied(job.transfer_id, 0, self._layout.num_layers), (), job.deadline)
+        except BaseException:
+            self._drop(job.peer)
+            raise
+        nbytes = sum(n for _, _, n in pieces)
+        self._count(pipe.transport, nbytes)
+        return nbytes, pipe.transport, True
 
     def _count(self, transport: str, nbytes: int) -> None:
         self._metrics.bytes_received.labels(transport).inc(nbytes)
@@ -229,6 +296,9 @@ class Puller:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._links.close()
+        for _, slot in self._pipes.values():
+            slot.close()
+        self._pipes.clear()
         for _, remote in self._remotes.values():
             if remote is not None:
                 remote.close()

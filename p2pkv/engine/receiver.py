@@ -8,13 +8,14 @@ import threading
 import time
 from collections.abc import Sequence
 
-from p2pkv.engine.device import RangeSource
+from p2pkv.engine.device import Pipe, PipeMaker, RangeSource, pair_ranges
 from p2pkv.engine.handshake import server_reply
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import OfferTable
+from p2pkv.engine.pipes import PipeSlot
 from p2pkv.engine.store import ReceiveStore
 from p2pkv.engine.threads import engine_thread
-from p2pkv.errors import ProtocolError, TransferError
+from p2pkv.errors import P2pkvError, ProtocolError, TransferError
 from p2pkv.protocol import (
     BlockRanges,
     CmaOffer,
@@ -24,6 +25,7 @@ from p2pkv.protocol import (
     LayoutDigest,
     Message,
     PayloadCopied,
+    PipeOpen,
     PullReply,
     PullRequest,
     PushAbort,
@@ -41,10 +43,13 @@ class Receiver:
 
     def __init__(self, listener: Listener, store: ReceiveStore, offers: OfferTable, layout: LayoutDigest,
                  metrics: EngineMetrics, frame_timeout_s: float, offer: CmaOffer | None = None,
-                 device: DeviceExport | None = None) -> None:
+                 device: DeviceExport | None = None, pipes: PipeMaker | None = None,
+                 pipe_setup_s: float = 5.0) -> None:
         self._listener = listener
         self._offer = offer
         self._device = device
+        self._maker = pipes
+        self._pipe_setup_s = pipe_setup_s
         self._store = store
         self._offers = offers
         self._layout = layout
@@ -101,10 +106,20 @@ class Receiver:
             self._metrics.refused_peers.inc()
             conn.send_frame(HelloReply(accepted=False, reason=reason), (), deadline)
             return None
-        return server_reply(conn, hello, self._offer, deadline, self._device)
+        return server_reply(conn, hello, self._offer, deadline, self._device,
+                            self._maker.kind if self._maker is not None else "")
+
+    def _join_pipe(self, conn: Connection, ask: PipeOpen, slot: PipeSlot | None) -> PipeSlot:
+        """The client is making a pipe for this connection: join it on a thread of its own."""
+        maker = self._maker
+        if maker is None or not conn.peer_pipe or slot is not None:
+            raise ProtocolError("a pipe was asked for that the handshake did not agree, or twice")
+        token = ask.token
+        return PipeSlot(conn.peer, maker.kind, lambda deadline: maker.join(token, deadline), self._pipe_setup_s)
 
     def _serve(self, conn: Connection) -> None:
         source = f"{conn.peer}#{id(conn)}"
+        slot: PipeSlot | None = None  # this connection's pipe (nccl), once the client asks for one
         try:
             served = self._handshake(conn)
             if served is None:
@@ -120,7 +135,10 @@ class Receiver:
                     self._receive_chunk(conn, message, payload_len, source, deadline)
                 elif isinstance(message, PullRequest):
                     conn.discard_payload(payload_len, deadline)
-                    self._serve_pull(conn, message, deadline)
+                    self._serve_pull(conn, message, deadline, slot.ready() if slot is not None else None)
+                elif isinstance(message, PipeOpen):
+                    conn.discard_payload(payload_len, deadline)
+                    slot = self._join_pipe(conn, message, slot)
                 elif isinstance(message, PushAbort):
                     conn.discard_payload(payload_len, deadline)
                     self._store.fail(message.transfer_id, f"sender aborted: {message.reason}", create=False)
@@ -128,11 +146,13 @@ class Receiver:
                     raise ProtocolError(f"unexpected {type(message).__name__} frame")
         except ProtocolError as exc:
             self._bad_frame(conn.peer, exc)
-        except TransferError as exc:
+        except P2pkvError as exc:  # a transfer error, or a pipe or device copy that failed
             if not self._stop.is_set():
                 log.info("connection from %s ended: %s", conn.peer, exc)
         finally:
             self._store.fail_from_source(source, "connection to the sender was lost")
+            if slot is not None:
+                slot.close()  # the communicator goes with its link
             conn.close()
             with self._lock:
                 self._readers.pop(threading.current_thread(), None)
@@ -150,7 +170,7 @@ class Receiver:
         self._metrics.bytes_received.labels(conn.name).inc(payload_len)
         self._metrics.add("bytes_received", payload_len)
 
-    def _serve_pull(self, conn: Connection, pull: PullRequest, deadline: float) -> None:
+    def _serve_pull(self, conn: Connection, pull: PullRequest, deadline: float, pipe: Pipe | None) -> None:
         claim = self._offers.claim(pull.transfer_id, pull.first_block, pull.num_blocks)
         if isinstance(claim, str):
             log.warning("transfer %s: refusing a pull from %s: %s", pull.transfer_id, conn.peer, claim)
@@ -161,6 +181,9 @@ class Receiver:
             if pull.by_reference and claim.ranges is not None and self._device is not None:
                 nbytes = self._serve_by_reference(conn, pull, claim.ranges, deadline)
                 transport = "cuda_ipc" if self._device is not None and self._device.kind == "cuda" else "host_ipc"
+                return
+            if pull.pipe_runs and pipe is not None and claim.ranges is not None:
+                nbytes, transport = self._serve_by_pipe(conn, pull, claim.ranges, pipe, deadline), pipe.transport
                 return
             # Every layer in one frame: the pulled blocks are whole layers of the puller's transfer.
             num_layers = self._layout.num_layers
@@ -188,6 +211,29 @@ class Receiver:
                           (BlockRanges(pull.transfer_id, layers), ())], deadline)
         self._await_copies(conn, pull.transfer_id, deadline)
         return sum(n for layer in layers for _, n in layer)
+
+    def _serve_by_pipe(self, conn: Connection, pull: PullRequest, ranges: RangeSource, pipe: Pipe,
+                       deadline: float) -> int:
+        """nccl: say where the blocks lie here; both sides then post the pieces the two lists pair into, and the
+        puller confirms once they have landed."""
+        num_layers = self._layout.num_layers
+        if len(pull.pipe_runs) != num_layers:
+            raise ProtocolError(f"a pull by pipe gave runs for {len(pull.pipe_runs)} layers, not {num_layers}")
+        layers = [ranges(layer, pull.first_block, pull.num_blocks) for layer in range(num_layers)]
+        pieces = [(layer, ours, n) for layer in range(num_layers)
+                  for ours, _, n in self._pair(layers[layer], pull.pipe_runs[layer])]
+        conn.send_frames([(PullReply(pull.transfer_id, True, by_pipe=True), ()),
+                          (BlockRanges(pull.transfer_id, layers), ())], deadline)
+        pipe.send(pieces, deadline)
+        self._await_copies(conn, pull.transfer_id, deadline)
+        return sum(n for _, _, n in pieces)
+
+    @staticmethod
+    def _pair(ours: list[tuple[int, int]], theirs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        try:
+            return pair_ranges(ours, theirs)
+        except P2pkvError as exc:
+            raise ProtocolError(f"a pull by pipe asked for other sizes than the blocks hold: {exc}") from None
 
     def _await_copies(self, conn: Connection, transfer_id: str, deadline: float) -> None:
         """shm: the puller reads the blocks from this process; wait until it has copied every layer."""

@@ -14,6 +14,7 @@ class Connection(Protocol):
     name: str
     peer: str
     peer_device: DeviceExport | None  # the peer's exported KV cache, when the handshake brought one (cuda_ipc)
+    peer_pipe: str  # the pipe kind both sides can make (nccl), or empty
 
     def send_frame(self, message: Message, payload: Sequence[memoryview], deadline: float) -> None:
         """Send one message followed by the concatenation of `payload`."""

@@ -20,6 +20,7 @@ from p2pkv.errors import P2pkvError
 from p2pkv.ipc import CacheAccess
 from p2pkv.layout import KvBlocks
 from p2pkv.params import Address
+from p2pkv.pipes import make_pipes
 from p2pkv.staging import STAGE_ENV, DeviceKv, TransferBuffers
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
 
@@ -76,17 +77,18 @@ class WorkerSide:
         tensors = [kv_caches[n] for n in names]
         extra = self._config.extra
         kernel = _kernel_tag(tensors[0])
-        device, access = None, None
+        device, access, pipes = None, None, None
         if tensors[0].device.type != "cpu" or os.environ.get(STAGE_ENV) == "1":
             # KV the engine cannot address in place (a GPU's): through host buffers, and pulls by reference.
             device = DeviceKv(tensors, self._block_size, kernel, extra.transfer_timeout_s)
             self._blocks, access = TransferBuffers(device), CacheAccess(device)
+            pipes = make_pipes(device, extra.kv_host, extra.nccl_num_channels)
         else:
             self._blocks = InPlaceBlocks(KvBlocks.from_tensors(tensors, self._block_size, kernel))
         self._layer_index = {n: i for i, n in enumerate(names)}
         metrics_port = extra.metrics_port + self._rank if extra.metrics_port else 0
         settings = EngineSettings.from_config(extra, self._config.worker_port(self._rank), metrics_port)
-        self._engine = TransferEngine(settings, self._blocks.digest, self._rank, access)
+        self._engine = TransferEngine(settings, self._blocks.digest, self._rank, access, pipes)
         if device is not None:
             device.pool, device.metrics = self._engine.pool, self._engine.metrics
             if self._engine.pool is not None and device.on_gpu:

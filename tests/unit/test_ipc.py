@@ -13,10 +13,11 @@ import torch
 from p2pkv.bench import ipc_check
 from p2pkv.config import ExtraConfig, Transport
 from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.device import pair_ranges
 from p2pkv.engine.offers import OfferState
 from p2pkv.engine.puller import PullResult, PullState
 from p2pkv.errors import P2pkvError
-from p2pkv.ipc import CacheAccess, pair_ranges
+from p2pkv.ipc import CacheAccess
 from p2pkv.memory import HostPool
 from p2pkv.params import Address
 from p2pkv.protocol import DeviceExport

@@ -1,0 +1,72 @@
+"""A link's pipe being made off the request path: the set-up (NCCL's communicator init blocks until the peer joins)
+runs on an owned thread to a deadline, and pulls go by pipe only once it is there. A set-up that fails or misses
+its deadline leaves the link carrying bytes, with a warning; one that finishes after its slot was closed frees
+what it made. Closing waits for a set-up in flight to its deadline: a thread left inside a native call when the
+process exits aborts it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from p2pkv.engine.device import Pipe
+from p2pkv.engine.threads import engine_thread
+
+log = logging.getLogger(__name__)
+_JOIN_S = 1.0  # close() waits at least this long for a set-up thread (and at most to its deadline, plus this)
+
+
+class PipeSlot:
+    def __init__(self, peer: str, kind: str, setup: Callable[[float], Pipe], timeout_s: float) -> None:
+        self._peer = peer
+        self._kind = kind
+        self._setup = setup
+        self._deadline = time.monotonic() + timeout_s
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._pipe: Pipe | None = None
+        self._closed = False
+        self._thread = engine_thread(self._run, f"p2pkv-pipe-{peer}")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            pipe = self._setup(self._deadline)
+        except Exception as exc:  # any failure leaves the link carrying bytes, with the reason logged
+            log.warning("%s pipe with %s could not be made (%s); pulls carry bytes", self._kind, self._peer, exc)
+            self._done.set()
+            return
+        with self._lock:
+            keep = not self._closed and time.monotonic() <= self._deadline
+            if keep:
+                self._pipe = pipe
+        if keep:
+            log.info("%s pipe with %s is ready", self._kind, self._peer)
+        else:
+            log.warning("%s pipe with %s was made after its deadline or its link closed; freeing it", self._kind,
+                        self._peer)
+            pipe.close()
+        self._done.set()
+
+    def ready(self) -> Pipe | None:
+        """The pipe once made; None while it is being made, or when that failed."""
+        with self._lock:
+            return None if self._closed else self._pipe
+
+    def wait(self, timeout_s: float) -> Pipe | None:
+        self._done.wait(timeout_s)
+        return self.ready()
+
+    def close(self) -> None:
+        """Idempotent: frees the pipe (the peer left, restarted or broke a transfer)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pipe, self._pipe = self._pipe, None
+        if pipe is not None:
+            pipe.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(0.0, self._deadline - time.monotonic()) + _JOIN_S)

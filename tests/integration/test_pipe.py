@@ -1,0 +1,56 @@
+"""1P1D on real vLLM with pulls by pipe (the nccl transport's engine protocol) in GET mode, over gloo pipes between
+the instances' host caches (`P2PKV_PIPE=gloo`, `P2PKV_STAGE_KV=1`): the decode worker makes a communicator with
+the prefill worker off the request path, pulls carry bytes until it is ready, then go through it. Output equals a
+colocated instance throughout. NCCL itself is checked on a GPU (scripts/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from p2pkv.pipes import PIPE_ENV
+from p2pkv.staging import STAGE_ENV
+from tests.integration.conftest import BLOCK_SIZE, kv_bytes_per_block_and_layer, metric, up_with_colocated
+from tests.integration.test_disagg import LAYERS, greedy, ids_and_logprobs, prompt
+
+pytestmark = pytest.mark.vllm
+BY_PIPE = '{transport="gloo"}'
+
+
+@pytest.fixture(scope="module")
+def piped(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    extra = {"send_type": "GET", "transport": "nccl", "transfer_timeout_s": 5.0}
+    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("pipe"), extra, [], (),
+                           {STAGE_ENV: "1", PIPE_ENV: "gloo"}) as (_, info, colocated):
+        info.update(model=tiny_model, colocated=colocated)
+        yield info
+
+
+def test_get_pulls_go_by_pipe_once_it_is_made_and_match_colocated(piped: dict[str, Any]) -> None:
+    prefill = next(i for i in piped["instances"] if i["role"] == "kv_producer")
+    decode = next(i for i in piped["instances"] if i["role"] == "kv_consumer")
+    expected, by_pipe, pipe_pulls = 0, 0.0, 0
+    deadline = time.monotonic() + 120
+    for i in range(12):  # the first pulls carry bytes while the pipe is made; then 3 go by pipe
+        length = (60, 129, 300)[i % 3]
+        text = prompt(f"pipe{i}", length)
+        answer = greedy(piped["proxy"], piped["model"], text)
+        reference = greedy(piped["colocated"], piped["model"], text)
+        assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
+        expected += math.ceil((length - 1) / BLOCK_SIZE) * kv_bytes_per_block_and_layer() * LAYERS
+        previous, by_pipe = by_pipe, metric(decode["metrics"], "p2pkv_bytes_received_total" + BY_PIPE)
+        pipe_pulls += by_pipe > previous
+        if pipe_pulls == 3:
+            break
+        assert time.monotonic() < deadline
+    assert pipe_pulls == 3, f"{pipe_pulls} of 12 pulls went by pipe"
+    assert metric(prefill["metrics"], "p2pkv_bytes_sent_total" + BY_PIPE) == by_pipe
+    assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") == expected
+    # The pulls by pipe landed in the cache directly: the only copies into the decode cache are the bytes pulls'.
+    into_cache = metric(decode["metrics"], 'p2pkv_device_copy_bytes_total{direction="to_device"}')
+    assert into_cache == expected - by_pipe

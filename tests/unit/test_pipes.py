@@ -1,0 +1,217 @@
+"""Pulls by pipe (the nccl transport's engine protocol), run over gloo pipes between host caches: a communicator per
+link made off the request path, the two sides' runs paired into the same pieces, a confirmation before the offer is
+freed, a set-up that fails leaving the link on bytes, and teardown with the link. NCCL itself is checked on a GPU
+(scripts/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import pytest
+import torch
+
+from p2pkv.config import ExtraConfig, Transport
+from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.device import Piece
+from p2pkv.engine.offers import OfferState
+from p2pkv.engine.puller import PullResult, PullState
+from p2pkv.errors import P2pkvError, TransferError
+from p2pkv.memory import HostPool
+from p2pkv.params import Address
+from p2pkv.pipes import ChannelPipe, GlooPipes
+from p2pkv.staging import DeviceKv, TransferBuffers
+from tests.unit.test_gpu_layouts import views
+from tests.unit.test_staging import SIZES
+
+TIMEOUT_S = 5.0
+SETUP_S = 1.5  # a pipe's set-up deadline (connect_timeout_s)
+
+
+class RecordingPipes(GlooPipes):
+    """Gloo pipes that remember what they made; `refuse_join` makes the listener's side fail to join."""
+
+    def __init__(self, kv: DeviceKv, refuse_join: bool = False) -> None:
+        super().__init__(kv, "127.0.0.1")
+        self.made: list[ChannelPipe] = []
+        self.refuse_join = refuse_join
+
+    def create(self) -> tuple[bytes, Callable[[float], ChannelPipe]]:
+        token, setup = super().create()
+
+        def recorded(deadline: float) -> ChannelPipe:
+            self.made.append(setup(deadline))
+            return self.made[-1]
+
+        return token, recorded
+
+    def join(self, token: bytes, deadline: float) -> ChannelPipe:
+        if self.refuse_join:
+            raise P2pkvError("this side cannot join")
+        self.made.append(super().join(token, deadline))
+        return self.made[-1]
+
+
+class Side:
+    def __init__(self, order: str, fill: bool, transport: Transport = Transport.NCCL, refuse_join: bool = False):
+        self.layers = views(order, torch.bfloat16, SIZES, fill)
+        self.kv = DeviceKv(self.layers, 16, "test", 5)
+        self.kv.pool = HostPool(1 << 20, pinned=False)
+        self.buffers = TransferBuffers(self.kv)
+        self.pipes = RecordingPipes(self.kv, refuse_join)
+        extra = ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=TIMEOUT_S, connect_timeout_s=SETUP_S,
+                            transport=transport)
+        self.engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), self.kv.digest, pipes=self.pipes)
+        self.engine.start()
+
+    @property
+    def address(self) -> Address:
+        return Address.parse(self.engine.address)
+
+
+@pytest.fixture
+def sides() -> Iterator[list[Side]]:
+    made: list[Side] = []
+    yield made
+    for side in made:
+        side.engine.close()
+
+
+def pull(offerer: Side, puller: Side, tid: str, moves: dict[int, int]) -> PullResult:
+    src, dst = list(moves), list(moves.values())
+    offerer.engine.offer(tid, len(src), offerer.buffers.source(tid, src), 10, offerer.buffers.ranges(tid, src))
+    puller.engine.pull(tid, offerer.address, 0, len(dst), puller.buffers.sink(tid, dst), time.monotonic() + 10,
+                       tuple(dst))
+    result = puller.engine.wait_pull(tid, 10)
+    assert result is not None and result.state is PullState.DONE, result
+    if not result.by_reference:
+        puller.buffers.land(tid)  # bytes carried into the host buffer land now
+    deadline = time.monotonic() + 5
+    while offerer.engine.offer_state(tid) is not OfferState.SERVED:
+        assert time.monotonic() < deadline, offerer.engine.offer_state(tid)
+        time.sleep(0.002)
+    puller.buffers.release(tid)
+    offerer.buffers.release(tid)
+    return result
+
+
+def same(src: Side, dst: Side, moves: dict[int, int]) -> bool:
+    return all(torch.equal(dst.layers[layer][d], src.layers[layer][s]) for layer in range(SIZES["L"])
+               for s, d in moves.items())
+
+
+def pull_until_by_pipe(offerer: Side, puller: Side, moves: dict[int, int], prefix: str) -> list[PullResult]:
+    """Pulls until one goes by pipe (the first ones carry bytes while the pipe is being made), each checked."""
+    results: list[PullResult] = []
+    deadline = time.monotonic() + 10
+    while not results or not results[-1].by_reference:
+        assert time.monotonic() < deadline, [r.transport for r in results]
+        for layer in puller.layers:
+            layer.zero_()
+        results.append(pull(offerer, puller, f"{prefix}-{len(results)}", moves))
+        assert same(offerer, puller, moves), f"pull {len(results)} over {results[-1].transport}"
+    return results
+
+
+@pytest.mark.parametrize("order", ["LBHNC", "LHBNC"])  # one run per block, and one per head of each block
+def test_pulls_go_by_pipe_once_it_is_made(sides: list[Side], order: str) -> None:
+    offerer, puller = Side(order, True), Side(order, False)
+    sides += [offerer, puller]
+    moves = {3: 0, 4: 1, 5: 2, 9: 7, 1: 11}  # runs that pair differently on the two sides
+    results = pull_until_by_pipe(offerer, puller, moves, "p")
+    assert all(r.transport != "gloo" for r in results[:-1]) and results[-1].transport == "gloo"
+    nbytes = SIZES["L"] * len(moves) * offerer.kv.block_bytes
+    assert results[-1].nbytes == nbytes
+    again = pull(offerer, puller, "again", {6: 3, 7: 4})  # the pipe is made once per link and reused
+    assert again.transport == "gloo" and same(offerer, puller, {6: 3, 7: 4})
+    assert len(puller.pipes.made) == 1 and len(offerer.pipes.made) == 1
+    received = puller.engine.metrics.registry.get_sample_value("p2pkv_bytes_received_total", {"transport": "gloo"})
+    assert received == nbytes + SIZES["L"] * 2 * offerer.kv.block_bytes
+    sent = offerer.engine.metrics.registry.get_sample_value("p2pkv_bytes_sent_total", {"transport": "gloo"})
+    assert sent == received
+    stats = puller.kv.pool.stats() if puller.kv.pool is not None else None
+    assert stats is None or stats.bytes_in_use == 0, "the pull by pipe used no host buffer"
+
+
+def test_a_pipe_that_cannot_be_made_leaves_the_link_on_bytes(sides: list[Side]) -> None:
+    offerer, puller = Side("LBHNC", True, refuse_join=True), Side("LBHNC", False)
+    sides += [offerer, puller]
+    moves = {2: 5, 3: 6}
+    first = pull(offerer, puller, "b-0", moves)
+    time.sleep(0.5)  # the listener's join has failed by now; the puller's side waits for it to its deadline
+    for i in range(1, 4):
+        result = pull(offerer, puller, f"b-{i}", moves)
+        assert not result.by_reference and result.transport != "gloo"
+    assert not first.by_reference and same(offerer, puller, moves)
+    assert offerer.pipes.made == [] and puller.pipes.made == []
+    puller.engine.close()  # waits for the set-up in flight to its deadline: no thread is left in gloo's rendezvous
+    assert not [t for t in threading.enumerate() if t.name == f"p2pkv-pipe-{offerer.engine.address}"]
+
+
+def test_the_pipe_goes_with_its_link(sides: list[Side]) -> None:
+    offerer, puller = Side("LBHNC", True), Side("LBHNC", False)
+    sides += [offerer, puller]
+    pull_until_by_pipe(offerer, puller, {1: 2}, "t")
+    theirs = offerer.pipes.made[0]
+    puller.engine.close()  # the decode worker leaves: the offerer's reader ends and frees its communicator
+    deadline = time.monotonic() + 5
+    while not theirs.closed:
+        assert time.monotonic() < deadline, "the offerer kept the pipe of a link that is gone"
+        time.sleep(0.01)
+    assert puller.pipes.made[0].closed
+    assert not [t for t in threading.enumerate() if t.name == f"p2pkv-pipe-{offerer.engine.address}"]
+    fresh = Side("LBHNC", False)  # a new peer gets a new pipe
+    sides.append(fresh)
+    pull_until_by_pipe(offerer, fresh, {1: 2}, "n")
+    assert len(offerer.pipes.made) == 2
+
+
+class FailingOnce(RecordingPipes):
+    """The offerer's pipe fails its first send, as when the peer's GPU faults mid-transfer."""
+
+    failed = False
+
+    def join(self, token: bytes, deadline: float) -> ChannelPipe:
+        pipe = super().join(token, deadline)
+        real = pipe.send
+
+        def send(pieces: Sequence[Piece], deadline: float) -> None:
+            if not self.failed:
+                self.failed = True
+                raise TransferError("injected failure")
+            real(pieces, deadline)
+
+        pipe.send = send  # type: ignore[method-assign]  # the instance's send fails once
+        return pipe
+
+
+def test_a_transfer_that_fails_in_the_pipe_fails_alone_and_the_link_recovers(sides: list[Side]) -> None:
+    offerer, puller = Side("LBHNC", True), Side("LBHNC", False)
+    offerer.pipes = FailingOnce(offerer.kv)
+    offerer.engine.close()
+    extra = ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=TIMEOUT_S, connect_timeout_s=SETUP_S,
+                        transport=Transport.NCCL)
+    offerer.engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), offerer.kv.digest, pipes=offerer.pipes)
+    offerer.engine.start()
+    sides += [offerer, puller]
+    moves = {4: 4}
+    deadline = time.monotonic() + 10
+    failed = None
+    while failed is None:  # pulls carry bytes until the pipe is made; the first by pipe fails
+        assert time.monotonic() < deadline
+        tid = f"f-{time.monotonic()}"
+        src = list(moves)
+        offerer.engine.offer(tid, 1, offerer.buffers.source(tid, src), 10, offerer.buffers.ranges(tid, src))
+        puller.engine.pull(tid, offerer.address, 0, 1, puller.buffers.sink(tid, [4]), time.monotonic() + 3, (4,))
+        result = puller.engine.wait_pull(tid, 10)
+        assert result is not None and result.state is not PullState.PENDING
+        if result.state is PullState.FAILED:
+            failed = result
+        puller.buffers.release(tid)
+        offerer.buffers.release(tid)
+    assert puller.pipes.made and puller.pipes.made[0].closed, "a failed pipe is not reused"
+    for layer in puller.layers:
+        layer.zero_()
+    results = pull_until_by_pipe(offerer, puller, moves, "r")  # a new link, a new pipe
+    assert results[-1].transport == "gloo" and len(puller.pipes.made) == 2
