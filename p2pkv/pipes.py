@@ -66,9 +66,12 @@ class ChannelPipe:
         try:
             marker = self._channel.exchange(self._views(sends), self._views(recvs))
             done = settle([marker], deadline, self._kv.copy_timeout_s)
-        except BaseException:
+        except P2pkvError:
             self._failed = True
             raise
+        except Exception as exc:  # NCCL's or CUDA's own errors end here, as the transfer's
+            self._failed = True
+            raise TransferError(f"{self.transport}: {exc}") from exc
         if not done:
             self._failed = True
             raise TransferTimeout(f"the {self.transport} pipe missed the transfer's deadline")
