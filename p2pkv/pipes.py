@@ -60,7 +60,8 @@ class ChannelPipe:
             views.append((storage[offset : offset + n], self._peer))
         return views
 
-    def _run(self, sends: Sequence[Piece], recvs: Sequence[Piece], deadline: float) -> None:
+    def exchange(self, sends: Sequence[Piece], recvs: Sequence[Piece], deadline: float) -> None:
+        """Both directions in one group (the GPU check's one-rank pipe sends to itself this way)."""
         if self._closed or self._failed:
             raise TransferError(f"the {self.transport} pipe is closed")
         try:
@@ -81,10 +82,10 @@ class ChannelPipe:
         return self._closed
 
     def send(self, pieces: Sequence[Piece], deadline: float) -> None:
-        self._run(pieces, (), deadline)
+        self.exchange(pieces, (), deadline)
 
     def recv(self, pieces: Sequence[Piece], deadline: float) -> None:
-        self._run((), pieces, deadline)
+        self.exchange((), pieces, deadline)
 
     def close(self) -> None:
         if not self._closed:

@@ -49,33 +49,35 @@ def cuda_ipc() -> str:
 
 
 def nccl_self() -> str:
-    """NCCL through a one-rank send to itself (NCCL refuses two ranks on one GPU): scattered blocks of every layer in
-    one grouped call land byte for byte; the rate against a device copy is reported, 1 MiB to 1 GiB."""
+    """NCCL through a one-rank send to itself (NCCL refuses two ranks on one GPU), through the engine's pipe
+    (`ChannelPipe` over `NcclPipe`): scattered blocks of every layer, cut into the pieces the engine's pulls by pipe
+    post, go from one half of a cache to the other in one grouped call and land byte for byte; the rate against a
+    device copy is reported, 1 MiB to 1 GiB."""
     import torch
 
     from p2pkv.bench.staged import TOKENS, caches
     from p2pkv.device_copy import wait_marker
     from p2pkv.engine.device import pair_ranges
     from p2pkv.nccl import NcclPipe, unique_id
+    from p2pkv.pipes import ChannelPipe
     from p2pkv.staging import DeviceKv
 
     device = torch.device("cuda", torch.cuda.current_device())
     pipe = NcclPipe(1, unique_id(), 0, device, channels=8)
     try:
-        src_layers, dst_layers = caches("cuda", 4, 64, True), caches("cuda", 4, 64, False)
-        src, dst = DeviceKv(src_layers, TOKENS, "cuda", 60), DeviceKv(dst_layers, TOKENS, "cuda", 60)
-        moves = {b: (b * 7 + 3) % 64 for b in range(0, 64, 2)}
+        layers = caches("cuda", 4, 128, True)
+        kv = DeviceKv(layers, TOKENS, "cuda", 60)
+        moves = {b: 64 + (b * 7 + 3) % 64 for b in range(0, 64, 2)}
         sends, recvs = [], []
         for layer in range(4):
-            pieces = pair_ranges(src.geometry[layer].ranges(list(moves)),
-                                 dst.geometry[layer].ranges(list(moves.values())))
-            sends += [(src.storages[layer][a : a + n], 0) for a, _, n in pieces]
-            recvs += [(dst.storages[layer][b : b + n], 0) for _, b, n in pieces]
-        if not wait_marker(pipe.exchange(sends, recvs), time.monotonic() + 60):
-            raise AssertionError("the grouped send/recv did not finish in 60 s")
+            geometry = kv.geometry[layer]
+            pieces = pair_ranges(geometry.ranges(list(moves)), geometry.ranges(list(moves.values())))
+            sends += [(layer, a, n) for a, _, n in pieces]
+            recvs += [(layer, b, n) for _, b, n in pieces]
+        ChannelPipe(kv, pipe, "nccl", peer_rank=0).exchange(sends, recvs, time.monotonic() + 60)
         for layer in range(4):
             for s, d in moves.items():
-                if not torch.equal(src_layers[layer][s], dst_layers[layer][d]):
+                if not torch.equal(layers[layer][s], layers[layer][d]):
                     raise AssertionError(f"layer {layer}: block {s} -> {d} differs")
         rates = []
         for size in STAGING_SIZES:

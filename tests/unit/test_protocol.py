@@ -8,6 +8,9 @@ from p2pkv.protocol import (
     FrameLimits,
     Hello,
     LayoutDigest,
+    PipeOpen,
+    PullReply,
+    PullRequest,
     PushBlocks,
     decode_message,
     decode_prefix,
@@ -31,6 +34,17 @@ def test_round_trip(secret: bytes) -> None:
     hello = Hello("e1", 0, LAYOUT)
     prefix_raw, body = _split(encode_frame(hello, 0, secret))
     assert decode_message(prefix_raw, decode_prefix(prefix_raw, FrameLimits()), body, secret) == hello
+
+
+@pytest.mark.parametrize("message", [
+    Hello("e1", 0, LAYOUT, pipe_kind="nccl"),
+    PipeOpen(bytes(range(128))),
+    PullRequest("t1", 0, 3, pipe_runs=[[(0, 4096), (65536, 8192)], [(4096, 12288)]]),
+    PullReply("t1", True, by_pipe=True),
+])
+def test_pipe_messages_round_trip(message: object) -> None:
+    prefix_raw, body = _split(encode_frame(message, 0, b"k"))  # type: ignore[arg-type]
+    assert decode_message(prefix_raw, decode_prefix(prefix_raw, FrameLimits()), body, b"k") == message
 
 
 def test_hmac_refuses_wrong_or_missing_secret() -> None:
