@@ -1,5 +1,6 @@
 """Pulls by reference between two processes (cuda_ipc on a GPU; kind "host" on CPU): the GPU check's row for
-cuda_ipc, written against a `device` so that the unit tests run the same code on CPU caches.
+cuda_ipc, written against a `device` so that the unit tests run the same code on CPU caches. With `pipes`, the
+same between processes on two GPUs by NCCL pipe (`bench transfer`'s nccl rows; gloo on CPU caches).
 
 A child process holds a cache whose every byte is a known function of its block and position, and offers
 transfers; this process pulls them into its own cache by reference and checks every byte. Bandwidth: for each size,
@@ -23,6 +24,7 @@ from p2pkv.engine.device import RemoteCache
 from p2pkv.engine.puller import PullState
 from p2pkv.ipc import CacheAccess
 from p2pkv.params import Address
+from p2pkv.pipes import GlooPipes, NcclPipes
 from p2pkv.staging import DeviceKv, TransferBuffers
 
 BLOCK_BYTES = 64 << 10  # 16 tokens x 8 heads x 128 dims x K and V, bf16
@@ -37,9 +39,15 @@ def pattern(block_ids: torch.Tensor, block_bytes: int) -> torch.Tensor:
     return (mixed & 255).to(torch.uint8)
 
 
-def _engine(kv: DeviceKv) -> TransferEngine:
-    extra = ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=120, transport=Transport.AUTO)
-    engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), kv.digest, device=CacheAccess(kv))
+def _engine(kv: DeviceKv, pipes: bool) -> TransferEngine:
+    settings = EngineSettings.from_config(ExtraConfig(
+        kv_host="127.0.0.1", transfer_timeout_s=120, connect_timeout_s=60,
+        transport=Transport.NCCL if pipes else Transport.AUTO), 0, 0)
+    if pipes:
+        maker = NcclPipes(kv, 8) if kv.on_gpu else GlooPipes(kv, "127.0.0.1")
+        engine = TransferEngine(settings, kv.digest, pipes=maker)
+    else:
+        engine = TransferEngine(settings, kv.digest, device=CacheAccess(kv))
     engine.start()
     return engine
 
@@ -48,7 +56,8 @@ def _cache(device: str, blocks: int) -> torch.Tensor:
     return torch.zeros(blocks, BLOCK_BYTES, dtype=torch.uint8, device=device)
 
 
-def offer_process(pipe: Connection, device: str, blocks: int, plan: list[tuple[str, list[int]]]) -> None:
+def offer_process(pipe: Connection, device: str, blocks: int, plan: list[tuple[str, list[int]]],
+                  pipes: bool = False) -> None:
     """Child: fill a cache with `pattern`, offer each (transfer id, block ids) of `plan`, send the engine's address
     and the cache's export, and hold the offers until told to stop."""
     cache = _cache(device, blocks)
@@ -56,11 +65,10 @@ def offer_process(pipe: Connection, device: str, blocks: int, plan: list[tuple[s
     for first in range(0, blocks, step):  # in slices: the pattern's int32 temporaries stay small
         ids = torch.arange(first, min(blocks, first + step), device=device)
         cache[first : first + len(ids)] = pattern(ids, BLOCK_BYTES)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    kv = DeviceKv([cache], 16, device, 120)
+    _sync(device)
+    kv = DeviceKv([cache], 16, torch.device(device).type, 120)
     buffers = TransferBuffers(kv)
-    engine = _engine(kv)
+    engine = _engine(kv, pipes)
     try:
         for tid, ids in plan:
             engine.offer(tid, len(ids), buffers.source(tid, ids), 600, buffers.ranges(tid, ids))
@@ -83,38 +91,47 @@ class IpcRate:
 
 
 def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
 
 
-def run(device: str, sizes: Sequence[int], repeats: int = 3) -> tuple[str, list[IpcRate]]:
-    """The correctness check's summary, and one rate per size."""
+WARM_UP = 20  # pulls that may carry bytes while the pipe is being made
+
+
+def run(device: str, sizes: Sequence[int], repeats: int = 3, pipes: bool = False,
+        peer_device: str | None = None) -> tuple[str, list[IpcRate]]:
+    """The correctness check's summary, and one rate per size. `pipes`: by pipe (the offering process's cache on
+    `peer_device`), where the rate's copy is the whole pull."""
     largest = max(sizes) // BLOCK_BYTES
     blocks = max(2 * CHECK_BLOCKS, largest)
     check_src = list(range(0, 2 * CHECK_BLOCKS, 2))  # scattered in the sender's cache
-    plan = [("check", check_src)]
+    plan = [(f"warm-{i}", [i]) for i in range(WARM_UP if pipes else 0)] + [("check", check_src)]
     plan += [(f"bw-{size}-{r}", list(range(size // BLOCK_BYTES))) for size in sizes for r in range(repeats)]
     parent, child = _SPAWN.Pipe()
-    proc = _SPAWN.Process(target=offer_process, args=(child, device, blocks, plan), daemon=True)
+    proc = _SPAWN.Process(target=offer_process, args=(child, peer_device or device, blocks, plan, pipes),
+                          daemon=True)
     proc.start()
     cache = _cache(device, blocks)
-    kv = DeviceKv([cache], 16, device, 120)
-    engine = _engine(kv)
+    kv = DeviceKv([cache], 16, torch.device(device).type, 120)
+    engine = _engine(kv, pipes)
     try:
         if not parent.poll(300):
             raise RuntimeError("the offering process did not start")
         address, export = parent.recv()
         peer = Address.parse(address)
+        if pipes:
+            _warm_up(engine, peer, kv)
         check_dst = list(reversed(range(1, 2 * CHECK_BLOCKS, 2)))  # scattered here too, in another order
         result = _pull(engine, peer, "check", check_dst)
         got = cache[torch.tensor(check_dst, device=device)]
         if not torch.equal(got, pattern(torch.tensor(check_src, device=device), BLOCK_BYTES)):
             raise AssertionError("pulled blocks differ from the sender's")
-        summary = (f"{CHECK_BLOCKS} scattered blocks pulled by reference over {result}, byte for byte, between two "
-                   "processes")
-        remote = CacheAccess(kv).open(export)
+        how = "by pipe" if pipes else "by reference"
+        summary = f"{CHECK_BLOCKS} scattered blocks pulled {how} over {result}, byte for byte, between two processes"
+        remote = None if pipes else CacheAccess(kv).open(export)
         rates = [_rate(engine, peer, remote, cache, device, size, repeats) for size in sizes]
-        remote.close()
+        if remote is not None:
+            remote.close()
         return summary, rates
     finally:
         engine.close()  # unmaps the child's cache before the child exits
@@ -122,9 +139,26 @@ def run(device: str, sizes: Sequence[int], repeats: int = 3) -> tuple[str, list[
         proc.join(60)
 
 
-def _rate(engine: TransferEngine, peer: Address, remote: RemoteCache, cache: torch.Tensor, device: str, size: int,
-          repeats: int) -> IpcRate:
-    """Best of `repeats`: whole pulls, copies out of the opened cache, plain copies of the same bytes."""
+def _warm_up(engine: TransferEngine, peer: Address, kv: DeviceKv) -> None:
+    """Pulls (carrying bytes) until one goes by pipe: the pipe is made off the request path."""
+    buffers = TransferBuffers(kv)
+    for i in range(WARM_UP):
+        tid = f"warm-{i}"
+        engine.pull(tid, peer, 0, 1, buffers.sink(tid, [0]), time.monotonic() + 120, (0,))
+        result = engine.wait_pull(tid, 120)
+        buffers.release(tid)
+        if result is None or result.state is not PullState.DONE:
+            raise AssertionError(f"pull {tid}: {result}")
+        if result.by_reference:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no pull went by pipe in {WARM_UP}")
+
+
+def _rate(engine: TransferEngine, peer: Address, remote: RemoteCache | None, cache: torch.Tensor, device: str,
+          size: int, repeats: int) -> IpcRate:
+    """Best of `repeats`: whole pulls, copies out of the opened cache (by pipe: the pulls), plain copies of the
+    same bytes."""
     ids = list(range(size // BLOCK_BYTES))
     pull_s = copy_s = base_s = float("inf")
     src, dst = cache[: len(ids)].clone(), torch.empty_like(cache[: len(ids)])
@@ -132,9 +166,12 @@ def _rate(engine: TransferEngine, peer: Address, remote: RemoteCache, cache: tor
         started = _now(device)
         _pull(engine, peer, f"bw-{size}-{r}", ids)
         pull_s = min(pull_s, _now(device) - started)
-        started = _now(device)
-        remote.copy_into([[(0, size)]], ids, time.monotonic() + 60)
-        copy_s = min(copy_s, _now(device) - started)
+        if remote is not None:
+            started = _now(device)
+            remote.copy_into([[(0, size)]], ids, time.monotonic() + 60)
+            copy_s = min(copy_s, _now(device) - started)
+        else:
+            copy_s = pull_s
         started = _now(device)
         dst.copy_(src)
         base_s = min(base_s, _now(device) - started)

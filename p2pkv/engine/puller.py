@@ -167,7 +167,12 @@ class Puller:
             del self._pipes[peer]
         if self._maker is None or not conn.peer_pipe:
             return None
-        token, setup = self._maker.create()
+        try:
+            token, setup = self._maker.create()
+        except Exception as exc:  # e.g. CuPy present but NCCL unusable: pulls carry bytes from now on
+            log.warning("cannot make %s pipes (%r); pulls carry bytes", self._maker.kind, exc)
+            self._maker = None
+            return None
         try:
             conn.send_frame(PipeOpen(token), (), deadline)
         except TransferError as exc:  # the link is gone: this pull reconnects and carries bytes

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import torch
 
+from p2pkv.bench import ipc_check
 from p2pkv.config import ExtraConfig, Transport
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.device import Piece
@@ -215,3 +216,12 @@ def test_a_transfer_that_fails_in_the_pipe_fails_alone_and_the_link_recovers(sid
         layer.zero_()
     results = pull_until_by_pipe(offerer, puller, moves, "r")  # a new link, a new pipe
     assert results[-1].transport == "gloo" and len(puller.pipes.made) == 2
+
+
+def test_the_pipe_bench_runs_between_two_processes_on_host_caches() -> None:
+    """`bench transfer`'s nccl rows on CPU caches: a child process offers, this one pulls by gloo pipe once it is
+    made; every byte of a scattered pull is checked, and the rates are measured."""
+    summary, rates = ipc_check.run("cpu", [1 << 20, 4 << 20], repeats=2, pipes=True)
+    assert "by pipe over gloo" in summary and "byte for byte" in summary
+    assert [r.size for r in rates] == [1 << 20, 4 << 20]
+    assert all(r.pull_gbps > 0 and r.base_gbps > 0 for r in rates)
