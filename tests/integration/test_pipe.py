@@ -5,7 +5,6 @@ colocated instance throughout. NCCL itself is checked on a GPU (scripts/gpu_chec
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,8 +13,8 @@ import pytest
 
 from p2pkv.pipes import PIPE_ENV
 from p2pkv.staging import STAGE_ENV
-from tests.integration.conftest import BLOCK_SIZE, kv_bytes_per_block_and_layer, metric, up_with_colocated
-from tests.integration.test_disagg import LAYERS, greedy, ids_and_logprobs, prompt
+from tests.integration.conftest import metric, up_with_colocated
+from tests.integration.test_staged import served_like_colocated
 
 pytestmark = pytest.mark.vllm
 BY_PIPE = '{transport="gloo"}'
@@ -36,13 +35,7 @@ def test_get_pulls_go_by_pipe_once_it_is_made_and_match_colocated(piped: dict[st
     expected, by_pipe, pipe_pulls = 0, 0.0, 0
     deadline = time.monotonic() + 120
     for i in range(12):  # the first pulls carry bytes while the pipe is made; then 3 go by pipe
-        length = (60, 129, 300)[i % 3]
-        text = prompt(f"pipe{i}", length)
-        answer = greedy(piped["proxy"], piped["model"], text)
-        reference = greedy(piped["colocated"], piped["model"], text)
-        assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
-        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
-        expected += math.ceil((length - 1) / BLOCK_SIZE) * kv_bytes_per_block_and_layer() * LAYERS
+        expected += served_like_colocated(piped, f"pipe{i}", (60, 129, 300)[i % 3])
         previous, by_pipe = by_pipe, metric(decode["metrics"], "p2pkv_bytes_received_total" + BY_PIPE)
         pipe_pulls += by_pipe > previous
         if pipe_pulls == 3:

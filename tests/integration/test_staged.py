@@ -27,17 +27,23 @@ def staged_get(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield info
 
 
+def served_like_colocated(info: dict[str, Any], tag: str, length: int) -> int:
+    """One greedy request through the proxy, checked against the colocated instance and for its prompt's KV
+    loaded from the transfer; the bytes that transfer moved."""
+    text = prompt(tag, length)
+    answer = greedy(info["proxy"], info["model"], text)
+    reference = greedy(info["colocated"], info["model"], text)
+    assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
+    return math.ceil((length - 1) / BLOCK_SIZE) * kv_bytes_per_block_and_layer() * LAYERS
+
+
 def test_get_pulls_copy_cache_to_cache_and_match_colocated(staged_get: dict[str, Any]) -> None:
     prefill = next(i for i in staged_get["instances"] if i["role"] == "kv_producer")
     decode = next(i for i in staged_get["instances"] if i["role"] == "kv_consumer")
     expected = 0
     for i, length in enumerate([60, 129, 300]):
-        text = prompt(f"staged{i}", length)
-        answer = greedy(staged_get["proxy"], staged_get["model"], text)
-        reference = greedy(staged_get["colocated"], staged_get["model"], text)
-        assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
-        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
-        expected += math.ceil((length - 1) / BLOCK_SIZE) * kv_bytes_per_block_and_layer() * LAYERS
+        expected += served_like_colocated(staged_get, f"staged{i}", length)
     assert metric(decode["metrics"], "p2pkv_bytes_received_total" + BY_REFERENCE) == expected
     assert metric(prefill["metrics"], "p2pkv_bytes_sent_total" + BY_REFERENCE) == expected
     assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") == expected
