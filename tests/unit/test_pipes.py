@@ -19,6 +19,7 @@ from p2pkv.engine.device import Piece
 from p2pkv.engine.offers import OfferState
 from p2pkv.engine.puller import PullResult, PullState
 from p2pkv.errors import P2pkvError, TransferError
+from p2pkv.ipc import CacheAccess
 from p2pkv.memory import HostPool
 from p2pkv.params import Address
 from p2pkv.pipes import ChannelPipe, GlooPipes
@@ -55,7 +56,8 @@ class RecordingPipes(GlooPipes):
 
 
 class Side:
-    def __init__(self, order: str, fill: bool, transport: Transport = Transport.NCCL, refuse_join: bool = False):
+    def __init__(self, order: str, fill: bool, transport: Transport = Transport.NCCL, refuse_join: bool = False,
+                 exports: bool = False):
         self.layers = views(order, torch.bfloat16, SIZES, fill)
         self.kv = DeviceKv(self.layers, 16, "test", 5)
         self.kv.pool = HostPool(1 << 20, pinned=False)
@@ -63,7 +65,8 @@ class Side:
         self.pipes = RecordingPipes(self.kv, refuse_join)
         extra = ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=TIMEOUT_S, connect_timeout_s=SETUP_S,
                             transport=transport)
-        self.engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), self.kv.digest, pipes=self.pipes)
+        self.engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), self.kv.digest, pipes=self.pipes,
+                                     device=CacheAccess(self.kv) if exports else None)
         self.engine.start()
 
     @property
@@ -225,3 +228,17 @@ def test_the_pipe_bench_runs_between_two_processes_on_host_caches() -> None:
     assert "by pipe over gloo" in summary and "byte for byte" in summary
     assert [r.size for r in rates] == [1 << 20, 4 << 20]
     assert all(r.pull_gbps > 0 and r.base_gbps > 0 for r in rates)
+
+
+@pytest.mark.parametrize(("transport", "label"), [(Transport.AUTO, "host_ipc"), (Transport.TCP, "tcp")])
+def test_no_pipe_where_the_cache_opens_or_tcp_is_asked_for(sides: list[Side], transport: Transport,
+                                                           label: str) -> None:
+    """auto: a peer whose cache opens here is copied from directly, with no communicator made; tcp: never a pipe."""
+    offerer = Side("LBHNC", True, transport=transport, exports=True)
+    puller = Side("LBHNC", False, transport=transport, exports=True)
+    sides += [offerer, puller]
+    for i in range(4):
+        result = pull(offerer, puller, f"n-{i}", {1: 2, 2: 3})
+        assert result.transport == label and same(offerer, puller, {1: 2, 2: 3})
+        time.sleep(0.1)
+    assert puller.pipes.made == [] and offerer.pipes.made == []
