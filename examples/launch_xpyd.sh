@@ -10,7 +10,9 @@
 # arguments, e.g. "--max-model-len 8192"), READY_TIMEOUT (seconds, 900), P2PKV_AUTH_SECRET (optional: signs every control frame and heartbeat).
 # On vLLM's CPU build also export VLLM_CPU_KVCACHE_SPACE (GiB of KV per instance, e.g. 1) and
 # ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 (see the README); CUDA_VISIBLE_DEVICES is then ignored.
-# For hosts of their own, run one instance per host with the same command and point proxy_ip at the proxy's host.
+# For hosts of their own, run one instance per host with the same command and point proxy_ip at the proxy's host;
+# with GPUs there, install CuPy (pip install cupy-cuda12x, or cupy-cuda13x) so that GET pulls go through NCCL, and
+# add "send_type":"GET" to kv_connector_extra_config (pushes go through host memory).
 set -euo pipefail
 : "${MODEL:?set MODEL to a model directory or name}"
 P="${P:-1}" D="${D:-1}" FIRST_GPU="${FIRST_GPU:-0}" HOST="${HOST:-127.0.0.1}"
