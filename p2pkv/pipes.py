@@ -87,10 +87,10 @@ class ChannelPipe:
     def recv(self, pieces: Sequence[Piece], deadline: float) -> None:
         self.exchange((), pieces, deadline)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         if not self._closed:
             self._closed = True
-            self._channel.close(abort=self._failed)
+            self._channel.close(abort=abort or self._failed)
 
 
 class _Maker:

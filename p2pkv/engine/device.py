@@ -78,8 +78,9 @@ class Pipe(Protocol):
     def recv(self, pieces: Sequence[Piece], deadline: float) -> None:
         """Receive into these pieces of this worker's cache; returns once they are there."""
 
-    def close(self) -> None:
-        """Idempotent; frees the communicator."""
+    def close(self, abort: bool = False) -> None:
+        """Idempotent; frees the communicator. `abort`: the peer may be gone or operations pending (NCCL's abort,
+        which does not wait for either)."""
 
 
 class PipeMaker(Protocol):

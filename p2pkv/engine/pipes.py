@@ -59,14 +59,14 @@ class PipeSlot:
         self._done.wait(timeout_s)
         return self.ready()
 
-    def close(self) -> None:
-        """Idempotent: frees the pipe (the peer left, restarted or broke a transfer)."""
+    def close(self, abort: bool = False) -> None:
+        """Idempotent: frees the pipe; `abort` when its peer may be gone (left, restarted, broke a transfer)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             pipe, self._pipe = self._pipe, None
         if pipe is not None:
-            pipe.close()
+            pipe.close(abort)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=max(0.0, self._deadline - time.monotonic()) + _JOIN_S)

@@ -163,7 +163,7 @@ class Puller:
         if known is not None and known[0] is conn:
             return known[1].ready()
         if known is not None:
-            known[1].close()  # the peer restarted or the link broke: its communicator goes with it
+            known[1].close(abort=True)  # the peer restarted or the link broke: its communicator goes with it
             del self._pipes[peer]
         if self._maker is None or not conn.peer_pipe:
             return None
@@ -187,7 +187,7 @@ class Puller:
         self._links.drop(peer)
         known = self._pipes.pop(peer, None)
         if known is not None:
-            known[1].close()
+            known[1].close(abort=True)
 
     def _pull(self, job: PullJob) -> tuple[int, str, bool]:
         """Bytes pulled, the transport used and whether by reference. The link to each peer is kept for the next
