@@ -25,6 +25,8 @@ class EngineMetrics:
         self.pool_bytes = Gauge("p2pkv_pool_bytes", "Bytes of the host pool holding staged KV", registry=r)
         self.device_copy_bytes = Counter("p2pkv_device_copy_bytes", "KV bytes copied between the device's cache "
                                          "and host buffers (GPU KV)", ["direction"], registry=r)
+        self.pipes = Counter("p2pkv_pipes", "Pipes (communicators with one peer each, nccl) set up",
+                             ["kind", "outcome"], registry=r)
         self.transfer_seconds = Histogram("p2pkv_transfer_seconds", "Push time per transfer", ["direction"],
                                           registry=r)
         self._lock = threading.Lock()

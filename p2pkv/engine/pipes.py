@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from p2pkv.engine.device import Pipe
+from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.threads import engine_thread
 
 log = logging.getLogger(__name__)
@@ -19,8 +20,12 @@ _JOIN_S = 1.0  # close() waits at least this long for a set-up thread (and at mo
 
 
 class PipeSlot:
-    def __init__(self, peer: str, kind: str, setup: Callable[[float], Pipe], timeout_s: float) -> None:
+    def __init__(self, peer: str, kind: str, setup: Callable[[float], Pipe], timeout_s: float,
+                 metrics: EngineMetrics) -> None:
+        """Counts each set-up in `p2pkv_pipes_total{kind, outcome}`: ready, failed (an error), late (made after
+        its deadline or its link closed, and freed)."""
         self._peer = peer
+        self._metrics = metrics
         self._kind = kind
         self._setup = setup
         self._deadline = time.monotonic() + timeout_s
@@ -36,12 +41,14 @@ class PipeSlot:
             pipe = self._setup(self._deadline)
         except Exception as exc:  # any failure leaves the link carrying bytes, with the reason logged
             log.warning("%s pipe with %s could not be made (%s); pulls carry bytes", self._kind, self._peer, exc)
+            self._metrics.pipes.labels(self._kind, "failed").inc()
             self._done.set()
             return
         with self._lock:
             keep = not self._closed and time.monotonic() <= self._deadline
             if keep:
                 self._pipe = pipe
+        self._metrics.pipes.labels(self._kind, "ready" if keep else "late").inc()
         if keep:
             log.info("%s pipe with %s is ready", self._kind, self._peer)
         else:

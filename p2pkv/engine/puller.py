@@ -179,7 +179,7 @@ class Puller:
             log.info("could not ask %s to join a pipe: %s", peer, exc)
             self._links.drop(peer)
             return None
-        self._pipes[peer] = (conn, PipeSlot(str(peer), self._maker.kind, setup, self._pipe_setup_s))
+        self._pipes[peer] = (conn, PipeSlot(str(peer), self._maker.kind, setup, self._pipe_setup_s, self._metrics))
         return None
 
     def _drop(self, peer: Address) -> None:

@@ -115,7 +115,8 @@ class Receiver:
         if maker is None or not conn.peer_pipe or slot is not None:
             raise ProtocolError("a pipe was asked for that the handshake did not agree, or twice")
         token = ask.token
-        return PipeSlot(conn.peer, maker.kind, lambda deadline: maker.join(token, deadline), self._pipe_setup_s)
+        return PipeSlot(conn.peer, maker.kind, lambda deadline: maker.join(token, deadline), self._pipe_setup_s,
+                        self._metrics)
 
     def _serve(self, conn: Connection) -> None:
         source = f"{conn.peer}#{id(conn)}"

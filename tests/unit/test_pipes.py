@@ -130,6 +130,9 @@ def test_pulls_go_by_pipe_once_it_is_made(sides: list[Side], order: str) -> None
     again = pull(offerer, puller, "again", {6: 3, 7: 4})  # the pipe is made once per link and reused
     assert again.transport == "gloo" and same(offerer, puller, {6: 3, 7: 4})
     assert len(puller.pipes.made) == 1 and len(offerer.pipes.made) == 1
+    for side in (offerer, puller):
+        assert side.engine.metrics.registry.get_sample_value("p2pkv_pipes_total",
+                                                             {"kind": "gloo", "outcome": "ready"}) == 1
     received = puller.engine.metrics.registry.get_sample_value("p2pkv_bytes_received_total", {"transport": "gloo"})
     assert received == nbytes + SIZES["L"] * 2 * offerer.kv.block_bytes
     sent = offerer.engine.metrics.registry.get_sample_value("p2pkv_bytes_sent_total", {"transport": "gloo"})
@@ -149,6 +152,8 @@ def test_a_pipe_that_cannot_be_made_leaves_the_link_on_bytes(sides: list[Side]) 
         assert not result.by_reference and result.transport != "gloo"
     assert not first.by_reference and same(offerer, puller, moves)
     assert offerer.pipes.made == [] and puller.pipes.made == []
+    assert offerer.engine.metrics.registry.get_sample_value("p2pkv_pipes_total",
+                                                             {"kind": "gloo", "outcome": "failed"}) == 1
     puller.engine.close()  # waits for the set-up in flight to its deadline: no thread is left in gloo's rendezvous
     assert not [t for t in threading.enumerate() if t.name == f"p2pkv-pipe-{offerer.engine.address}"]
 
