@@ -1,8 +1,8 @@
 """A link's pipe being made off the request path: the set-up (NCCL's communicator init blocks until the peer joins)
 runs on an owned thread to a deadline, and pulls go by pipe only once it is there. A set-up that fails or misses
 its deadline leaves the link carrying bytes, with a warning; one that finishes after its slot was closed frees
-what it made. Closing waits for a set-up in flight to its deadline: a thread left inside a native call when the
-process exits aborts it."""
+what it made. Engine shutdown joins set-ups in flight, to their deadline: a thread that leaves a native call while
+the process exits aborts it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.threads import engine_thread
 
 log = logging.getLogger(__name__)
-_JOIN_S = 1.0  # close() waits at least this long for a set-up thread (and at most to its deadline, plus this)
+_JOIN_S = 1.0  # join() waits at least this long for a set-up thread (and at most to its deadline, plus this)
 
 
 class PipeSlot:
@@ -75,5 +75,14 @@ class PipeSlot:
             pipe, self._pipe = self._pipe, None
         if pipe is not None:
             pipe.close(abort)
+
+    @property
+    def settled(self) -> bool:
+        """The set-up is over (made, failed or freed): no thread is left in it."""
+        return self._done.is_set()
+
+    def join(self) -> None:
+        """Wait for a set-up in flight to its deadline (a closed slot frees what it makes); for engine shutdown,
+        off the request path."""
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=max(0.0, self._deadline - time.monotonic()) + _JOIN_S)

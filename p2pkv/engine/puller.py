@@ -69,6 +69,7 @@ class Puller:
         self._maker = pipes
         self._pipe_setup_s = pipe_setup_s
         self._pipes: dict[Address, tuple[Connection, PipeSlot]] = {}  # puller thread only
+        self._retired: list[PipeSlot] = []  # closed, maybe still setting up: joined at close()
         self._layout = hello.layout
         self._metrics = metrics
         self._queue: queue.Queue[PullJob] = queue.Queue()
@@ -163,7 +164,7 @@ class Puller:
         if known is not None and known[0] is conn:
             return known[1].ready()
         if known is not None:
-            known[1].close(abort=True)  # the peer restarted or the link broke: its communicator goes with it
+            self._retire(known[1])  # the peer restarted or the link broke: its communicator goes with it
             del self._pipes[peer]
         if self._maker is None or not conn.peer_pipe:
             return None
@@ -187,7 +188,12 @@ class Puller:
         self._links.drop(peer)
         known = self._pipes.pop(peer, None)
         if known is not None:
-            known[1].close(abort=True)
+            self._retire(known[1])
+
+    def _retire(self, slot: PipeSlot) -> None:
+        slot.close(abort=True)
+        self._retired = [s for s in self._retired if not s.settled]
+        self._retired.append(slot)
 
     def _pull(self, job: PullJob) -> tuple[int, str, bool]:
         """Bytes pulled, the transport used and whether by reference. The link to each peer is kept for the next
@@ -301,9 +307,13 @@ class Puller:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._links.close()
-        for _, slot in self._pipes.values():
+        slots = [slot for _, slot in self._pipes.values()] + self._retired
+        for slot in slots:
             slot.close()
+        for slot in slots:
+            slot.join()
         self._pipes.clear()
+        self._retired.clear()
         for _, remote in self._remotes.values():
             if remote is not None:
                 remote.close()

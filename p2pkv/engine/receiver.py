@@ -154,6 +154,7 @@ class Receiver:
             self._store.fail_from_source(source, "connection to the sender was lost")
             if slot is not None:
                 slot.close(abort=True)  # the communicator goes with its link (whose peer may be gone)
+                slot.join()
             conn.close()
             with self._lock:
                 self._readers.pop(threading.current_thread(), None)
