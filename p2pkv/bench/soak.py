@@ -27,6 +27,7 @@ class SoakResult:
     rss_end_mb: dict[str, float] = field(default_factory=dict)
     staging_bytes: float = 0.0
     pool_bytes: float = 0.0
+    received: dict[str, float] = field(default_factory=dict)  # decode's bytes received, by transport
 
     def growth(self, name: str) -> float:
         return self.rss_end_mb[name] / self.rss_mark_mb[name] - 1.0
@@ -87,10 +88,11 @@ async def _drive(proxy: str, model: str, requests: int, concurrency: int, mark: 
         await asyncio.gather(*(one(i) for i in range(requests)))
 
 
-def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_type: str = "PUT_ASYNC") -> SoakResult:
+def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_type: str = "PUT_ASYNC",
+             transport: str = "auto") -> SoakResult:
     cluster = Cluster(model=model, log_dir=log_dir)
     p_http, p_kv, d_http, d_kv, d_metrics, proxy_port = free_ports(6)
-    mode = {"send_type": send_type}
+    mode = {"send_type": send_type, "transport": transport}
     prefill = cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv, mode))
     decode = cluster.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_kv, {**mode, "metrics_port": d_metrics}))
     cluster.add_proxy(proxy_port, [f"127.0.0.1:{p_http}"], [f"127.0.0.1:{d_http}@127.0.0.1:{d_kv}"])
@@ -116,25 +118,30 @@ def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_ty
         text = httpx.get(f"http://127.0.0.1:{d_metrics}/metrics", timeout=10).text
         result.staging_bytes = _metric(text, "p2pkv_staging_bytes")
         result.pool_bytes = _metric(text, "p2pkv_pool_bytes")
+        result.received = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                           if line.startswith("p2pkv_bytes_received_total{")}
     finally:
         cluster.stop()
     return result
 
 
-def main(model: str | None, requests: int, concurrency: int, send_type: str = "PUT_ASYNC") -> int:
+def main(model: str | None, requests: int, concurrency: int, send_type: str = "PUT_ASYNC",
+         transport: str = "auto") -> int:
     if model is None:
         from p2pkv.cli.up import default_model_dir
         from p2pkv.tinymodel import write_tiny_model
 
         model = str(write_tiny_model(default_model_dir()))
     log_dir = Path(tempfile.mkdtemp(prefix="p2pkv-soak-"))
-    r = run_soak(model, requests, concurrency, log_dir, send_type)
+    r = run_soak(model, requests, concurrency, log_dir, send_type, transport)
     print(f"{'metric':<46}{'value':>14}")
     print(f"{'requests':<46}{r.requests:>14}")
     print(f"{'failed requests':<46}{r.failures:>14}")
     print(f"{'requests per second':<46}{r.requests / r.seconds:>14.1f}")
     print(f"{'decode staging bytes at the end':<46}{r.staging_bytes:>14.0f}")
     print(f"{'decode pool bytes at the end':<46}{r.pool_bytes:>14.0f}")
+    for series, value in sorted(r.received.items()):
+        print(f"{'decode ' + series.removeprefix('p2pkv_'):<46}{value:>14.0f}")
     print(f"{'process: RSS at the mark / at the end (MiB)':<46}{'growth':>14}")
     for name in sorted(r.rss_mark_mb):
         if name in r.rss_end_mb:

@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from p2pkv.config import Transport
 from p2pkv.errors import P2pkvError
 
 
@@ -50,7 +51,7 @@ def _bench_pool(args: argparse.Namespace) -> int:
 def _bench_soak(args: argparse.Namespace) -> int:
     from p2pkv.bench.soak import main as bench_soak
 
-    return bench_soak(args.model, args.requests, args.concurrency, args.send_type)
+    return bench_soak(args.model, args.requests, args.concurrency, args.send_type, args.transport)
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
@@ -131,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--requests", type=int, default=1000)
     soak.add_argument("--concurrency", type=int, default=16)
     soak.add_argument("--send-type", default="PUT_ASYNC", choices=["PUT", "PUT_ASYNC", "GET"])
+    soak.add_argument("--transport", default="auto", choices=[t.value for t in Transport],
+                      help="the instances' transport key")
     soak.set_defaults(func=_bench_soak)
     btransfer = bench.add_parser("transfer", help="engine transfers per transport against same-run baselines")
     btransfer.add_argument("--sizes", nargs="+", default=None, metavar="BYTES",

@@ -5,9 +5,11 @@ freed, a set-up that fails leaving the link on bytes, and teardown with the link
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.connection import Connection
 
 import pytest
 import torch
@@ -247,3 +249,104 @@ def test_no_pipe_where_the_cache_opens_or_tcp_is_asked_for(sides: list[Side], tr
         assert result.transport == label and same(offerer, puller, {1: 2, 2: 3})
         time.sleep(0.1)
     assert puller.pipes.made == [] and offerer.pipes.made == []
+
+
+class StallingPipes(GlooPipes):
+    """The listener's pipes say when a send starts, then never finish it: a peer that hangs mid-transfer."""
+
+    def __init__(self, kv: DeviceKv, conn: Connection) -> None:
+        super().__init__(kv, "127.0.0.1")
+        self._conn = conn
+
+    def join(self, token: bytes, deadline: float) -> ChannelPipe:
+        pipe = super().join(token, deadline)
+
+        def send(pieces: Sequence[Piece], deadline: float) -> None:
+            self._conn.send("sending")
+            time.sleep(600)
+
+        pipe.send = send  # type: ignore[method-assign]  # the instance's sends hang
+        return pipe
+
+
+def _offering_process(conn: Connection, port: int, stall: bool) -> None:
+    torch.manual_seed(0)
+    layers = views("LBHNC", torch.bfloat16, SIZES, True)
+    kv = DeviceKv(layers, 16, "test", 5)
+    buffers = TransferBuffers(kv)
+    pipes = StallingPipes(kv, conn) if stall else GlooPipes(kv, "127.0.0.1")
+    extra = ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=TIMEOUT_S, connect_timeout_s=SETUP_S,
+                        transport=Transport.NCCL)
+    engine = TransferEngine(EngineSettings.from_config(extra, port, 0), kv.digest, pipes=pipes)
+    engine.start()
+    for i in range(40):
+        engine.offer(f"k-{i}", 2, buffers.source(f"k-{i}", [1, 2]), 60, buffers.ranges(f"k-{i}", [1, 2]))
+    conn.send(engine.address)
+    conn.poll(120)
+
+
+def _spawn(port: int, stall: bool) -> tuple[mp.process.BaseProcess, Connection, Address]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_offering_process, args=(child, port, stall), daemon=True)
+    proc.start()
+    assert parent.poll(60), "the offering process did not start"
+    return proc, parent, Address.parse(parent.recv())
+
+
+def test_a_peer_that_dies_mid_transfer_fails_that_pull_and_its_successor_gets_a_new_pipe(sides: list[Side]) -> None:
+    """A real process, killed while it sends by pipe: the pull fails (within its deadline, not hanging), and the
+    peer restarted on the same port is pulled from by a new pipe."""
+    puller = Side("LBHNC", False)
+    sides.append(puller)
+    proc, conn, peer = _spawn(0, stall=True)
+    failed, i = None, 0
+    try:
+        while failed is None:  # pulls carry bytes until the pipe is made; the first by pipe hangs in the peer
+            assert i < 40
+            tid = f"k-{i}"
+            puller.engine.pull(tid, peer, 0, 2, puller.buffers.sink(tid, [5, 6]), time.monotonic() + TIMEOUT_S,
+                               (5, 6))
+            if conn.poll(1.0) and conn.recv() == "sending":
+                proc.kill()
+                killed = time.monotonic()
+                result = puller.engine.wait_pull(tid, 3 * TIMEOUT_S)
+                assert result is not None and result.state is PullState.FAILED, result
+                failed = time.monotonic() - killed
+            else:
+                result = puller.engine.wait_pull(tid, TIMEOUT_S)
+                assert result is not None and result.state is PullState.DONE and result.transport != "gloo"
+            puller.buffers.release(tid)
+            i += 1
+    finally:
+        proc.kill()
+        proc.join(10)
+    assert failed < 2 * TIMEOUT_S, f"the pull failed {failed:.1f} s after its peer died"
+    assert puller.pipes.made and puller.pipes.made[-1].closed, "the dead peer's pipe was freed"
+    proc, conn, peer2 = _spawn(peer.port, stall=False)  # the peer restarts on the same port
+    try:
+        torch.manual_seed(0)
+        expected = views("LBHNC", torch.bfloat16, SIZES, True)
+        for layer in puller.layers:
+            layer.zero_()
+        by_pipe = False
+        for j in range(40):
+            tid = f"k-{j}"
+            puller.engine.pull(tid, peer2, 0, 2, puller.buffers.sink(tid, [5, 6]), time.monotonic() + TIMEOUT_S,
+                               (5, 6))
+            result = puller.engine.wait_pull(tid, TIMEOUT_S)
+            assert result is not None and result.state is PullState.DONE, result
+            if not result.by_reference:
+                puller.buffers.land(tid)
+            puller.buffers.release(tid)
+            assert all(torch.equal(puller.layers[layer][5 + k], expected[layer][1 + k])
+                       for layer in range(SIZES["L"]) for k in range(2))
+            by_pipe = result.transport == "gloo"
+            if by_pipe:
+                break
+            time.sleep(0.1)
+        assert by_pipe, "no pull went by the new pipe"
+        assert len(puller.pipes.made) == 2
+    finally:
+        conn.send("stop")
+        proc.join(30)
