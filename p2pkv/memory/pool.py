@@ -1,6 +1,8 @@
-"""The host pool: one buffer of `mem_pool_size_gb`, allocated on first use (not at start-up), carved by a buddy
-allocator. With CUDA available the buffer is pinned, so device copies to and from it run at full speed; on a
-CPU-only host it is ordinary memory.
+"""The host pool: one mapping of `mem_pool_size_gb`, made on first use, carved by a buddy allocator. Its pages
+are touched only when handed out. With CUDA available the part in use is pinned (page-locked and registered with
+CUDA, `cudaHostRegister`), so device copies to and from it run at full speed: one segment (1 GiB) when the pool is
+prepared, then segment by segment as allocations reach further. Pinning every worker's whole pool at start-up (the
+old connector's 32 GiB) took seconds per GiB and failed on small hosts. On a CPU-only host nothing is pinned.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import mmap
 import platform
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from p2pkv.memory.buddy import BuddyAllocator, BuddyStats
@@ -18,6 +21,30 @@ log = logging.getLogger(__name__)
 # Python's mmap module lacks MAP_NORESERVE here; Linux's value on x86-64 and arm64 (elsewhere: none).
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" and platform.machine() in
                          ("x86_64", "aarch64") else 0)
+PIN_SEGMENT = 1 << 30
+Pin = Callable[[memoryview, int, int], None]  # pin bytes start..end of the mapping; raises when it cannot
+
+
+def cuda_pin(memory: memoryview, start: int, end: int) -> None:
+    """Page-lock and register with CUDA a span of the mapping (torch's binding of cudaHostRegister)."""
+    import ctypes
+
+    import torch
+
+    address = ctypes.addressof(ctypes.c_char.from_buffer(memory, start))
+    err = torch.cuda.cudart().cudaHostRegister(address, end - start, 1)  # 1: portable, pinned for every device
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {end - start} bytes failed: {err}")
+
+
+def _default_pin(pinned: bool | None) -> Pin | None:
+    if pinned is False:
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    return cuda_pin if torch.cuda.is_available() else None
 
 
 @dataclass(frozen=True)
@@ -28,24 +55,37 @@ class PoolBuffer:
 
 
 class HostPool:
-    def __init__(self, capacity_bytes: int, min_block: int = 512, pinned: bool | None = None) -> None:
+    def __init__(self, capacity_bytes: int, min_block: int = 512, pinned: bool | None = None,
+                 pin: Pin | None = None, segment: int = PIN_SEGMENT) -> None:
+        """`pinned`: None pins with CUDA where it is available, False never; `pin` replaces CUDA's pinning."""
         self._capacity = capacity_bytes
         self._min_block = min_block
         self._pinned = pinned
+        self._pin = pin
+        self._segment = segment
         self._lock = threading.Lock()
+        self._grow_lock = threading.Lock()
+        self._pinned_to = 0  # bytes [0, _pinned_to) of the mapping are pinned
+        self._pin_failed = False
         self._allocator: BuddyAllocator | None = None
         self._memory: memoryview | None = None
         self._keepalive: object | None = None
-        self._pinned_memory = False
         self._failed = False
 
     @property
     def allocated(self) -> bool:
         return self._memory is not None
 
+    @property
+    def pinned_bytes(self) -> int:
+        return self._pinned_to
+
     def prepare(self) -> None:
-        """Map (and pin) the memory now rather than on first use."""
-        self._ensure()
+        """Map the memory, and pin its first segment, now rather than on first use (pinning costs about 0.5 s per
+        GiB: at start-up, not in a transfer)."""
+        ready = self._ensure()
+        if ready is not None and self._pin is not None:
+            self._pin_to(ready[1], min(self._capacity, self._segment))
 
     def _ensure(self) -> tuple[BuddyAllocator, memoryview] | None:
         """The allocator and memory, mapped on first use; None if the memory could not be had (logged once)."""
@@ -61,20 +101,32 @@ class HostPool:
                               "mem_pool_size_gb to what this host can hold", self._capacity, exc)
                     return None
                 self._allocator = BuddyAllocator(self._capacity, self._min_block)
-                log.info("host pool of %d bytes mapped (pinned=%s)", self._capacity, self._pinned_memory)
+                if self._pin is None:
+                    self._pin = _default_pin(self._pinned)
+                log.info("host pool of %d bytes mapped (pinned as used: %s)", self._capacity, self._pin is not None)
             return self._allocator, self._memory
 
-    def _allocate_memory(self) -> tuple[memoryview, object | None]:
-        if self._pinned is not False:
+    def _pin_to(self, memory: memoryview, end: int) -> bool:
+        """Pin the mapping up to `end` (rounded up to a segment); False, logged once, when that fails."""
+        assert self._pin is not None
+        with self._grow_lock:
+            if end <= self._pinned_to:
+                return True
+            if self._pin_failed:
+                return False
+            target = min(self._capacity, -(-end // self._segment) * self._segment)
             try:
-                import torch
+                self._pin(memory, self._pinned_to, target)
+            except (OSError, RuntimeError) as exc:
+                self._pin_failed = True
+                log.error("host pool: pinning bytes %d..%d failed (%s); transfers beyond %d bytes of the pool get "
+                          "buffers of their own", self._pinned_to, target, exc, self._pinned_to)
+                return False
+            log.info("host pool: %d bytes pinned", target)
+            self._pinned_to = target
+            return True
 
-                if torch.cuda.is_available():
-                    tensor = torch.empty(self._capacity, dtype=torch.uint8, pin_memory=True)
-                    self._pinned_memory = True
-                    return memoryview(tensor.numpy()), tensor
-            except ImportError:
-                pass
+    def _allocate_memory(self) -> tuple[memoryview, object | None]:
         # An anonymous mapping: pages are zero and materialise when first written, so a large pool costs
         # nothing until it is used (a bytearray would be zero-filled, touching every page at once). NORESERVE:
         # a pool larger than this host's memory is still mapped; only the bytes handed out are ever touched.
@@ -94,6 +146,9 @@ class HostPool:
         allocator, memory = ready
         offset = allocator.allocate(size)
         if offset is None:
+            return None
+        if self._pin is not None and not self._pin_to(memory, offset + size):
+            allocator.release(offset)
             return None
         return PoolBuffer(offset, size, memory[offset : offset + size])
 

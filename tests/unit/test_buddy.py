@@ -6,6 +6,7 @@ import itertools
 import threading
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -141,3 +142,61 @@ def test_a_pool_larger_than_this_host_is_mapped_lazily() -> None:
     assert buf is not None
     buf.view[:] = b"\x01" * (1 << 20)
     pool.release(buf)
+
+
+class Pins:
+    """Records what the pool asks to pin (CUDA's cudaHostRegister on a GPU host); fails from `fail_from` bytes."""
+
+    def __init__(self, fail_from: int | None = None) -> None:
+        self.spans: list[tuple[int, int]] = []
+        self.fail_from = fail_from
+
+    def __call__(self, memory: memoryview, start: int, end: int) -> None:
+        assert 0 <= start < end <= len(memory)
+        if self.fail_from is not None and end > self.fail_from:
+            raise RuntimeError("cudaErrorMemoryAllocation")
+        self.spans.append((start, end))
+
+
+def test_the_pool_pins_one_segment_when_prepared_and_more_as_allocations_reach_further() -> None:
+    """A GPU worker's pool is not pinned whole at start-up (the old connector pinned 32 GiB per worker)."""
+    seg = 1 << 20
+    pins = Pins()
+    pool = HostPool(16 * seg, MIN, pin=pins, segment=seg)
+    pool.prepare()
+    assert pins.spans == [(0, seg)] and pool.pinned_bytes == seg
+    small = pool.allocate(seg // 2)  # inside the pinned segment: nothing more is pinned
+    assert small is not None and pins.spans == [(0, seg)]
+    big = pool.allocate(3 * seg)  # a 4-segment block past the first: pinned up to its end, from where pinning stopped
+    assert big is not None and big.offset + big.size > seg
+    assert pins.spans == [(0, seg), (seg, -(-(big.offset + big.size) // seg) * seg)]
+    assert pool.pinned_bytes >= big.offset + big.size
+    pool.release(big)
+    again = pool.allocate(3 * seg)  # reuse of pinned memory pins nothing new
+    assert again is not None and len(pins.spans) == 2
+    spans = pins.spans
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)), "pinned spans are contiguous"
+
+
+def test_an_allocation_that_cannot_be_pinned_is_refused_and_the_pool_keeps_working() -> None:
+    seg = 1 << 20
+    pins = Pins(fail_from=2 * seg)
+    pool = HostPool(16 * seg, MIN, pin=pins, segment=seg)
+    first = pool.allocate(seg)
+    assert first is not None and pins.spans == [(0, seg)]
+    assert pool.allocate(4 * seg) is None  # past what can be pinned: the caller gets a buffer of its own
+    stats = pool.stats()
+    assert stats is not None and stats.bytes_in_use == seg, "the refused block went back to the pool"
+    pool.release(first)
+    again = pool.allocate(seg)  # what is pinned is still handed out
+    assert again is not None and again.offset + again.size <= pool.pinned_bytes
+    assert pool.allocate(4 * seg) is None  # the failure is logged once, not retried per allocation
+    assert pins.spans == [(0, seg)]
+
+
+def test_pinned_by_default_only_where_cuda_is() -> None:
+    pool = HostPool(1 << 20, MIN)  # pinned=None: CUDA's pinning where CUDA is available
+    buf = pool.allocate(4096)
+    assert buf is not None
+    assert pool.pinned_bytes == (1 << 20 if torch.cuda.is_available() else 0)
+    assert HostPool(1 << 20, MIN, pinned=False).pinned_bytes == 0
