@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from p2pkv.device_copy import Marker, settle
 from p2pkv.engine.device import Piece, Pipe, Run
@@ -179,12 +180,12 @@ class GlooPipes(_Maker):
         self._host = host
 
     def create(self) -> tuple[bytes, Callable[[float], ChannelPipe]]:
-        store = torch.distributed.TCPStore(self._host, 0, 2, True, wait_for_workers=False,
+        store = dist.TCPStore(self._host, 0, 2, True, wait_for_workers=False,
                                            timeout=datetime.timedelta(seconds=60))
         token = f"{self._host}|{store.port}".encode()
 
         def setup(deadline: float) -> ChannelPipe:
-            group = torch.distributed.ProcessGroupGloo(store, 0, 2, _remaining(deadline))
+            group = dist.ProcessGroupGloo(store, 0, 2, _remaining(deadline))
             return self._pipe(GlooChannel(group, store, self.kv.copy_timeout_s), 0)
 
         return token, setup
@@ -193,8 +194,8 @@ class GlooPipes(_Maker):
         host, _, port = token.decode().rpartition("|")
         if not host or not port.isdigit():
             raise P2pkvError(f"a gloo pipe token is host|port, got {token!r}")
-        store = torch.distributed.TCPStore(host, int(port), 2, False, timeout=_remaining(deadline))
-        group = torch.distributed.ProcessGroupGloo(store, 1, 2, _remaining(deadline))
+        store = dist.TCPStore(host, int(port), 2, False, timeout=_remaining(deadline))
+        group = dist.ProcessGroupGloo(store, 1, 2, _remaining(deadline))
         return self._pipe(GlooChannel(group, store, self.kv.copy_timeout_s), 1)
 
 
