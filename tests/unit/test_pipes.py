@@ -18,7 +18,9 @@ from p2pkv.bench import ipc_check
 from p2pkv.config import ExtraConfig, Transport
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.device import Piece
+from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import OfferState
+from p2pkv.engine.pipes import PipeSlot
 from p2pkv.engine.puller import PullResult, PullState
 from p2pkv.errors import P2pkvError, TransferError
 from p2pkv.ipc import CacheAccess
@@ -350,3 +352,42 @@ def test_a_peer_that_dies_mid_transfer_fails_that_pull_and_its_successor_gets_a_
     finally:
         conn.send("stop")
         proc.join(30)
+
+
+class FakePipe:
+    """Stands for a communicator in PipeSlot's own bookkeeping (no transfer goes through it)."""
+
+    transport = "fake"
+
+    def __init__(self) -> None:
+        self.closed_with: bool | None = None
+
+    def send(self, pieces: Sequence[Piece], deadline: float) -> None:
+        raise AssertionError("not used")
+
+    def recv(self, pieces: Sequence[Piece], deadline: float) -> None:
+        raise AssertionError("not used")
+
+    def close(self, abort: bool = False) -> None:
+        self.closed_with = abort
+
+
+def test_a_pipe_made_after_its_deadline_or_its_link_is_freed_not_used() -> None:
+    metrics = EngineMetrics()
+    late, released = FakePipe(), threading.Event()
+
+    def slow_setup(deadline: float) -> FakePipe:  # NCCL's init cannot be bounded: it returns when it returns
+        released.wait(5)
+        return late
+
+    slot = PipeSlot("peer", "fake", slow_setup, 0.05, metrics)
+    assert slot.wait(0.2) is None and slot.ready() is None  # not made by its deadline: the link carries bytes
+    released.set()
+    slot.join()
+    assert slot.settled and slot.ready() is None and late.closed_with is False, "made late: freed"
+    assert metrics.registry.get_sample_value("p2pkv_pipes_total", {"kind": "fake", "outcome": "late"}) == 1
+    made = FakePipe()
+    slot = PipeSlot("peer", "fake", lambda deadline: made, 5, metrics)
+    assert slot.wait(5) is made
+    slot.close(abort=True)  # the link's peer is gone
+    assert made.closed_with is True and slot.ready() is None
