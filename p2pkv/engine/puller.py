@@ -7,6 +7,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from p2pkv.engine.device import DeviceAccess, Pipe, PipeMaker, RemoteCache, Run, pair_ranges
@@ -219,10 +220,8 @@ class Puller:
             raise NotOfferedYet(job.transfer_id)
         if not reply[0].accepted:
             raise TransferError(f"{job.peer} refused the pull: {reply[0].reason}")
-        if reply[0].by_reference:
-            return self._copy_by_reference(conn, job, by_reference)
-        if reply[0].by_pipe:
-            return self._receive_by_pipe(conn, job, pipe_runs)
+        if reply[0].by_reference or reply[0].by_pipe:
+            return self._move_direct(conn, job, reply[0].by_pipe, by_reference, pipe_runs)
         try:
             nbytes, layer, num_layers = 0, 0, self._layout.num_layers
             per_layer = job.num_blocks * self._layout.block_bytes
@@ -254,42 +253,45 @@ class Puller:
                 or len(message.layers) != self._layout.num_layers
                 or any(sum(n for _, n in layer) != per_layer for layer in message.layers)
                 or job.device_blocks is None or len(job.device_blocks) != job.num_blocks):
-            raise ProtocolError(f"unexpected frame for a pull by reference: {type(message).__name__}")
+            raise ProtocolError(f"unexpected frame for a pull by reference or pipe: {type(message).__name__}")
         return message.layers
 
-    def _copy_by_reference(self, conn: Connection, job: PullJob, asked: bool) -> tuple[int, str, bool]:
-        """The peer said where the blocks lie in its cache: copy them into ours, then confirm."""
+    def _move_direct(self, conn: Connection, job: PullJob, by_pipe: bool, asked: bool,
+                     runs: list[list[Run]]) -> tuple[int, str, bool]:
+        """The peer said where the blocks lie in its cache: move them into ours (copied from its opened cache,
+        cuda_ipc; or received through the link's pipe, nccl), then confirm."""
         try:
-            remote = self._remote(job.peer, conn)  # the link the request went over (a reconnect opens anew)
-            if not asked or remote is None or job.device_blocks is None:
-                raise ProtocolError("a pull answered by reference that was not asked for")
-            nbytes = remote.copy_into(self._ranges(conn, job), job.device_blocks, job.deadline)
+            move, transport = self._pipe_mover(conn, job, runs) if by_pipe else self._copy_mover(conn, job, asked)
+            nbytes = move(self._ranges(conn, job))
             conn.send_frame(PayloadCopied(job.transfer_id, 0, self._layout.num_layers), (), job.deadline)
         except BaseException:
             self._drop(job.peer)
             raise
-        self._count(remote.transport, nbytes)
-        return nbytes, remote.transport, True
+        self._count(transport, nbytes)
+        return nbytes, transport, True
 
-    def _receive_by_pipe(self, conn: Connection, job: PullJob, runs: list[list[Run]]) -> tuple[int, str, bool]:
-        """The peer sends the blocks through the link's pipe: post the receives its ranges and ours pair into,
-        then confirm once they have landed."""
-        try:
-            known = self._pipes.get(job.peer)
-            pipe = known[1].ready() if known is not None and known[0] is conn else None
-            if not runs or pipe is None:
-                raise ProtocolError("a pull answered by pipe that was not asked for")
-            theirs = self._ranges(conn, job)
+    def _copy_mover(self, conn: Connection, job: PullJob, asked: bool) -> tuple[Callable[[list[list[Run]]], int], str]:
+        remote = self._remote(job.peer, conn)  # the link the request went over (a reconnect opens anew)
+        blocks = job.device_blocks
+        if not asked or remote is None or blocks is None:
+            raise ProtocolError("a pull answered by reference that was not asked for")
+        return (lambda theirs: remote.copy_into(theirs, blocks, job.deadline)), remote.transport
+
+    def _pipe_mover(self, conn: Connection, job: PullJob,
+                    runs: list[list[Run]]) -> tuple[Callable[[list[list[Run]]], int], str]:
+        known = self._pipes.get(job.peer)
+        pipe = known[1].ready() if known is not None and known[0] is conn else None
+        if not runs or pipe is None:
+            raise ProtocolError("a pull answered by pipe that was not asked for")
+
+        def receive(theirs: list[list[Run]]) -> int:
+            """Post the receives that the peer's ranges and ours pair into; return once they have landed."""
             pieces = [(layer, mine, n) for layer in range(self._layout.num_layers)
                       for _, mine, n in pair_ranges(theirs[layer], runs[layer])]
             pipe.recv(pieces, job.deadline)
-            conn.send_frame(PayloadCopied(job.transfer_id, 0, self._layout.num_layers), (), job.deadline)
-        except BaseException:
-            self._drop(job.peer)
-            raise
-        nbytes = sum(n for _, _, n in pieces)
-        self._count(pipe.transport, nbytes)
-        return nbytes, pipe.transport, True
+            return sum(n for _, _, n in pieces)
+
+        return receive, pipe.transport
 
     def _count(self, transport: str, nbytes: int) -> None:
         self._metrics.bytes_received.labels(transport).inc(nbytes)

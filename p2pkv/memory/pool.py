@@ -147,7 +147,8 @@ class HostPool:
         offset = allocator.allocate(size)
         if offset is None:
             return None
-        if self._pin is not None and not self._pin_to(memory, offset + size):
+        # Past what is pinned (rare: the pool grows a GiB at a time) the lock is taken and the span pinned.
+        if self._pin is not None and offset + size > self._pinned_to and not self._pin_to(memory, offset + size):
             allocator.release(offset)
             return None
         return PoolBuffer(offset, size, memory[offset : offset + size])
