@@ -108,9 +108,18 @@ def _storage_bytes(t: torch.Tensor) -> ByteBlocks:
     return arr
 
 
-def describe(tensors: Sequence[torch.Tensor], block_size: int, kernel: str) -> tuple[list[LayerGeometry],
-                                                                                     LayoutDigest]:
-    """Each layer's block geometry and the digest peers compare; refuses layers that differ."""
+def head_slice(tensors: Sequence[torch.Tensor], heads: tuple[int, int]) -> list[torch.Tensor]:
+    """Views of heads `first .. end` of every block (the layers' dim 1: `[B, H, N, C]`, MLA `[B, 1, N, C]`)."""
+    first, end = heads
+    if not 0 <= first < end <= tensors[0].shape[1]:
+        raise IncompatiblePeerError(f"heads {first}..{end} outside the {tensors[0].shape[1]} held here")
+    return [t[:, first:end] for t in tensors]
+
+
+def describe(tensors: Sequence[torch.Tensor], block_size: int, kernel: str,
+             total_heads: int = 0) -> tuple[list[LayerGeometry], LayoutDigest]:
+    """Each layer's block geometry and the digest peers compare; refuses layers that differ. `total_heads`: the
+    model's KV heads over all tensor-parallel ranks (0: not known; peers must then hold the same heads)."""
     if not tensors:
         raise IncompatiblePeerError("no KV cache tensors were registered")
     first = tensors[0]
@@ -123,7 +132,8 @@ def describe(tensors: Sequence[torch.Tensor], block_size: int, kernel: str) -> t
     block_bytes = first[0].numel() * first.element_size()
     digest = LayoutDigest(num_layers=len(tensors), block_size=block_size, block_bytes=block_bytes,
                           dtype=str(first.dtype).removeprefix("torch."), block_shape=tuple(first.shape[1:]),
-                          kernel=kernel, block_layout=geometry[0].signature())
+                          kernel=kernel, block_layout=geometry[0].signature(), total_heads=total_heads,
+                          head_layout=LayerGeometry.of(first[:, :1]).signature() if first.dim() > 2 else "dense")
     return geometry, digest
 
 
@@ -136,8 +146,9 @@ class KvBlocks:
     digest: LayoutDigest
 
     @classmethod
-    def from_tensors(cls, tensors: Sequence[torch.Tensor], block_size: int, kernel: str) -> KvBlocks:
-        geometry, digest = describe(tensors, block_size, kernel)
+    def from_tensors(cls, tensors: Sequence[torch.Tensor], block_size: int, kernel: str,
+                     total_heads: int = 0) -> KvBlocks:
+        geometry, digest = describe(tensors, block_size, kernel, total_heads)
         return cls([_storage_bytes(t) for t in tensors], geometry, digest)
 
     @property

@@ -47,11 +47,14 @@ class PrefillParams:
     decode_kv: Address | None
     pull: bool = False
     inline: bool = False  # PUT: the prefill step waits until its push is sent
+    decode_tp: int = 0  # the decode instance's tensor-parallel size, when the proxy knows it (0: not known)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {MARKER: PARAMS_VERSION, "transfer_id": self.transfer_id, "do_remote_decode": True}
         if self.decode_kv is not None:
             out["decode_kv_address"] = str(self.decode_kv)
+        if self.decode_tp:
+            out["decode_tp_size"] = self.decode_tp
         if self.pull:
             out["send_type"] = "GET"
         elif self.inline:
@@ -72,6 +75,7 @@ class DecodeParams:
     prefill_kv: Address | None
     test_corrupt: bool = False
     pull: bool = False
+    prefill_tp: int = 0  # the prefill instance's tensor-parallel size (0: not said, taken to equal ours)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -84,6 +88,8 @@ class DecodeParams:
             out["prefill_kv_address"] = str(self.prefill_kv)
         if self.test_corrupt:
             out["test_corrupt"] = True
+        if self.prefill_tp:
+            out["prefill_tp_size"] = self.prefill_tp
         if self.pull:
             out["send_type"] = "GET"
         return out
@@ -101,9 +107,13 @@ class ProbeParams:
 class ProbeAnswer:
     kv_port: int
     kv_host: str
+    tp_size: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {MARKER: PARAMS_VERSION, "kv_port": self.kv_port, "kv_host": self.kv_host}
+        out: dict[str, Any] = {MARKER: PARAMS_VERSION, "kv_port": self.kv_port, "kv_host": self.kv_host}
+        if self.tp_size:
+            out["tp_size"] = self.tp_size
+        return out
 
 
 AnyParams = PrefillParams | DecodeParams | ProbeParams
@@ -114,6 +124,13 @@ def _pull(raw: dict[str, Any]) -> bool:
     if mode not in ("PUT", "PUT_ASYNC", "GET"):
         raise ConfigError(f"kv_transfer_params.send_type: expected PUT, PUT_ASYNC or GET, got {mode!r}")
     return bool(mode == "GET")
+
+
+def _tp_size(raw: dict[str, Any], key: str) -> int:
+    value = raw.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 4096:
+        raise ConfigError(f"kv_transfer_params.{key}: expected a tensor-parallel size, got {value!r}")
+    return value
 
 
 def parse_transfer_params(raw: Any) -> AnyParams | None:
@@ -133,14 +150,14 @@ def parse_transfer_params(raw: Any) -> AnyParams | None:
     if raw.get("do_remote_decode"):
         decode = raw.get("decode_kv_address")
         return PrefillParams(transfer_id, Address.parse(decode) if isinstance(decode, str) else None,
-                             _pull(raw), raw.get("send_type") == "PUT")
+                             _pull(raw), raw.get("send_type") == "PUT", _tp_size(raw, "decode_tp_size"))
     if raw.get("load_remote_kv"):
         tokens = raw.get("num_prompt_tokens")
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
             raise ConfigError(f"kv_transfer_params.num_prompt_tokens: expected a positive integer, got {tokens!r}")
         prefill = raw.get("prefill_kv_address")
         params = DecodeParams(transfer_id, tokens, Address.parse(prefill) if isinstance(prefill, str) else None,
-                              bool(raw.get("test_corrupt", False)), _pull(raw))
+                              bool(raw.get("test_corrupt", False)), _pull(raw), _tp_size(raw, "prefill_tp_size"))
         if params.pull and params.prefill_kv is None:
             raise ConfigError("kv_transfer_params: send_type GET needs prefill_kv_address")
         return params

@@ -38,9 +38,31 @@ class LayoutDigest(msgspec.Struct, frozen=True):
     block_shape: tuple[int, ...]
     kernel: str
     block_layout: str = "dense"  # how one block's bytes lie in memory (one run, or several)
+    total_heads: int = 0  # KV heads of the model over all tensor-parallel ranks; 0: not known
+    head_layout: str = "dense"  # how one head of one block lies in memory
+
+    @property
+    def local_heads(self) -> int:
+        return self.block_shape[0] if self.block_shape else 1
+
+    @property
+    def head_bytes(self) -> int:
+        return self.block_bytes // max(1, self.local_heads)
+
+    def slices_with(self, other: LayoutDigest) -> bool:
+        """The peer holds other heads of the same model (another tensor-parallel size): blocks move as head
+        slices, not whole."""
+        return (self.total_heads > 0 and self.total_heads == other.total_heads
+                and self.local_heads != other.local_heads)
 
     def differences(self, other: LayoutDigest) -> list[str]:
-        names = ("num_layers", "block_size", "block_bytes", "dtype", "block_shape", "kernel", "block_layout")
+        names: tuple[str, ...] = ("num_layers", "block_size", "dtype", "kernel")
+        if self.slices_with(other):
+            names += ("head_bytes", "head_layout")
+            if self.block_shape[1:] != other.block_shape[1:]:
+                return [f"block_shape: ours {self.block_shape!r}, peer {other.block_shape!r}"]
+        else:
+            names += ("block_bytes", "block_shape", "block_layout")
         return [f"{n}: ours {getattr(self, n)!r}, peer {getattr(other, n)!r}" for n in names
                 if getattr(self, n) != getattr(other, n)]
 
@@ -156,6 +178,9 @@ class PullRequest(msgspec.Struct, tag="pull", frozen=True):
     num_blocks: int
     by_reference: bool = False
     pipe_runs: list[list[tuple[int, int]]] = msgspec.field(default_factory=list)
+    heads: tuple[int, int] | None = None  # only these heads (the offerer's numbering) of each block; empty: none
+    pullers: int = 1  # how many pulls of this transfer the offerer gets (one per decode rank that needs it)
+    puller: int = 0  # the asking decode rank, so a repeated pull is told apart from another rank's
 
 
 class PullReply(msgspec.Struct, tag="pull_reply", frozen=True):
@@ -187,6 +212,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     kv_address: str
     interval_s: float
     engine_id: str = ""
+    tp_size: int = 0  # the instance's tensor-parallel size; 0: not said
 
 
 Message = (Hello | HelloReply | BlockRanges | PushBlocks | PushAck | PushAbort | PullRequest | PullReply | Heartbeat

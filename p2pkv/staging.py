@@ -75,9 +75,10 @@ class DeviceKv:
     """Every layer's blocks, reached through host copies. `copy_out`/`copy_in` queue the copies and return a marker;
     `write_blocks` waits for its copy."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], block_size: int, kernel: str, copy_timeout_s: float) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], block_size: int, kernel: str, copy_timeout_s: float,
+                 total_heads: int = 0) -> None:
         self.geometry: list[LayerGeometry]
-        self.geometry, self.digest = describe(tensors, block_size, kernel)
+        self.geometry, self.digest = describe(tensors, block_size, kernel, total_heads)
         device = tensors[0].device
         self.storages = [torch.empty(0, dtype=torch.uint8, device=device).set_(t.untyped_storage())
                           for t in tensors]

@@ -35,26 +35,33 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports that are free now, below the ephemeral range.
+def free_ports(count: int, host: str = "127.0.0.1", run: int = 1, avoid: Sequence[int] = ()) -> list[int]:
+    """`count` distinct ports that are free now, below the ephemeral range and not in `avoid`; with `run`, each is
+    the first of `run` consecutive free ports (an instance's tensor-parallel ranks bind its KV port plus their
+    rank).
 
     Ports from the ephemeral range (what binding port 0 gives) can be taken by any process's outgoing connection
     or auto-bound socket in the minute before vLLM binds them; seen here as "Address already in use".
     """
-    low, high = 10000, _ephemeral_low()
+    low, high = 10000, _ephemeral_low() - run
     rng = random.SystemRandom()
     chosen: list[int] = []
     while len(chosen) < count:
         port = rng.randrange(low, high)
-        if port in chosen:
+        if any(abs(port - c) < run for c in chosen) or any(port <= a < port + run for a in avoid):
             continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        chosen.append(port)
+        if all(_bindable(host, p) for p in range(port, port + run)):
+            chosen.append(port)
     return chosen
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -76,6 +83,7 @@ class Process:
     log_path: Path
     env: dict[str, str]
     health_url: str
+    ranks: int = 0  # vLLM worker processes (its tensor-parallel size); 0 for the proxy
     popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -134,6 +142,7 @@ class InstanceSpec:
     extra: dict[str, Any] = field(default_factory=dict)
     vllm_args: tuple[str, ...] = ()
     failure_policy: str = "recompute"
+    tp_size: int = 1  # tensor-parallel size: ranks bind kv_port + rank (and metrics_port + rank)
 
 
 def vllm_argv(model: str, spec: InstanceSpec, host: str, dtype: str) -> list[str]:
@@ -144,6 +153,8 @@ def vllm_argv(model: str, spec: InstanceSpec, host: str, dtype: str) -> list[str
                   "kv_role": spec.role, "kv_port": spec.kv_port, "kv_load_failure_policy": spec.failure_policy,
                   "kv_connector_extra_config": {"kv_host": host, **spec.extra}}
         argv += ["--kv-transfer-config", json.dumps(config)]
+    if spec.tp_size > 1:
+        argv += ["--tensor-parallel-size", str(spec.tp_size)]
     return argv + list(spec.vllm_args)
 
 
@@ -175,11 +186,13 @@ class Cluster:
         if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             # vLLM's CPU build pins every instance to the same cores by default, where their idle loops spin;
             # spread the instances of this host over its cores instead.
+            # One core per tensor-parallel rank ("0|1" binds rank 0 to core 0, rank 1 to core 1).
             cores = sorted(os.sched_getaffinity(0))
-            index = sum(1 for p in self.processes if p.name != "proxy")
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[index % len(cores)])
+            index = sum(p.ranks for p in self.processes)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[(index + r) % len(cores)])
+                                                        for r in range(spec.tp_size))
         proc = Process(name, vllm_argv(self.model, spec, self.host, self.dtype), self.log_dir / f"{name}.log",
-                       env, f"http://{self.host}:{spec.http_port}/health")
+                       env, f"http://{self.host}:{spec.http_port}/health", spec.tp_size)
         self.processes.append(proc)
         return proc
 

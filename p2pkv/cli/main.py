@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default=None, help="model directory (default: the generated tiny model)")
     up.add_argument("--prefill", type=int, default=1, help="number of prefill instances")
     up.add_argument("--decode", type=int, default=1, help="number of decode instances")
+    up.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of each prefill instance")
+    up.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of each decode instance")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=0, help="proxy port (default: a free one)")
     up.add_argument("--base-port", type=int, default=0, help="first vLLM port (default: free ones)")

@@ -49,14 +49,18 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
     """The cluster to start, and what the ready file will say about it."""
     cluster = Cluster(model=model, log_dir=log_dir, host=args.host, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb)
     n = args.prefill + args.decode
+    tp = max(args.prefill_tp, args.decode_tp)  # rank r of an instance binds its KV and metrics ports + r
     if args.base_port:
-        http_ports, kv_ports, metrics_ports = (_ports(args.base_port + k * 1000, n, args.host) for k in range(3))
+        http_ports = _ports(args.base_port, n, args.host)
+        kv_ports, metrics_ports = ([args.base_port + k * 1000 + i * tp for i in range(n)] for k in (1, 2))
         discovery_port = args.base_port + 3000
     else:
-        ports = free_ports(3 * n + 2, args.host)
-        http_ports, kv_ports, metrics_ports = ports[:n], ports[n : 2 * n], ports[2 * n : 3 * n]
+        ports = free_ports(n + 2, args.host)
+        http_ports = ports[:n]
         args.port = args.port or ports[-1]
         discovery_port = ports[-2]
+        blocks = free_ports(2 * n, args.host, run=tp, avoid=ports)
+        kv_ports, metrics_ports = blocks[:n], blocks[n:]
     extra_vllm = tuple(a for a in args.vllm_args if a != "--")
     # The instances find the proxy by heartbeats, as in a real deployment; nothing is listed statically.
     extra = {"send_type": args.send_type, "proxy_ip": args.host, "proxy_port": discovery_port,
@@ -68,10 +72,12 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
         name = f"prefill{i}" if is_prefill else f"decode{i - args.prefill}"
         spec = InstanceSpec(role, http_ports[i], kv_ports[i],
                             {**extra, "metrics_port": metrics_ports[i], "http_port": http_ports[i]},
-                            extra_vllm, args.kv_load_failure_policy)
+                            extra_vllm, args.kv_load_failure_policy,
+                            args.prefill_tp if is_prefill else args.decode_tp)
         cluster.add_vllm(name, spec)
         described.append({"name": name, "role": role, "http": f"{args.host}:{http_ports[i]}",
-                          "kv": f"{args.host}:{kv_ports[i]}", "metrics": f"{args.host}:{metrics_ports[i]}"})
+                          "kv": f"{args.host}:{kv_ports[i]}", "metrics": f"{args.host}:{metrics_ports[i]}",
+                          "tp_size": spec.tp_size})
     proxy_port = args.port or free_port(args.host)
     cluster.add_proxy(proxy_port, [], [], discovery_port, secret=extra.get("auth_secret", ""))
     return cluster, {"proxy": f"http://{args.host}:{proxy_port}", "discovery": f"{args.host}:{discovery_port}",
@@ -109,6 +115,8 @@ def send_demo_request(proxy_url: str, model: str) -> str:
 def run_up(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
         raise SystemExit("p2pkv up: --prefill and --decode must be at least 1")
+    if args.prefill_tp < 1 or args.decode_tp < 1:
+        raise SystemExit("p2pkv up: --prefill-tp and --decode-tp must be at least 1")
     if args.model is None:
         from p2pkv.tinymodel import write_tiny_model
 

@@ -29,6 +29,7 @@ class Announcement:
     kv: Address | None
     interval_s: float
     legacy: bool = False
+    tp_size: int = 0  # 0: not said
 
 
 def _address(value: object, key: str) -> Address:
@@ -49,7 +50,10 @@ def _typed(raw: bytes, secret: bytes) -> Announcement:
     if not 0 < message.interval_s <= 3600:
         raise ProtocolError(f"heartbeat interval {message.interval_s!r} s is out of range")
     kv = _address(message.kv_address, "kv_address") if message.kv_address else None
-    return Announcement(message.role, _address(message.http_address, "http_address"), kv, message.interval_s)
+    if not 0 <= message.tp_size <= 4096:
+        raise ProtocolError(f"heartbeat tp_size {message.tp_size!r} is out of range")
+    return Announcement(message.role, _address(message.http_address, "http_address"), kv, message.interval_s,
+                        tp_size=message.tp_size)
 
 
 def _legacy(raw: bytes) -> Announcement:

@@ -13,8 +13,8 @@ from p2pkv.config import ExtraConfig, Transport
 from p2pkv.engine.device import DeviceAccess, PipeMaker, RangeSource
 from p2pkv.engine.handshake import local_offer
 from p2pkv.engine.metrics import EngineMetrics
-from p2pkv.engine.offers import OfferState, OfferTable, ViewSource
-from p2pkv.engine.puller import Puller, PullJob, PullResult
+from p2pkv.engine.offers import OfferState, OfferTable, Slicer, ViewSource
+from p2pkv.engine.puller import HeadSlice, Puller, PullJob, PullResult
 from p2pkv.engine.receiver import Receiver
 from p2pkv.engine.sender import Outgoing, PushJob, Sender
 from p2pkv.engine.store import ReceiveStore, StagedTransfer, StageState
@@ -161,20 +161,22 @@ class TransferEngine:
 
     # GET mode.
     def offer(self, transfer_id: str, total_blocks: int, source: ViewSource, lease_s: float,
-              ranges: RangeSource | None = None) -> None:
+              ranges: RangeSource | None = None, slicer: Slicer | None = None) -> None:
         """Hold blocks for a decode engine to pull, until it does or the lease runs out; `ranges`: where they lie
-        in the exported cache, for a puller that copies them itself (cuda_ipc)."""
-        self.offers.offer(transfer_id, total_blocks, source, lease_s, ranges)
+        in the exported cache, for a puller that copies them itself (cuda_ipc); `slicer`: some heads of them, for
+        decode ranks of another tensor-parallel size (each pulls its heads; served once all have)."""
+        self.offers.offer(transfer_id, total_blocks, source, lease_s, ranges, slicer)
 
     def offer_state(self, transfer_id: str) -> OfferState | None:
         return self.offers.poll(transfer_id)
 
     def pull(self, transfer_id: str, peer: Address, first_block: int, num_blocks: int, sink: ViewSource,
-             deadline: float, device_blocks: tuple[int, ...] | None = None) -> None:
+             deadline: float, device_blocks: tuple[int, ...] | None = None, part: HeadSlice | None = None) -> None:
         """Fetch blocks into `sink`; or, given `device_blocks` and a peer whose cache opens here (cuda_ipc), copy
-        them straight into those blocks of this worker's cache (the result says `by_reference`)."""
+        them straight into those blocks of this worker's cache (the result says `by_reference`). With `part`, only
+        some of the peer's heads, into `sink` (a slice of the blocks); the result is then kept under `part.key`."""
         assert self._puller is not None, "engine not started"
-        self._puller.submit(PullJob(transfer_id, peer, first_block, num_blocks, sink, deadline, device_blocks))
+        self._puller.submit(PullJob(transfer_id, peer, first_block, num_blocks, sink, deadline, device_blocks, part))
 
     def pull_result(self, transfer_id: str) -> PullResult | None:
         assert self._puller is not None, "engine not started"

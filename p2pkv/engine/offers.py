@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from p2pkv.engine.device import RangeSource
 
@@ -15,7 +15,10 @@ log = logging.getLogger(__name__)
 
 # views(layer, first_block, num_blocks) -> the bytes of those blocks of that layer, in order.
 ViewSource = Callable[[int, int, int], tuple[memoryview, ...]]
+# heads (first, end) -> a ViewSource over only those heads of each block (another tensor-parallel size pulls).
+Slicer = Callable[[tuple[int, int]], ViewSource]
 UNKNOWN_TRANSFER = "unknown transfer"
+_MAX_PULLERS = 4096
 
 
 class OfferState(enum.Enum):
@@ -33,6 +36,11 @@ class Offer:
     lease_deadline: float
     state: OfferState = OfferState.OFFERED
     ranges: RangeSource | None = None  # where the blocks lie in the exported cache, for pulls by reference
+    slicer: Slicer | None = None  # for pulls of some heads only
+    pullers: int = 0  # pulls expected, as the first pull says (one per decode rank that needs these blocks)
+    claimed: set[int] = field(default_factory=set)  # decode ranks that have pulled or are pulling
+    in_flight: int = 0
+    served: int = 0
 
     @property
     def finished(self) -> bool:
@@ -45,28 +53,41 @@ class OfferTable:
         self._offers: dict[str, Offer] = {}
 
     def offer(self, transfer_id: str, total_blocks: int, source: ViewSource, lease_s: float,
-              ranges: RangeSource | None = None) -> None:
+              ranges: RangeSource | None = None, slicer: Slicer | None = None) -> None:
         with self._lock:
             self._offers[transfer_id] = Offer(transfer_id, total_blocks, source, time.monotonic() + lease_s,
-                                              ranges=ranges)
+                                              ranges=ranges, slicer=slicer)
 
-    def claim(self, transfer_id: str, first_block: int, num_blocks: int) -> Offer | str:
-        """The offer, now SERVING, or why it cannot be pulled."""
+    def claim(self, transfer_id: str, first_block: int, num_blocks: int, pullers: int = 1,
+              puller: int = 0) -> Offer | str:
+        """The offer, now SERVING, or why it cannot be pulled. With `pullers` > 1 (decode ranks pulling a head
+        slice each) the offer is served once that many ranks have pulled it, each once."""
         with self._lock:
             offer = self._offers.get(transfer_id)
             if offer is None:
                 return UNKNOWN_TRANSFER
-            if offer.state is not OfferState.OFFERED:
+            if offer.finished:
                 return f"transfer is {offer.state.value}"
+            if puller in offer.claimed:
+                return f"transfer is {offer.state.value}"
+            if not 0 < pullers <= _MAX_PULLERS or (offer.pullers and pullers != offer.pullers):
+                return f"{pullers} pullers announced ({offer.pullers or 'none'} before)"
             if not (0 <= first_block and num_blocks > 0 and first_block + num_blocks <= offer.total_blocks):
                 return f"blocks {first_block}+{num_blocks} outside the {offer.total_blocks} offered"
+            offer.pullers = pullers
+            offer.claimed.add(puller)
+            offer.in_flight += 1
             offer.state = OfferState.SERVING
             return offer
 
     def finish(self, offer: Offer) -> None:
-        """Served: the bytes left this process (they are in the socket's buffers), the blocks may be freed."""
+        """One pull served: the bytes left this process (they are in the socket's buffers). Once every puller has
+        been served, the blocks may be freed."""
         with self._lock:
-            offer.state = OfferState.SERVED
+            offer.in_flight -= 1
+            offer.served += 1
+            if offer.served >= offer.pullers:
+                offer.state = OfferState.SERVED
 
     def poll(self, transfer_id: str) -> OfferState | None:
         with self._lock:
@@ -81,7 +102,7 @@ class OfferTable:
         now = time.monotonic()
         with self._lock:
             for offer in self._offers.values():
-                if offer.state is OfferState.OFFERED and now > offer.lease_deadline:
+                if not offer.finished and not offer.in_flight and now > offer.lease_deadline:
                     offer.state = OfferState.EXPIRED
-                    log.warning("transfer %s: lease expired before the decode side pulled it; blocks freed",
-                                offer.transfer_id)
+                    log.warning("transfer %s: lease expired before the decode side pulled it (%d of %d pulls "
+                                "served); blocks freed", offer.transfer_id, offer.served, max(1, offer.pullers))

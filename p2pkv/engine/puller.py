@@ -37,6 +37,23 @@ class PullState(enum.Enum):
 
 
 @dataclass(frozen=True)
+class HeadSlice:
+    """Pull only heads `heads` of the peer's blocks (its numbering; empty: none, the pull just tells the peer its
+    blocks may go), `block_bytes` per block. `pullers` decode ranks pull that peer; this one is `puller`. The
+    result is kept under `key`, since one transfer is then pulled from several peers."""
+
+    heads: tuple[int, int]
+    block_bytes: int
+    pullers: int
+    puller: int
+    key: str
+
+    @property
+    def release_only(self) -> bool:
+        return self.heads[0] == self.heads[1]
+
+
+@dataclass(frozen=True)
 class PullJob:
     """Fetch blocks `first_block ..` of a transfer into `sink(layer, 0, num_blocks)`, the local blocks; or, where
     the peer's cache can be opened here (cuda_ipc) or the link has a pipe (nccl), move them straight into local
@@ -49,6 +66,11 @@ class PullJob:
     sink: ViewSource
     deadline: float
     device_blocks: tuple[int, ...] | None = None
+    part: HeadSlice | None = None  # a peer of another tensor-parallel size: some of its heads only
+
+    @property
+    def result_key(self) -> str:
+        return self.part.key if self.part is not None else self.transfer_id
 
 
 @dataclass
@@ -85,7 +107,7 @@ class Puller:
 
     def submit(self, job: PullJob) -> None:
         with self._lock:
-            self._results[job.transfer_id] = PullResult()
+            self._results[job.result_key] = PullResult()
         self._queue.put(job)
 
     def poll(self, transfer_id: str) -> PullResult | None:
@@ -124,11 +146,13 @@ class Puller:
             ms = (time.monotonic() - started) * 1000
             outcome = "ok" if result.state is PullState.DONE else "failed"
             self._metrics.transfers.labels("pull", outcome).inc()
-            log.info("transfer %s pull %s peer=%s bytes=%d ms=%.1f transport=%s%s", job.transfer_id, outcome,
-                     job.peer, result.nbytes, ms, result.transport, f" reason={result.reason}" if result.reason else "")
+            heads = f" heads={job.part.heads[0]}-{job.part.heads[1]}" if job.part is not None else ""
+            log.info("transfer %s pull %s peer=%s%s bytes=%d ms=%.1f transport=%s%s", job.transfer_id, outcome,
+                     job.peer, heads, result.nbytes, ms, result.transport,
+                     f" reason={result.reason}" if result.reason else "")
             with self._settled:
-                if job.transfer_id in self._results:
-                    self._results[job.transfer_id] = result
+                if job.result_key in self._results:
+                    self._results[job.result_key] = result
                 self._settled.notify_all()
 
     def _pull_until_offered(self, job: PullJob) -> tuple[int, str, bool]:
@@ -202,12 +226,17 @@ class Puller:
         if time.monotonic() >= job.deadline:
             raise TransferError("deadline passed before the pull started")
         by_reference, pipe_runs = False, []
-        if job.device_blocks is not None and (self._device is not None or self._maker is not None):
+        if job.part is None and job.device_blocks is not None and (self._device is not None
+                                                                   or self._maker is not None):
             conn = self._links.open(job.peer, job.deadline)
             by_reference = self._device is not None and self._remote(job.peer, conn) is not None
             if not by_reference and self._maker is not None and self._pipe(job.peer, conn, job.deadline):
                 pipe_runs = self._local_runs(job.device_blocks)
+        part = job.part
         request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, by_reference, pipe_runs)
+        if part is not None:
+            request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, heads=part.heads,
+                                  pullers=part.pullers, puller=part.puller)
         conn = self._links.send(job.peer, [(request, ())], job.deadline)
         try:
             reply = self._next(conn, job.deadline)
@@ -222,9 +251,11 @@ class Puller:
             raise TransferError(f"{job.peer} refused the pull: {reply[0].reason}")
         if reply[0].by_reference or reply[0].by_pipe:
             return self._move_direct(conn, job, reply[0].by_pipe, by_reference, pipe_runs)
+        if part is not None and part.release_only:
+            return 0, conn.name, False  # none of the peer's heads are needed here
         try:
             nbytes, layer, num_layers = 0, 0, self._layout.num_layers
-            per_layer = job.num_blocks * self._layout.block_bytes
+            per_layer = job.num_blocks * (part.block_bytes if part is not None else self._layout.block_bytes)
             while layer < num_layers:  # one frame may carry several layers, in order
                 message, payload_len = self._next(conn, job.deadline)
                 if (not isinstance(message, PushBlocks) or message.transfer_id != job.transfer_id

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from p2pkv.engine.device import Pipe, PipeMaker, RangeSource, pair_ranges
 from p2pkv.engine.handshake import server_reply
 from p2pkv.engine.metrics import EngineMetrics
-from p2pkv.engine.offers import OfferTable
+from p2pkv.engine.offers import Offer, OfferTable, ViewSource
 from p2pkv.engine.pipes import PipeSlot
-from p2pkv.engine.store import ReceiveStore
+from p2pkv.engine.store import HEADS_DIFFER, ReceiveStore
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
 from p2pkv.protocol import (
@@ -29,6 +29,7 @@ from p2pkv.protocol import (
     PullReply,
     PullRequest,
     PushAbort,
+    PushAck,
     PushBlocks,
 )
 from p2pkv.transport.base import Connection, Listener
@@ -90,8 +91,9 @@ class Receiver:
             log.warning("dropping connection from %s after a bad frame: %s (further ones are only counted)",
                         peer, exc)
 
-    def _handshake(self, conn: Connection) -> Connection | None:
-        """The connection to serve (shm or plain), or None when the peer was refused."""
+    def _handshake(self, conn: Connection) -> tuple[Connection, bool] | None:
+        """The connection to serve (shm or plain) and whether the peer holds other heads than this worker (another
+        tensor-parallel size: it pulls head slices); None when the peer was refused."""
         got = conn.recv_frame(self._frame_timeout_s, time.monotonic() + self._frame_timeout_s)
         if got is None:
             raise TransferError("no hello within the frame timeout")
@@ -106,8 +108,9 @@ class Receiver:
             self._metrics.refused_peers.inc()
             conn.send_frame(HelloReply(accepted=False, reason=reason), (), deadline)
             return None
-        return server_reply(conn, hello, self._offer, deadline, self._device,
-                            self._maker.kind if self._maker is not None else "")
+        served = server_reply(conn, hello, self._offer, deadline, self._device,
+                              self._maker.kind if self._maker is not None else "")
+        return served, self._layout.slices_with(hello.layout)
 
     def _join_pipe(self, conn: Connection, ask: PipeOpen, slot: PipeSlot | None) -> PipeSlot:
         """The client is making a pipe for this connection: join it on a thread of its own."""
@@ -125,18 +128,21 @@ class Receiver:
             served = self._handshake(conn)
             if served is None:
                 return
-            conn = served
+            conn, sliced = served
+            refused: set[str] = set()  # pushes refused on this connection (the peer holds other heads)
             while not self._stop.is_set():
                 got = conn.recv_frame(_POLL_S, time.monotonic() + self._frame_timeout_s)
                 if got is None:
                     continue
                 message, payload_len = got
                 deadline = time.monotonic() + self._frame_timeout_s
-                if isinstance(message, PushBlocks):
+                if isinstance(message, PushBlocks) and sliced:
+                    self._refuse_push(conn, message, payload_len, refused, deadline)
+                elif isinstance(message, PushBlocks):
                     self._receive_chunk(conn, message, payload_len, source, deadline)
                 elif isinstance(message, PullRequest):
                     conn.discard_payload(payload_len, deadline)
-                    self._serve_pull(conn, message, deadline, slot.ready() if slot is not None else None)
+                    self._serve_pull(conn, message, deadline, slot.ready() if slot is not None else None, sliced)
                 elif isinstance(message, PipeOpen):
                     conn.discard_payload(payload_len, deadline)
                     slot = self._join_pipe(conn, message, slot)
@@ -172,14 +178,50 @@ class Receiver:
         self._metrics.bytes_received.labels(conn.name).inc(payload_len)
         self._metrics.add("bytes_received", payload_len)
 
-    def _serve_pull(self, conn: Connection, pull: PullRequest, deadline: float, pipe: Pipe | None) -> None:
-        claim = self._offers.claim(pull.transfer_id, pull.first_block, pull.num_blocks)
+    def _refuse_push(self, conn: Connection, push: PushBlocks, payload_len: int, refused: set[str],
+                     deadline: float) -> None:
+        """A peer of another tensor-parallel size pushed whole blocks of its own heads, which are not ours: refuse
+        the transfer (its sender then holds the blocks, and this side pulls the heads it needs)."""
+        conn.discard_payload(payload_len, deadline)
+        if push.transfer_id in refused:
+            return
+        refused.add(push.transfer_id)
+        self._store.fail(push.transfer_id, HEADS_DIFFER)
+        conn.queue_frame(PushAck(push.transfer_id, False, HEADS_DIFFER))
+
+    def _sliced_source(self, pull: PullRequest, claim: Offer, sliced: bool) -> ViewSource | str:
+        """What a pull reads: the whole blocks, or the heads it asked for; or why it cannot be served."""
+        if pull.heads is None:
+            return "the puller holds other heads (another tensor-parallel size) and must ask for some" if sliced \
+                else claim.source
+        if claim.slicer is None:
+            return "these blocks cannot be pulled by heads"
+        try:
+            return claim.slicer(pull.heads)
+        except P2pkvError as exc:
+            return str(exc)
+
+    def _serve_pull(self, conn: Connection, pull: PullRequest, deadline: float, pipe: Pipe | None,
+                    sliced: bool = False) -> None:
+        claim = self._offers.claim(pull.transfer_id, pull.first_block, pull.num_blocks, pull.pullers, pull.puller)
         if isinstance(claim, str):
             log.warning("transfer %s: refusing a pull from %s: %s", pull.transfer_id, conn.peer, claim)
             conn.send_frame(PullReply(pull.transfer_id, False, claim), (), deadline)
             return
         started, nbytes, transport = time.monotonic(), 0, conn.name
         try:
+            source = self._sliced_source(pull, claim, sliced) if pull.heads != (0, 0) else None
+            if isinstance(source, str) or source is None:
+                # Refused (the puller recomputes), or a release: this rank needs none of our heads. Either way
+                # this puller is done with the blocks.
+                reason = source or ""
+                if reason:
+                    log.warning("transfer %s: refusing a pull from %s: %s", pull.transfer_id, conn.peer, reason)
+                conn.send_frame(PullReply(pull.transfer_id, not reason, reason), (), deadline)
+                return
+            if pull.heads is not None:
+                nbytes = self._send_blocks(conn, pull, source, deadline)
+                return
             if pull.by_reference and claim.ranges is not None and self._device is not None:
                 nbytes = self._serve_by_reference(conn, pull, claim.ranges, deadline)
                 transport = "cuda_ipc" if self._device is not None and self._device.kind == "cuda" else "host_ipc"
@@ -187,16 +229,7 @@ class Receiver:
             if pull.pipe_runs and pipe is not None and claim.ranges is not None:
                 nbytes, transport = self._serve_by_pipe(conn, pull, claim.ranges, pipe, deadline), pipe.transport
                 return
-            # Every layer in one frame: the pulled blocks are whole layers of the puller's transfer.
-            num_layers = self._layout.num_layers
-            views = [v for layer in range(num_layers) for v in claim.source(layer, pull.first_block, pull.num_blocks)]
-            nbytes = sum(v.nbytes for v in views)
-            push = PushBlocks(pull.transfer_id, 0, 0, pull.num_blocks, pull.num_blocks, num_layers, num_layers)
-            frames: list[tuple[Message, Sequence[memoryview]]] = [(PullReply(pull.transfer_id, True), ()),
-                                                                  (push, views)]
-            conn.send_frames(frames, deadline)
-            if isinstance(conn, ShmConnection) and conn.sends_by_reference:
-                self._await_copies(conn, pull.transfer_id, deadline)
+            nbytes = self._send_blocks(conn, pull, source, deadline)
         finally:
             # TCP: sent bytes sit in the socket's buffers. shm: the puller has copied every layer, or it is gone
             # (then it reports load errors and recomputes). Either way the blocks are free to go.
@@ -205,6 +238,18 @@ class Receiver:
             self._metrics.add("bytes_sent", nbytes)
             log.info("transfer %s served peer=%s bytes=%d ms=%.1f transport=%s", pull.transfer_id, conn.peer,
                      nbytes, (time.monotonic() - started) * 1000, transport)
+
+    def _send_blocks(self, conn: Connection, pull: PullRequest, source: ViewSource, deadline: float) -> int:
+        """The pulled blocks' bytes, every layer in one frame (they are whole layers of the puller's transfer)."""
+        num_layers = self._layout.num_layers
+        views = [v for layer in range(num_layers) for v in source(layer, pull.first_block, pull.num_blocks)]
+        push = PushBlocks(pull.transfer_id, 0, 0, pull.num_blocks, pull.num_blocks, num_layers, num_layers)
+        frames: list[tuple[Message, Sequence[memoryview]]] = [(PullReply(pull.transfer_id, True), ()),
+                                                              (push, views)]
+        conn.send_frames(frames, deadline)
+        if isinstance(conn, ShmConnection) and conn.sends_by_reference:
+            self._await_copies(conn, pull.transfer_id, deadline)
+        return sum(v.nbytes for v in views)
 
     def _serve_by_reference(self, conn: Connection, pull: PullRequest, ranges: RangeSource, deadline: float) -> int:
         """cuda_ipc: say where the blocks lie in our exported cache; the puller copies them and confirms."""

@@ -14,6 +14,7 @@ from p2pkv.protocol import PushAck, PushBlocks
 
 log = logging.getLogger(__name__)
 NO_SPACE = "no staging space (kv_buffer_size and the host pool are full)"
+HEADS_DIFFER = "the sender holds other KV heads (another tensor-parallel size): pull them by heads"
 _EMPTY = memoryview(b"")
 _MIN_HEAP = 4096
 

@@ -67,7 +67,8 @@ class Router:
         self.metrics = metrics
         self.prefill = static_pool("prefill", config.prefill, Policy(config.prefill_policy))
         self.decode = static_pool("decode", config.decode, Policy(config.decode_policy))
-        self._kv: dict[Instance, Address] = {}
+        self._kv: dict[Instance, tuple[Address, int]] = {}  # learned KV address and tensor-parallel size
+        self._tp: dict[Address, int] = {}  # tensor-parallel sizes heartbeats gave, by HTTP address
         for pool in (self.prefill, self.decode):
             metrics.instances.labels(pool.role).set_function(pool.count)
 
@@ -75,6 +76,8 @@ class Router:
         """A heartbeat arrived: add the instance to its role's pool, or renew it there."""
         self.metrics.heartbeats.labels("accepted").inc()
         instance = Instance(a.http, a.kv)
+        if a.tp_size:
+            self._tp[a.http] = a.tp_size
         expires_at = time.monotonic() + self.config.heartbeat_misses * a.interval_s
         wanted = {"prefill": (self.prefill,), "decode": (self.decode,), "both": self.pools}[a.role]
         for pool in self.pools:
@@ -89,13 +92,33 @@ class Router:
     def pools(self) -> tuple[Pool, Pool]:
         return self.prefill, self.decode
 
-    async def kv_address(self, instance: Instance, headers: dict[str, str]) -> Address:
-        """The decode instance's KV address; asked of the instance itself once when not configured."""
-        if instance.kv is not None:
-            return instance.kv
+    async def kv_target(self, instance: Instance, headers: dict[str, str]) -> tuple[Address, int]:
+        """The decode instance's KV address and tensor-parallel size (0: not known). Both come with its heartbeats;
+        what they do not say is asked of the instance itself, once."""
         known = self._kv.get(instance)
         if known is not None:
             return known
+        heard_tp = self._tp.get(instance.http, 0)
+        if instance.kv is not None and heard_tp:
+            return instance.kv, heard_tp
+        try:
+            answer = await self._probe(instance, headers)
+        except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as exc:
+            if instance.kv is None:
+                raise
+            log.info("decode instance %s did not say its tensor-parallel size (%r); taken to equal the prefill's",
+                     instance.http, exc)
+            self._kv[instance] = instance.kv, 0
+            return instance.kv, 0
+        address = instance.kv or Address(answer.get("kv_host") or instance.http.host, answer["kv_port"])
+        tp = answer.get("tp_size", 0)
+        tp = tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0 else 0
+        self._kv[instance] = address, tp
+        log.info("decode instance %s has its KV port at %s (tensor-parallel size %s)", instance.http, address,
+                 tp or "not said")
+        return address, tp
+
+    async def _probe(self, instance: Instance, headers: dict[str, str]) -> dict[str, Any]:
         models = await self.client.get(f"{instance.url}/v1/models", headers=headers)
         models.raise_for_status()
         model = models.json()["data"][0]["id"]
@@ -105,10 +128,7 @@ class Router:
         answer = resp.json().get("kv_transfer_params") or {}
         if not isinstance(answer.get("kv_port"), int):
             raise RuntimeError(f"{instance.http} did not report a KV port; is it running the p2pkv connector?")
-        address = Address(answer.get("kv_host") or instance.http.host, answer["kv_port"])
-        self._kv[instance] = address
-        log.info("decode instance %s has its KV port at %s", instance.http, address)
-        return address
+        return dict(answer)
 
     def authorized(self, request: Request) -> bool:
         key = self.config.api_key
@@ -129,14 +149,16 @@ class Router:
         if decode is None:
             self.metrics.requests.labels("no_instance").inc()
             return _error(503, "no decode instance is available")
+        decode_kv: Address | None
         try:
-            decode_kv: Address | None = await self.kv_address(decode.instance, headers)
+            decode_kv, decode_tp = await self.kv_target(decode.instance, headers)
         except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as exc:
             # Without the decode side's KV address the prefill side cannot push; it holds the KV for a pull.
             log.warning("decode instance %s did not report its KV address (%s); using GET", decode.instance.http, exc)
-            decode_kv = None
+            decode_kv, decode_tp = None, 0
         transfer_id = uuid.uuid4().hex
-        outcome = await self._prefill(_prefill_body(body, PrefillParams(transfer_id, decode_kv)), path, headers)
+        params = PrefillParams(transfer_id, decode_kv, decode_tp=decode_tp)
+        outcome = await self._prefill(_prefill_body(body, params), path, headers)
         if isinstance(outcome, Response):
             self.metrics.requests.labels("prefill_rejected").inc()
             return outcome

@@ -39,6 +39,12 @@ def _tp_rank() -> int:
     return int(get_tensor_model_parallel_rank())
 
 
+def _total_kv_heads(vllm_config: VllmConfig) -> int:
+    """KV heads over all tensor-parallel ranks; MLA's latent is one head that every rank holds."""
+    model = vllm_config.model_config
+    return 1 if model.use_mla else int(model.get_total_num_kv_heads())
+
+
 class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """Drop-in for vLLM's removed P2pNcclConnector: `kv_connector_module_path="p2pkv.vllm"`."""
 
@@ -49,17 +55,18 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.config = parse_connector_config(tc.kv_role, tc.kv_port, getattr(tc, "kv_load_failure_policy", "fail"),
                                              tc.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
+        tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._heartbeat: HeartbeatSender | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.config, block_size)
+            self._scheduler = SchedulerSide(self.config, block_size, tp_size)
             # One announcer per instance, whatever its tensor-parallel size: the scheduler side is unique.
-            self._heartbeat = sender_for(self.config)
+            self._heartbeat = sender_for(self.config, tp_size)
             if self._heartbeat is not None:
                 self._heartbeat.start()
         else:
-            self._worker = WorkerSide(self.config, _tp_rank(), block_size)
+            self._worker = WorkerSide(self.config, _tp_rank(), block_size, tp_size, _total_kv_heads(vllm_config))
 
     @property
     def scheduler(self) -> SchedulerSide:

@@ -33,9 +33,11 @@ class LoadSpec:
     corrupt: bool = False
     pull_from: Address | None = None
     fallback_from: Address | None = None  # where to pull from if this side refused the push (no space)
+    prefill_tp: int = 0  # the prefill instance's tensor-parallel size, when it differs from ours (else 0)
 
 
 @dataclass
 class P2pkvMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+    idle: bool = False  # the step computes nothing (vLLM steps on while transfers are in flight)

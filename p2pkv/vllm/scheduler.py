@@ -47,9 +47,10 @@ def _params(request: Request) -> AnyParams | None:
 
 
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig, block_size: int) -> None:
+    def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int = 1) -> None:
         self._config = config
         self._block_size = block_size
+        self._tp_size = tp_size
         self._producers: dict[str, _Producer] = {}
         self._consumed: set[str] = set()
         self._loads: list[LoadSpec] = []
@@ -81,7 +82,10 @@ class SchedulerSide:
         req_id = request.request_id
         if isinstance(params, PrefillParams) and self._config.role is not Role.CONSUMER:
             if req_id not in self._producers:
-                pull = params.pull or params.decode_kv is None or self._config.extra.send_type is SendType.GET
+                # A decode instance of another tensor-parallel size pulls the heads each of its ranks needs.
+                other_tp = params.decode_tp not in (0, self._tp_size)
+                pull = (params.pull or params.decode_kv is None or self._config.extra.send_type is SendType.GET
+                        or other_tp)
                 num_prompt = len(request.prompt_token_ids or ())
                 inline = params.inline or self._config.extra.send_type is SendType.PUT
                 self._producers[req_id] = _Producer(params.transfer_id, None if pull else params.decode_kv,
@@ -98,12 +102,16 @@ class SchedulerSide:
         first = (num_prompt - 1 - num_external_tokens) // self._block_size
         last = (num_prompt - 2) // self._block_size
         block_ids = blocks.get_block_ids()[0]
+        # From a prefill instance of another tensor-parallel size every rank pulls its heads, whatever the mode:
+        # whole blocks pushed rank to rank would hold the wrong heads (the receiving ranks refuse them).
+        prefill_tp = params.prefill_tp if params.prefill_tp not in (0, self._tp_size) else 0
+        pulled = params.pull or bool(prefill_tp)
         self._loads.append(LoadSpec(req_id, params.transfer_id, first, tuple(block_ids[first : last + 1]),
-                                    params.test_corrupt, params.prefill_kv if params.pull else None,
-                                    params.prefill_kv))
+                                    params.test_corrupt, params.prefill_kv if pulled else None,
+                                    params.prefill_kv, prefill_tp))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pkvMetadata:
-        meta = P2pkvMetadata(loads=self._loads)
+        meta = P2pkvMetadata(loads=self._loads, idle=not scheduler_output.total_num_scheduled_tokens)
         self._loads = []
         if not self._producers:
             return meta
@@ -139,7 +147,8 @@ class SchedulerSide:
         req_id = request.request_id
         if isinstance(_params(request), ProbeParams):
             host = self._config.extra.kv_host
-            return False, ProbeAnswer(self._config.kv_port, "" if host in ("0.0.0.0", "::") else host).to_dict()
+            return False, ProbeAnswer(self._config.kv_port, "" if host in ("0.0.0.0", "::") else host,
+                                      self._tp_size).to_dict()
         self._consumed.discard(req_id)
         producer = self._producers.pop(req_id, None)
         if producer is None or not producer.saved:
@@ -147,5 +156,6 @@ class SchedulerSide:
         # Keep the blocks until the workers report the push finished or the pull served (finished_sending).
         pull = producer.peer is None
         # The prefill address goes along in push mode too: a decode side without staging space pulls instead.
-        params = DecodeParams(producer.transfer_id, producer.num_prompt_tokens, self._own_address, pull=pull)
+        params = DecodeParams(producer.transfer_id, producer.num_prompt_tokens, self._own_address, pull=pull,
+                              prefill_tp=self._tp_size)
         return True, params.to_dict()

@@ -6,34 +6,40 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from p2pkv.blocks import BlockAccess, InPlaceBlocks
 from p2pkv.config import ConnectorConfig
 from p2pkv.engine import EngineSettings, TransferEngine
-from p2pkv.engine.offers import OfferState
-from p2pkv.engine.puller import PullState
+from p2pkv.engine.offers import OfferState, ViewSource
+from p2pkv.engine.puller import HeadSlice, PullState
 from p2pkv.engine.sender import OutState
-from p2pkv.engine.store import NO_SPACE, StageState
+from p2pkv.engine.store import HEADS_DIFFER, NO_SPACE, StageState
 from p2pkv.errors import P2pkvError
 from p2pkv.ipc import CacheAccess
 from p2pkv.layout import KvBlocks
 from p2pkv.params import Address
 from p2pkv.pipes import make_pipes
+from p2pkv.slices import HeadSlices
 from p2pkv.staging import STAGE_ENV, DeviceKv, TransferBuffers
+from p2pkv.tp import plan_pulls
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.005  # at most this long per empty step, at most 200 empty steps a second
 
 
 @dataclass
 class _Load:
     spec: LoadSpec
     deadline: float
+    # From a prefill instance of another tensor-parallel size: one pull per prefill rank, each into a head slice
+    # of the blocks (None for a pull that only releases that rank's blocks).
+    parts: list[tuple[str, BlockAccess | None]] = field(default_factory=list)
 
 
 def _kernel_tag(t: torch.Tensor) -> str:
@@ -44,6 +50,10 @@ def _kernel_tag(t: torch.Tensor) -> str:
     return str(t.device.type)
 
 
+def _no_sink(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
+    return ()
+
+
 def _raiser(exc: Exception) -> Callable[[float], bool]:
     def ready(_deadline: float) -> bool:
         raise exc
@@ -52,12 +62,16 @@ def _raiser(exc: Exception) -> Callable[[float], bool]:
 
 
 class WorkerSide:
-    def __init__(self, config: ConnectorConfig, rank: int, block_size: int) -> None:
+    def __init__(self, config: ConnectorConfig, rank: int, block_size: int, tp_size: int = 1,
+                 total_heads: int = 0) -> None:
         self._config = config
         self._rank = rank
         self._block_size = block_size
+        self._tp_size = tp_size
+        self._total_heads = total_heads
         self._engine: TransferEngine | None = None
         self._blocks: BlockAccess | None = None
+        self._slices = HeadSlices()
         self._layer_index: dict[str, int] = {}
         self._meta = P2pkvMetadata()
         self._pushed: dict[str, set[int]] = {}
@@ -80,11 +94,12 @@ class WorkerSide:
         device, access, pipes = None, None, None
         if tensors[0].device.type != "cpu" or os.environ.get(STAGE_ENV) == "1":
             # KV the engine cannot address in place (a GPU's): through host buffers, and pulls by reference.
-            device = DeviceKv(tensors, self._block_size, kernel, extra.transfer_timeout_s)
+            device = DeviceKv(tensors, self._block_size, kernel, extra.transfer_timeout_s, self._total_heads)
             self._blocks, access = TransferBuffers(device), CacheAccess(device)
             pipes = make_pipes(device, extra.kv_host, extra.nccl_num_channels)
         else:
-            self._blocks = InPlaceBlocks(KvBlocks.from_tensors(tensors, self._block_size, kernel))
+            self._blocks = InPlaceBlocks(KvBlocks.from_tensors(tensors, self._block_size, kernel, self._total_heads))
+        self._slices = HeadSlices(tensors, self._block_size, kernel, self._blocks, device)
         self._layer_index = {n: i for i, n in enumerate(names)}
         metrics_port = extra.metrics_port + self._rank if extra.metrics_port else 0
         settings = EngineSettings.from_config(extra, self._config.worker_port(self._rank), metrics_port)
@@ -100,9 +115,14 @@ class WorkerSide:
         self._pushed = {s.transfer_id: set() for s in meta.saves}
         deadline = time.monotonic() + self._config.extra.transfer_timeout_s
         for spec in meta.loads:
-            self._loads[spec.req_id] = _Load(spec, deadline)
+            load = self._loads[spec.req_id] = _Load(spec, deadline)
             if spec.pull_from is not None and spec.block_ids:
-                self._pull(spec, spec.pull_from, deadline)
+                try:
+                    self._pull(load, spec.pull_from)
+                except P2pkvError as exc:  # e.g. heads that cannot be split: this load fails, not the step
+                    self._fail_load(spec, str(exc))
+                    load.parts.clear()
+                    load.spec = replace(spec, block_ids=())
 
     def save_layer(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
@@ -116,16 +136,40 @@ class WorkerSide:
         assert self._blocks is not None, "register_kv_caches has not run"
         return self._blocks
 
-    def _pull(self, spec: LoadSpec, peer: Address, deadline: float) -> None:
+    def _pull(self, load: _Load, peer: Address) -> None:
+        spec = load.spec
+        if spec.prefill_tp:
+            self._pull_heads(load, peer)
+            return
         self.engine.pull(spec.transfer_id, peer.offset(self._rank), spec.first_block, len(spec.block_ids),
-                         self.blocks.sink(spec.transfer_id, spec.block_ids), deadline,
+                         self.blocks.sink(spec.transfer_id, spec.block_ids), load.deadline,
                          self.blocks.device_blocks(spec.block_ids))
 
+    def _pull_heads(self, load: _Load, peer: Address) -> None:
+        """From a prefill instance of another tensor-parallel size: this rank's heads, from the prefill ranks that
+        hold them, each into its slice of the blocks."""
+        spec, tid = load.spec, load.spec.transfer_id
+        parts = plan_pulls(self._rank, self._tp_size, spec.prefill_tp, self._total_heads)
+        for part in parts:
+            key = f"{tid}@{part.prefill_rank}"
+            access = None if part.release_only else self._slices.get(part.decode_heads)
+            block_bytes = access.digest.block_bytes if access is not None else 0
+            sink = access.sink(key, spec.block_ids) if access is not None else _no_sink
+            load.parts.append((key, access))
+            self.engine.pull(tid, peer.offset(part.prefill_rank), spec.first_block, len(spec.block_ids), sink,
+                             load.deadline, None,
+                             HeadSlice(part.prefill_heads, block_bytes, part.pullers, self._rank, key))
+
     def _offer(self, spec: SaveSpec) -> None:
-        """GET: hold the blocks for the decode side (and say where they lie, for cuda_ipc pulls)."""
+        """GET: hold the blocks for the decode side (and say where they lie, for cuda_ipc pulls; and which bytes
+        hold which heads, for decode ranks of another tensor-parallel size)."""
         tid, ids = spec.transfer_id, spec.block_ids
+
+        def heads(wanted: tuple[int, int]) -> ViewSource:
+            return self._slices.get(wanted).source(tid, ids)
+
         self.engine.offer(tid, len(ids), self.blocks.source(tid, ids), self._config.extra.lease_s,
-                          self.blocks.ranges(tid, ids))
+                          self.blocks.ranges(tid, ids), heads)
 
     def _push(self, spec: SaveSpec, layer: int) -> None:
         if spec.peer is None:
@@ -162,7 +206,23 @@ class WorkerSide:
         if self._engine is None:
             return None, None
         self._engine.housekeeping()
-        return self._finished_sending(finished_req_ids) or None, self._finished_loading() or None
+        sent, loaded = self._finished_sending(finished_req_ids), self._finished_loading()
+        if self._meta.idle and not sent and not loaded and (self._sending or self._loads):
+            self._idle_wait()
+        return sent or None, loaded or None
+
+    def _idle_wait(self) -> None:
+        """vLLM steps without pause while transfers are in flight, even with nothing to compute: on such an empty
+        step, wait a moment for a transfer to finish instead of returning at once. Each spinning step costs every
+        rank a core (and, with tensor parallelism, a collective), which the transfers' own threads need."""
+        for load in self._loads.values():
+            keys = [key for key, _ in load.parts] or [load.spec.transfer_id]
+            if load.spec.pull_from is not None:
+                self.engine.wait_pull(keys[0], IDLE_WAIT_S)  # returns as soon as that pull settles
+            else:
+                self.engine.wait_staged(load.spec.transfer_id, IDLE_WAIT_S)
+            return
+        time.sleep(IDLE_WAIT_S)  # blocks held for a pull or a push in flight: the peer's pace
 
     def _finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         self._finished |= finished_req_ids & self._sending.keys()
@@ -191,6 +251,7 @@ class WorkerSide:
             self.engine.forget_outgoing(tid)
             self.engine.offers.forget(tid)
             self.blocks.release(tid)
+            self._slices.release(tid)
         return done
 
     def _finished_loading(self) -> set[str]:
@@ -223,20 +284,48 @@ class WorkerSide:
     def _fall_back_to_pull(self, load: _Load) -> bool:
         """This side refused the push for lack of space: pull the blocks straight into the cache instead."""
         spec = load.spec
-        if self.engine.store.reason(spec.transfer_id) != NO_SPACE or spec.fallback_from is None or not spec.block_ids:
+        reason = self.engine.store.reason(spec.transfer_id)
+        if reason not in (NO_SPACE, HEADS_DIFFER) or spec.fallback_from is None or not spec.block_ids:
             return False
         item = self.engine.take_staged(spec.transfer_id)
         if item is not None:
             self.engine.release_staged(item)
         log.info("transfer %s: no staging space here; pulling from %s", spec.transfer_id, spec.fallback_from)
         load.spec = replace(spec, pull_from=spec.fallback_from)
-        self._pull(spec, spec.fallback_from, load.deadline)
+        self._pull(load, spec.fallback_from)
+        return True
+
+    def _parts_finished(self, load: _Load) -> bool:
+        """A load pulled in head slices: done once every part has settled; it failed if any part did."""
+        spec = load.spec
+        results = [self.engine.pull_result(key) for key, _ in load.parts]
+        if any(r is not None and r.state is PullState.PENDING for r in results):
+            return False
+        failed = next((r.reason if r is not None else "deadline passed" for r in results
+                       if r is None or r.state is not PullState.DONE), None)
+        try:
+            if failed is None:
+                for key, access in load.parts:
+                    if access is not None:
+                        access.land(key)
+                self._loaded(spec, sum(r.nbytes for r in results if r is not None))
+        except P2pkvError as exc:
+            failed = str(exc)
+        finally:
+            for key, access in load.parts:
+                self.engine.forget_pull(key)
+                if access is not None:
+                    access.release(key)
+        if failed is not None:
+            self._fail_load(spec, "pull failed: " + failed)
         return True
 
     def _pull_finished(self, load: _Load) -> bool:
         spec = load.spec
         if not spec.block_ids:
             return True
+        if load.parts:
+            return self._parts_finished(load)
         result = self.engine.pull_result(spec.transfer_id)
         if result is not None and result.state is PullState.DONE:
             self.engine.forget_pull(spec.transfer_id)
@@ -248,9 +337,7 @@ class WorkerSide:
                 return True
             finally:
                 self.blocks.release(spec.transfer_id)
-            self.engine.metrics.bytes_loaded.inc(result.nbytes)
-            self.engine.metrics.add("bytes_loaded", result.nbytes)
-            self.engine.metrics.transfers.labels("load", "ok").inc()
+            self._loaded(spec, result.nbytes)
             return True
         # Only a finished pull is reported: vLLM may free and reuse the blocks of a failed load, so the puller
         # (which honours the same deadline) must be done writing into them first.
@@ -260,6 +347,21 @@ class WorkerSide:
             self.blocks.release(spec.transfer_id)
             return True
         return False
+
+    def _loaded(self, spec: LoadSpec, nbytes: int) -> None:
+        """A pulled load is in the blocks. With fault injection, a load marked `test_corrupt` is then damaged (the
+        integration tests' negative control: the output must change)."""
+        if spec.corrupt and self._config.extra.test_fault_injection:
+            key, first = f"{spec.transfer_id}#corrupt", spec.block_ids[:1]
+            try:
+                data = bytearray(b"".join(bytes(v) for v in self.blocks.source(key, first)(0, 0, 1)))
+                data[:4096] = bytes(b ^ 0x5A for b in data[:4096])
+                self.blocks.write_blocks(0, first, memoryview(data))
+            finally:
+                self.blocks.release(key)
+        self.engine.metrics.bytes_loaded.inc(nbytes)
+        self.engine.metrics.add("bytes_loaded", nbytes)
+        self.engine.metrics.transfers.labels("load", "ok").inc()
 
     def _land(self, spec: LoadSpec) -> None:
         item = self.engine.take_staged(spec.transfer_id)

@@ -31,7 +31,8 @@ def stub_prefill(seen: list[dict[str, Any]], fail: bool = False) -> FastAPI:
     return app
 
 
-def stub_decode(seen: list[dict[str, Any]]) -> FastAPI:
+def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0) -> FastAPI:
+    """A decode backend; its probe answer says `tp_size` when given (a p2pkv connector older than that does not)."""
     app = FastAPI()
 
     @app.get("/health")
@@ -48,7 +49,10 @@ def stub_decode(seen: list[dict[str, Any]]) -> FastAPI:
         body = await request.json()
         params = body.get("kv_transfer_params") or {}
         if params.get("probe"):
-            return {"choices": [{"text": ""}], "kv_transfer_params": {"p2pkv": 1, "kv_port": 23456, "kv_host": ""}}
+            answer: dict[str, Any] = {"p2pkv": 1, "kv_port": 23456, "kv_host": ""}
+            if tp_size:
+                answer["tp_size"] = tp_size
+            return {"choices": [{"text": ""}], "kv_transfer_params": answer}
         seen.append(body)
         if body.get("stream"):
             async def events() -> AsyncIterator[bytes]:

@@ -337,3 +337,17 @@ def test_a_decode_connection_broken_before_any_answer_is_sent_once_more(backends
     assert resp.json()["choices"][0]["text"] == "abc"
     assert decode.requests == 2
     assert "p2pkv_proxy_decode_resends_total 1.0" in metrics
+
+
+@pytest.mark.parametrize("static_kv", [False, True])
+def test_the_decode_side_tensor_parallel_size_goes_to_the_prefill_side(static_kv: bool) -> None:
+    p_seen: list[dict[str, Any]] = []
+    with serve(stub_prefill(p_seen)) as p, serve(stub_decode([], tp_size=2)) as d:
+        decode = d + "@127.0.0.1:9999" if static_kv else d
+        with serve(proxy_for(p, decode)) as proxy:
+            for _ in range(2):
+                assert httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x", "max_tokens": 2}).is_success
+    params = [s["body"]["kv_transfer_params"] for s in p_seen]
+    assert [x["decode_tp_size"] for x in params] == [2, 2]
+    # A configured KV address stands; the probe only adds what the configuration did not say.
+    assert {x["decode_kv_address"] for x in params} == {"127.0.0.1:9999" if static_kv else "127.0.0.1:23456"}

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("vllm", reason="the scheduler side imports vLLM's connector base class")
 
 from p2pkv.config import parse_connector_config
-from p2pkv.params import Address, DecodeParams, PrefillParams
+from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
 from p2pkv.vllm.scheduler import SchedulerSide
 
 BS = 128
@@ -42,8 +42,9 @@ class Cached:
 
 def step(new: list[SimpleNamespace] = (), cached: Cached | None = None,
          scheduled: dict[str, int] | None = None) -> SimpleNamespace:
+    scheduled = scheduled or {}
     return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached or Cached(),
-                           num_scheduled_tokens=scheduled or {})
+                           num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()))
 
 
 def side(role: str) -> SchedulerSide:
@@ -105,7 +106,7 @@ def test_producer_saves_once_when_a_chunked_prompt_completes() -> None:
     assert s.build_connector_meta(step(cached=cached, scheduled={req.request_id: 1})).saves == []
     delay, params = s.request_finished(req, [1, 2, 3])
     assert delay is True
-    assert params == DecodeParams("t9", 300, Address("127.0.0.1", 21001)).to_dict()
+    assert params == DecodeParams("t9", 300, Address("127.0.0.1", 21001), prefill_tp=1).to_dict()
 
 
 def test_producer_aborted_before_its_prompt_completed_holds_nothing() -> None:
@@ -121,7 +122,8 @@ def test_probe_is_answered_with_the_kv_port() -> None:
     s = side("kv_consumer")
     req = Req("probe", [0], {"p2pkv": 1, "probe": True})
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert s.request_finished(req, []) == (False, {"p2pkv": 1, "kv_port": 21001, "kv_host": "127.0.0.1"})
+    assert s.request_finished(req, []) == (False, {"p2pkv": 1, "kv_port": 21001, "kv_host": "127.0.0.1",
+                                                  "tp_size": 1})
 
 
 def test_invalid_params_are_ignored_not_fatal() -> None:
@@ -130,3 +132,28 @@ def test_invalid_params_are_ignored_not_fatal() -> None:
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     s.update_state_after_alloc(req, Blocks([1]), 0)
     assert s.build_connector_meta(step()).loads == []
+
+
+def test_other_tensor_parallel_sizes_mean_pulls_by_heads() -> None:
+    # A prefill instance told the decode side runs TP 2 holds its blocks for pulls, whatever the mode, and says
+    # its own TP size; the decode side then pulls, even when the prefill side believed it could push.
+    s = SchedulerSide(parse_connector_config("kv_producer", 21001, "recompute", {"kv_host": "127.0.0.1"}), BS, 1)
+    req = Req("p", list(range(40)), PrefillParams("t8", Address("127.0.0.1", 22001), decode_tp=2).to_dict())
+    s.update_state_after_alloc(req, Blocks([4]), 0)
+    first = SimpleNamespace(req_id="p", block_ids=([4],), num_computed_tokens=0)
+    assert [sv.peer for sv in s.build_connector_meta(step([first], scheduled={"p": 40})).saves] == [None]
+    returned = parse_transfer_params(s.request_finished(req, [4])[1])
+    assert isinstance(returned, DecodeParams) and returned.pull and returned.prefill_tp == 1
+    d = SchedulerSide(parse_connector_config("kv_consumer", 23001, "recompute", {"kv_host": "127.0.0.1"}), BS, 2)
+    pushed = DecodeParams("t8", 40, Address("127.0.0.1", 21001), prefill_tp=1)
+    req = Req("d", list(range(40)), pushed.to_dict())
+    assert d.get_num_new_matched_tokens(req, 0) == (39, True)
+    d.update_state_after_alloc(req, Blocks([7]), 39)
+    (load,) = d.build_connector_meta(step()).loads
+    assert load.pull_from == Address("127.0.0.1", 21001) and load.prefill_tp == 1
+
+
+def test_steps_that_compute_nothing_are_marked_idle() -> None:
+    s = side("kv_consumer")
+    assert s.build_connector_meta(step()).idle
+    assert not s.build_connector_meta(step(scheduled={"r": 3})).idle

@@ -1,0 +1,57 @@
+"""Some heads of every block: what moves between instances of different tensor-parallel sizes. Each head range is
+a `BlockAccess` of its own, over views of the same cache (`p2pkv.layout.head_slice`), made on first use and kept;
+a cache in host memory is read and written in place, a GPU's through host buffers (`p2pkv.staging`)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from p2pkv.blocks import BlockAccess, InPlaceBlocks
+from p2pkv.layout import KvBlocks, head_slice
+from p2pkv.staging import DeviceKv, TransferBuffers
+
+if TYPE_CHECKING:
+    import torch
+
+
+class HeadSlices:
+    def __init__(self, tensors: Sequence[torch.Tensor] = (), block_size: int = 0, kernel: str = "",
+                 whole: BlockAccess | None = None, device: DeviceKv | None = None) -> None:
+        """`whole`: the access to every head, used for the range that covers them all; `device`: the cache is
+        reached through host copies (its pool and metrics are shared)."""
+        self._tensors = list(tensors)
+        self._block_size = block_size
+        self._kernel = kernel
+        self._whole = whole
+        self._device = device
+        self._lock = threading.Lock()
+        self._made: dict[tuple[int, int], BlockAccess] = {}
+
+    def get(self, heads: tuple[int, int]) -> BlockAccess:
+        """The access to heads `first .. end` of every block; IncompatiblePeerError outside the heads held here."""
+        if not self._tensors:
+            raise AssertionError("no KV cache registered")
+        if self._whole is not None and heads == (0, self._tensors[0].shape[1]):
+            return self._whole
+        with self._lock:
+            made = self._made.get(heads)
+            if made is None:
+                made = self._made[heads] = self._make(head_slice(self._tensors, heads))
+            return made
+
+    def _make(self, views: list[torch.Tensor]) -> BlockAccess:
+        device = self._device
+        if device is None:
+            return InPlaceBlocks(KvBlocks.from_tensors(views, self._block_size, self._kernel))
+        kv = DeviceKv(views, self._block_size, self._kernel, device.copy_timeout_s)
+        kv.pool, kv.metrics = device.pool, device.metrics
+        return TransferBuffers(kv)
+
+    def release(self, key: str) -> None:
+        """Free what any slice holds for `key` (a transfer id, or a pull's key)."""
+        with self._lock:
+            made = list(self._made.values())
+        for access in made:
+            access.release(key)

@@ -1,0 +1,85 @@
+"""Prefill and decode of different tensor-parallel sizes, on real vLLM through the proxy (`p2pkv up --prefill-tp
+--decode-tp`): each decode rank pulls its KV heads from the prefill ranks that hold them. Decode TP 2 from prefill
+TP 1 (two ranks pull halves of one rank's blocks), and decode TP 1 from prefill TP 2 (one rank gathers from two)
+with the GPU path's host buffers (`P2PKV_STAGE_KV=1`). Output equals a colocated instance."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
+from p2pkv.staging import STAGE_ENV
+from tests.integration.conftest import complete, metric, up_with_colocated
+from tests.integration.test_disagg import MAX_TOKENS, greedy, ids_and_logprobs, prompt
+from tests.integration.test_staged import served_like_colocated
+
+pytestmark = pytest.mark.vllm
+SHM = '{transport="shm"}'
+
+
+@pytest.fixture(scope="module", params=[(1, 2), (2, 1)], ids=["p1d2", "p2d1-staged"])
+def tp_cluster(request: pytest.FixtureRequest, tiny_model: str,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    prefill_tp, decode_tp = request.param
+    # PUT_ASYNC: the proxy asks for pulls. Three vLLM ranks and the colocated one share this host's two cores, where
+    # vLLM's workers spin for a second after each step: a rank's threads can wait seconds for a core, so the
+    # deadline here is the default (30 s), not the 5 s of the other tests.
+    extra = {"transfer_timeout_s": 30.0, "test_fault_injection": True}
+    env = {STAGE_ENV: "1"} if prefill_tp > decode_tp else {}
+    up_args = ("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp))
+    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("tp"), extra, [], up_args,
+                           env) as (_, info, colocated):
+        info.update(model=tiny_model, colocated=colocated)
+        yield info
+
+
+def _instance(info: dict[str, Any], role: str) -> dict[str, Any]:
+    found: dict[str, Any] = next(i for i in info["instances"] if i["role"] == role)
+    return found
+
+
+def _total(instance: dict[str, Any], series: str) -> float:
+    """A series summed over the instance's ranks (rank r serves its metrics on the instance's port + r)."""
+    address = Address.parse(instance["metrics"])
+    return sum(metric(str(address.offset(r)), series) for r in range(instance["tp_size"]))
+
+
+def test_each_rank_pulls_its_heads_and_output_matches_colocated(tp_cluster: dict[str, Any]) -> None:
+    prefill, decode = _instance(tp_cluster, "kv_producer"), _instance(tp_cluster, "kv_consumer")
+    assert prefill["tp_size"] != decode["tp_size"]
+    expected = sum(served_like_colocated(tp_cluster, f"tp{i}", length)
+                   for i, length in enumerate([60, 129, 300, 700]))
+    # Every head of every block went once: the ranks' loads add up to the whole KV of the prompts.
+    assert _total(decode, "p2pkv_bytes_loaded_total") == expected
+    assert _total(decode, "p2pkv_bytes_received_total" + SHM) == expected
+    assert _total(prefill, "p2pkv_bytes_sent_total" + SHM) == expected
+    pulls = 4 * max(prefill["tp_size"], decode["tp_size"])  # one per (prefill rank, decode rank) pair here
+    assert _total(decode, 'p2pkv_transfers_total{direction="pull",outcome="ok"}') == pulls
+
+
+def test_negative_control_corrupted_kv_changes_the_output(tp_cluster: dict[str, Any]) -> None:
+    prefill, decode = _instance(tp_cluster, "kv_producer"), _instance(tp_cluster, "kv_consumer")
+    answers = []
+    for corrupt in (False, True):
+        text = prompt("tp-control", 300)
+        params = PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]), decode_tp=decode["tp_size"])
+        body = {"model": tp_cluster["model"], "prompt": text, "max_tokens": 1,
+                "kv_transfer_params": params.to_dict()}
+        returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
+        assert isinstance(returned, DecodeParams) and returned.pull
+        assert returned.prefill_tp == prefill["tp_size"]
+        returned = dataclasses.replace(returned, test_corrupt=corrupt)
+        body = {"model": tp_cluster["model"], "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "logprobs": 1, "return_token_ids": True, "ignore_eos": True,
+                "kv_transfer_params": returned.to_dict()}
+        answer = complete(f"http://{decode['http']}", body)
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 299
+        answers.append(ids_and_logprobs(answer))
+    reference = ids_and_logprobs(greedy(tp_cluster["colocated"], tp_cluster["model"], prompt("tp-control", 300)))
+    assert answers[0][0] == reference[0]
+    assert answers[1] != reference
