@@ -149,16 +149,25 @@ class WorkerSide:
         """From a prefill instance of another tensor-parallel size: this rank's heads, from the prefill ranks that
         hold them, each into its slice of the blocks."""
         spec, tid = load.spec, load.spec.transfer_id
-        parts = plan_pulls(self._rank, self._tp_size, spec.prefill_tp, self._total_heads)
-        for part in parts:
-            key = f"{tid}@{part.prefill_rank}"
-            access = None if part.release_only else self._slices.get(part.decode_heads)
-            block_bytes = access.digest.block_bytes if access is not None else 0
-            sink = access.sink(key, spec.block_ids) if access is not None else _no_sink
-            load.parts.append((key, access))
-            self.engine.pull(tid, peer.offset(part.prefill_rank), spec.first_block, len(spec.block_ids), sink,
-                             load.deadline, None,
-                             HeadSlice(part.prefill_heads, block_bytes, part.pullers, self._rank, key))
+        jobs = []
+        try:
+            for part in plan_pulls(self._rank, self._tp_size, spec.prefill_tp, self._total_heads):
+                key = f"{tid}@{part.prefill_rank}"
+                access = None if part.release_only else self._slices.get(part.decode_heads)
+                block_bytes = access.digest.block_bytes if access is not None else 0
+                sink = access.sink(key, spec.block_ids) if access is not None else _no_sink
+                jobs.append((part.prefill_rank, sink, HeadSlice(part.prefill_heads, block_bytes, part.pullers,
+                                                                self._rank, key), access))
+        except P2pkvError:
+            for _, _, head_slice, access in jobs:
+                if access is not None:
+                    access.release(head_slice.key)
+            raise
+        # Submitted only once every part could be prepared: a load that fails here has nothing writing its blocks.
+        for prefill_rank, sink, head_slice, access in jobs:
+            load.parts.append((head_slice.key, access))
+            self.engine.pull(tid, peer.offset(prefill_rank), spec.first_block, len(spec.block_ids), sink,
+                             load.deadline, None, head_slice)
 
     def _offer(self, spec: SaveSpec) -> None:
         """GET: hold the blocks for the decode side (and say where they lie, for cuda_ipc pulls; and which bytes
@@ -218,7 +227,9 @@ class WorkerSide:
         for load in self._loads.values():
             keys = [key for key, _ in load.parts] or [load.spec.transfer_id]
             if load.spec.pull_from is not None:
-                self.engine.wait_pull(keys[0], IDLE_WAIT_S)  # returns as soon as that pull settles
+                pending = [k for k in keys if (r := self.engine.pull_result(k)) is not None
+                           and r.state is PullState.PENDING]
+                self.engine.wait_pull((pending or keys)[0], IDLE_WAIT_S)  # returns once that pull settles
             else:
                 self.engine.wait_staged(load.spec.transfer_id, IDLE_WAIT_S)
             return

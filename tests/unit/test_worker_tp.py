@@ -1,0 +1,85 @@
+"""The worker side between ranks of different tensor-parallel sizes, without vLLM's processes: a TP 1 prefill worker
+holds a finished prompt's blocks, two TP 2 decode workers each pull their half of its heads into their own caches,
+over real sockets; a load whose heads cannot be split fails at once, with nothing pulled."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the worker side's metadata is vLLM's connector metadata class")
+
+from p2pkv.cli.cluster import free_ports
+from p2pkv.config import parse_connector_config
+from p2pkv.params import Address
+from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
+from p2pkv.vllm.worker import WorkerSide
+
+LAYERS, BLOCKS, TOKENS, DIM, HEADS = 2, 5, 16, 8, 2
+
+
+def caches(heads: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}": torch.rand(BLOCKS, heads, TOKENS, 2 * DIM, generator=g) for i in range(LAYERS)}
+
+
+def worker(role: str, port: int, rank: int, tp: int, total: int, kv: dict[str, torch.Tensor]) -> WorkerSide:
+    config = parse_connector_config(role, port, "recompute", {"kv_host": "127.0.0.1", "transfer_timeout_s": 10,
+                                                             "metrics_port": 0})
+    side = WorkerSide(config, rank, TOKENS, tp, total)
+    side.register_kv_caches(kv)
+    return side
+
+
+@pytest.fixture
+def sides() -> Iterator[list[WorkerSide]]:
+    made: list[WorkerSide] = []
+    yield made
+    for side in made:
+        side.shutdown()
+
+
+def settle(side: WorkerSide, req: str, sending: bool, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sent, loaded = side.get_finished({req} if sending else set())
+        if req in ((sent if sending else loaded) or ()):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{req} did not finish")
+
+
+def test_decode_ranks_of_tp_2_load_their_heads_from_a_tp_1_prefill_worker(sides: list[WorkerSide]) -> None:
+    p_port, d_port = free_ports(2, run=2)
+    p_kv = caches(HEADS, 1)
+    prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv)
+    d_kv = [caches(1, 2 + r) for r in range(2)]
+    decode = [worker("kv_consumer", d_port, r, 2, HEADS, d_kv[r]) for r in range(2)]
+    sides += [prefill, *decode]
+    src, dst = (3, 0, 4), (1, 2, 0)
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid1", None, src)]))
+    prefill.wait_for_save()  # GET: the blocks are offered
+    for d in decode:
+        d.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid1", 0, dst, pull_from=Address("127.0.0.1", p_port),
+                                             prefill_tp=1)]))
+    for d in decode:
+        settle(d, "d-req", sending=False)
+        assert d.take_load_errors() == set()
+    settle(prefill, "p-req", sending=True)  # served to both ranks: its blocks may go
+    for r in range(2):
+        for name in p_kv:
+            assert torch.equal(d_kv[r][name][list(dst)], p_kv[name][list(src), r : r + 1])
+
+
+def test_a_load_whose_heads_cannot_be_split_fails_without_pulling(sides: list[WorkerSide]) -> None:
+    (d_port,) = free_ports(1, run=2)
+    decode = worker("kv_consumer", d_port, 0, 2, 3, caches(1, 5))  # 3 heads over TP 2: no such model
+    sides.append(decode)
+    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid2", 0, (1, 2), pull_from=Address("127.0.0.1", 9),
+                                              prefill_tp=1)]))
+    assert decode.take_load_errors() == {1, 2}
+    assert decode.get_finished(set()) == (None, {"d-req"})
+    assert decode.engine.pull_result("tid2@0") is None  # nothing was submitted
