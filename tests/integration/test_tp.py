@@ -29,12 +29,17 @@ def tp_cluster(request: pytest.FixtureRequest, tiny_model: str,
     # PUT_ASYNC: the proxy asks for pulls. Three vLLM ranks and the colocated one share this host's two cores, where
     # vLLM's workers spin for a second after each step: a rank's threads can wait seconds for a core, so the
     # deadline here is the default (30 s), not the 5 s of the other tests.
-    extra = {"transfer_timeout_s": 30.0, "test_fault_injection": True}
+    # For the same reason heartbeats go every 10 s (the proxy drops an instance after 3 missed), and one request
+    # warms every instance up (its first forwards) before the checks: in one CI run a starved prefill instance
+    # missed 9 s of heartbeats during the first requests and was dropped.
+    extra = {"transfer_timeout_s": 30.0, "test_fault_injection": True, "heartbeat_interval_s": 10.0}
     env = {STAGE_ENV: "1"} if prefill_tp > decode_tp else {}
     up_args = ("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp))
     with up_with_colocated(tiny_model, tmp_path_factory.mktemp("tp"), extra, [], up_args,
                            env) as (_, info, colocated):
         info.update(model=tiny_model, colocated=colocated)
+        for base in (info["proxy"], colocated):
+            greedy(base, tiny_model, prompt("tp-warm-up", 200))
         yield info
 
 
@@ -52,14 +57,17 @@ def _total(instance: dict[str, Any], series: str) -> float:
 def test_each_rank_pulls_its_heads_and_output_matches_colocated(tp_cluster: dict[str, Any]) -> None:
     prefill, decode = _instance(tp_cluster, "kv_producer"), _instance(tp_cluster, "kv_consumer")
     assert prefill["tp_size"] != decode["tp_size"]
+    series = [(decode, "p2pkv_bytes_loaded_total"), (decode, "p2pkv_bytes_received_total" + SHM),
+              (prefill, "p2pkv_bytes_sent_total" + SHM),
+              (decode, 'p2pkv_transfers_total{direction="pull",outcome="ok"}')]
+    before = [_total(instance, name) for instance, name in series]
     expected = sum(served_like_colocated(tp_cluster, f"tp{i}", length)
                    for i, length in enumerate([60, 129, 300, 700]))
+    loaded, received, sent, pulls = (_total(instance, name) - b for (instance, name), b in zip(series, before,
+                                                                                              strict=True))
     # Every head of every block went once: the ranks' loads add up to the whole KV of the prompts.
-    assert _total(decode, "p2pkv_bytes_loaded_total") == expected
-    assert _total(decode, "p2pkv_bytes_received_total" + SHM) == expected
-    assert _total(prefill, "p2pkv_bytes_sent_total" + SHM) == expected
-    pulls = 4 * max(prefill["tp_size"], decode["tp_size"])  # one per (prefill rank, decode rank) pair here
-    assert _total(decode, 'p2pkv_transfers_total{direction="pull",outcome="ok"}') == pulls
+    assert loaded == received == sent == expected
+    assert pulls == 4 * max(prefill["tp_size"], decode["tp_size"])  # one per (prefill rank, decode rank) pair here
 
 
 def test_negative_control_corrupted_kv_changes_the_output(tp_cluster: dict[str, Any]) -> None:
