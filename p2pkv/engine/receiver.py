@@ -210,7 +210,8 @@ class Receiver:
             return
         started, nbytes, transport = time.monotonic(), 0, conn.name
         try:
-            source = self._sliced_source(pull, claim, sliced) if pull.heads != (0, 0) else None
+            release = pull.heads is not None and pull.heads[0] == pull.heads[1]  # no heads: only frees the blocks
+            source = None if release else self._sliced_source(pull, claim, sliced)
             if isinstance(source, str) or source is None:
                 # Refused (the puller recomputes), or a release: this rank needs none of our heads. Either way
                 # this puller is done with the blocks.

@@ -200,3 +200,21 @@ def test_peers_of_other_models_are_still_refused() -> None:
     assert a.differences(other_model)
     wider = KvBlocks.from_tensors([torch.zeros(BLOCKS, 2, TOKENS, 4 * DIM)], TOKENS, "test", TOTAL_HEADS).digest
     assert a.differences(wider)
+
+
+def test_a_pull_of_no_heads_only_counts_toward_serving_the_offer(workers: list[Worker], transport: str) -> None:
+    prefill, decode = Worker(4, 21, transport), Worker(4, 22, transport)
+    workers += [prefill, decode]
+    prefill.offer("t5", (1,))
+    release = HeadSlice((3, 3), 0, 2, 1, "t5@release")  # any empty range, as the plan's (0, 0)
+    decode.engine.pull("t5", prefill.address, 0, 1, lambda *_: (), time.monotonic() + 5, None, release)
+    result = decode.engine.wait_pull("t5@release", 10)
+    assert result is not None and result.state is PullState.DONE and result.nbytes == 0, result
+    assert prefill.engine.offer_state("t5") is OfferState.SERVING  # one of two pullers
+    access = decode.slices.get((0, 2))
+    part = HeadSlice((2, 4), access.digest.block_bytes, 2, 0, "t5@0")  # the other puller: two of the heads
+    decode.engine.pull("t5", prefill.address, 0, 1, access.sink("t5@0", (2,)), time.monotonic() + 5, None, part)
+    result = decode.engine.wait_pull("t5@0", 10)
+    assert result is not None and result.state is PullState.DONE, result
+    assert served(prefill, "t5")
+    assert torch.equal(heads(decode, (2,), 0, 2), heads(prefill, (1,), 2, 4))
