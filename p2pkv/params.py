@@ -48,6 +48,7 @@ class PrefillParams:
     pull: bool = False
     inline: bool = False  # PUT: the prefill step waits until its push is sent
     decode_tp: int = 0  # the decode instance's tensor-parallel size, when the proxy knows it (0: not known)
+    decode_pp: int = 0  # the decode instance's pipeline-parallel size, when the proxy knows it (0: not known)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {MARKER: PARAMS_VERSION, "transfer_id": self.transfer_id, "do_remote_decode": True}
@@ -55,6 +56,8 @@ class PrefillParams:
             out["decode_kv_address"] = str(self.decode_kv)
         if self.decode_tp:
             out["decode_tp_size"] = self.decode_tp
+        if self.decode_pp:
+            out["decode_pp_size"] = self.decode_pp
         if self.pull:
             out["send_type"] = "GET"
         elif self.inline:
@@ -76,6 +79,7 @@ class DecodeParams:
     test_corrupt: bool = False
     pull: bool = False
     prefill_tp: int = 0  # the prefill instance's tensor-parallel size (0: not said, taken to equal ours)
+    prefill_pp: int = 0  # the prefill instance's pipeline-parallel size (0: not said, taken to equal ours)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -90,6 +94,8 @@ class DecodeParams:
             out["test_corrupt"] = True
         if self.prefill_tp:
             out["prefill_tp_size"] = self.prefill_tp
+        if self.prefill_pp:
+            out["prefill_pp_size"] = self.prefill_pp
         if self.pull:
             out["send_type"] = "GET"
         return out
@@ -108,11 +114,14 @@ class ProbeAnswer:
     kv_port: int
     kv_host: str
     tp_size: int = 0
+    pp_size: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {MARKER: PARAMS_VERSION, "kv_port": self.kv_port, "kv_host": self.kv_host}
         if self.tp_size:
             out["tp_size"] = self.tp_size
+        if self.pp_size:
+            out["pp_size"] = self.pp_size
         return out
 
 
@@ -126,10 +135,12 @@ def _pull(raw: dict[str, Any]) -> bool:
     return bool(mode == "GET")
 
 
-def _tp_size(raw: dict[str, Any], key: str) -> int:
+def _size(raw: dict[str, Any], key: str) -> int:
+    """A tensor- or pipeline-parallel size; 0 when not given."""
     value = raw.get(key, 0)
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 4096:
-        raise ConfigError(f"kv_transfer_params.{key}: expected a tensor-parallel size, got {value!r}")
+        kind = "tensor" if key.endswith("tp_size") else "pipeline"
+        raise ConfigError(f"kv_transfer_params.{key}: expected a {kind}-parallel size, got {value!r}")
     return value
 
 
@@ -150,14 +161,16 @@ def parse_transfer_params(raw: Any) -> AnyParams | None:
     if raw.get("do_remote_decode"):
         decode = raw.get("decode_kv_address")
         return PrefillParams(transfer_id, Address.parse(decode) if isinstance(decode, str) else None,
-                             _pull(raw), raw.get("send_type") == "PUT", _tp_size(raw, "decode_tp_size"))
+                             _pull(raw), raw.get("send_type") == "PUT", _size(raw, "decode_tp_size"),
+                             _size(raw, "decode_pp_size"))
     if raw.get("load_remote_kv"):
         tokens = raw.get("num_prompt_tokens")
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
             raise ConfigError(f"kv_transfer_params.num_prompt_tokens: expected a positive integer, got {tokens!r}")
         prefill = raw.get("prefill_kv_address")
         params = DecodeParams(transfer_id, tokens, Address.parse(prefill) if isinstance(prefill, str) else None,
-                              bool(raw.get("test_corrupt", False)), _pull(raw), _tp_size(raw, "prefill_tp_size"))
+                              bool(raw.get("test_corrupt", False)), _pull(raw), _size(raw, "prefill_tp_size"),
+                              _size(raw, "prefill_pp_size"))
         if params.pull and params.prefill_kv is None:
             raise ConfigError("kv_transfer_params: send_type GET needs prefill_kv_address")
         return params

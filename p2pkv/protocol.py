@@ -40,6 +40,7 @@ class LayoutDigest(msgspec.Struct, frozen=True):
     block_layout: str = "dense"  # how one block's bytes lie in memory (one run, or several)
     total_heads: int = 0  # KV heads of the model over all tensor-parallel ranks; 0: not known
     head_layout: str = "dense"  # how one head of one block lies in memory
+    first_layer: int = 0  # the model's index of the first layer held here (pipeline stages hold later layers)
 
     @property
     def local_heads(self) -> int:
@@ -56,7 +57,7 @@ class LayoutDigest(msgspec.Struct, frozen=True):
                 and self.local_heads != other.local_heads)
 
     def differences(self, other: LayoutDigest) -> list[str]:
-        names: tuple[str, ...] = ("num_layers", "block_size", "dtype", "kernel")
+        names: tuple[str, ...] = ("first_layer", "num_layers", "block_size", "dtype", "kernel")
         if self.slices_with(other):
             names += ("head_bytes", "head_layout")
             if self.block_shape[1:] != other.block_shape[1:]:
@@ -213,6 +214,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     interval_s: float
     engine_id: str = ""
     tp_size: int = 0  # the instance's tensor-parallel size; 0: not said
+    pp_size: int = 0  # the instance's pipeline-parallel size; 0: not said
 
 
 Message = (Hello | HelloReply | BlockRanges | PushBlocks | PushAck | PushAbort | PullRequest | PullReply | Heartbeat

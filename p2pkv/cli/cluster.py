@@ -83,7 +83,7 @@ class Process:
     log_path: Path
     env: dict[str, str]
     health_url: str
-    ranks: int = 0  # vLLM worker processes (its tensor-parallel size); 0 for the proxy
+    ranks: int = 0  # vLLM worker processes (tensor- times pipeline-parallel size); 0 for the proxy
     popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -143,6 +143,11 @@ class InstanceSpec:
     vllm_args: tuple[str, ...] = ()
     failure_policy: str = "recompute"
     tp_size: int = 1  # tensor-parallel size: ranks bind kv_port + rank (and metrics_port + rank)
+    pp_size: int = 1  # pipeline-parallel size: stage s's ranks come after the earlier stages' (s * tp_size + rank)
+
+    @property
+    def ranks(self) -> int:
+        return self.tp_size * self.pp_size
 
 
 def vllm_argv(model: str, spec: InstanceSpec, host: str, dtype: str) -> list[str]:
@@ -155,6 +160,8 @@ def vllm_argv(model: str, spec: InstanceSpec, host: str, dtype: str) -> list[str
         argv += ["--kv-transfer-config", json.dumps(config)]
     if spec.tp_size > 1:
         argv += ["--tensor-parallel-size", str(spec.tp_size)]
+    if spec.pp_size > 1:
+        argv += ["--pipeline-parallel-size", str(spec.pp_size)]
     return argv + list(spec.vllm_args)
 
 
@@ -186,13 +193,13 @@ class Cluster:
         if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             # vLLM's CPU build pins every instance to the same cores by default, where their idle loops spin;
             # spread the instances of this host over its cores instead.
-            # One core per tensor-parallel rank ("0|1" binds rank 0 to core 0, rank 1 to core 1).
+            # One core per rank ("0|1" binds rank 0 to core 0, rank 1 to core 1).
             cores = sorted(os.sched_getaffinity(0))
             index = sum(p.ranks for p in self.processes)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[(index + r) % len(cores)])
-                                                        for r in range(spec.tp_size))
+                                                        for r in range(spec.ranks))
         proc = Process(name, vllm_argv(self.model, spec, self.host, self.dtype), self.log_dir / f"{name}.log",
-                       env, f"http://{self.host}:{spec.http_port}/health", spec.tp_size)
+                       env, f"http://{self.host}:{spec.http_port}/health", spec.ranks)
         self.processes.append(proc)
         return proc
 

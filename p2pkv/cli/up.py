@@ -49,7 +49,8 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
     """The cluster to start, and what the ready file will say about it."""
     cluster = Cluster(model=model, log_dir=log_dir, host=args.host, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb)
     n = args.prefill + args.decode
-    tp = max(args.prefill_tp, args.decode_tp)  # rank r of an instance binds its KV and metrics ports + r
+    # Rank r of an instance (over its pipeline stages) binds its KV and metrics ports + r.
+    tp = max(args.prefill_tp * args.prefill_pp, args.decode_tp * args.decode_pp)
     if args.base_port:
         http_ports = _ports(args.base_port, n, args.host)
         kv_ports, metrics_ports = ([args.base_port + k * 1000 + i * tp for i in range(n)] for k in (1, 2))
@@ -73,11 +74,12 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
         spec = InstanceSpec(role, http_ports[i], kv_ports[i],
                             {**extra, "metrics_port": metrics_ports[i], "http_port": http_ports[i]},
                             extra_vllm, args.kv_load_failure_policy,
-                            args.prefill_tp if is_prefill else args.decode_tp)
+                            args.prefill_tp if is_prefill else args.decode_tp,
+                            args.prefill_pp if is_prefill else args.decode_pp)
         cluster.add_vllm(name, spec)
         described.append({"name": name, "role": role, "http": f"{args.host}:{http_ports[i]}",
                           "kv": f"{args.host}:{kv_ports[i]}", "metrics": f"{args.host}:{metrics_ports[i]}",
-                          "tp_size": spec.tp_size})
+                          "tp_size": spec.tp_size, "pp_size": spec.pp_size})
     proxy_port = args.port or free_port(args.host)
     cluster.add_proxy(proxy_port, [], [], discovery_port, secret=extra.get("auth_secret", ""))
     return cluster, {"proxy": f"http://{args.host}:{proxy_port}", "discovery": f"{args.host}:{discovery_port}",
@@ -115,8 +117,11 @@ def send_demo_request(proxy_url: str, model: str) -> str:
 def run_up(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
         raise SystemExit("p2pkv up: --prefill and --decode must be at least 1")
-    if args.prefill_tp < 1 or args.decode_tp < 1:
-        raise SystemExit("p2pkv up: --prefill-tp and --decode-tp must be at least 1")
+    if min(args.prefill_tp, args.decode_tp, args.prefill_pp, args.decode_pp) < 1:
+        raise SystemExit("p2pkv up: --prefill-tp, --decode-tp, --prefill-pp and --decode-pp must be at least 1")
+    if args.prefill_pp != args.decode_pp:
+        _say(f"warning: prefill pipeline-parallel size {args.prefill_pp} differs from decode's {args.decode_pp}; "
+             "KV cannot move between them, so every decode instance will compute its prompts itself")
     if args.model is None:
         from p2pkv.tinymodel import write_tiny_model
 

@@ -30,6 +30,7 @@ class Announcement:
     interval_s: float
     legacy: bool = False
     tp_size: int = 0  # 0: not said
+    pp_size: int = 0  # 0: not said
 
 
 def _address(value: object, key: str) -> Address:
@@ -50,10 +51,11 @@ def _typed(raw: bytes, secret: bytes) -> Announcement:
     if not 0 < message.interval_s <= 3600:
         raise ProtocolError(f"heartbeat interval {message.interval_s!r} s is out of range")
     kv = _address(message.kv_address, "kv_address") if message.kv_address else None
-    if not 0 <= message.tp_size <= 4096:
-        raise ProtocolError(f"heartbeat tp_size {message.tp_size!r} is out of range")
+    for key, size in (("tp_size", message.tp_size), ("pp_size", message.pp_size)):
+        if not 0 <= size <= 4096:
+            raise ProtocolError(f"heartbeat {key} {size!r} is out of range")
     return Announcement(message.role, _address(message.http_address, "http_address"), kv, message.interval_s,
-                        tp_size=message.tp_size)
+                        tp_size=message.tp_size, pp_size=message.pp_size)
 
 
 def _legacy(raw: bytes) -> Announcement:

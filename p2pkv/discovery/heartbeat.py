@@ -42,9 +42,9 @@ def advertised_host(bound: str, proxy_host: str) -> str:
 
 class HeartbeatSender:
     def __init__(self, proxy: Address, role: str, http: Address, kv: Address, interval_s: float,
-                 secret: bytes, tp_size: int = 0) -> None:
+                 secret: bytes, tp_size: int = 0, pp_size: int = 0) -> None:
         self.proxy = proxy
-        self.message = Heartbeat(role, str(http), str(kv), interval_s, uuid.uuid4().hex, tp_size)
+        self.message = Heartbeat(role, str(http), str(kv), interval_s, uuid.uuid4().hex, tp_size, pp_size)
         self.interval_s = interval_s
         self._secret = secret
         self._health_url = f"http://{http}/health"
@@ -96,7 +96,7 @@ class HeartbeatSender:
 _ROLE_NAMES = {Role.PRODUCER: "prefill", Role.CONSUMER: "decode", Role.BOTH: "both"}
 
 
-def sender_for(config: ConnectorConfig, tp_size: int = 0) -> HeartbeatSender | None:
+def sender_for(config: ConnectorConfig, tp_size: int = 0, pp_size: int = 0) -> HeartbeatSender | None:
     """The heartbeat sender of an instance configured with `proxy_ip`/`proxy_port`; None without a proxy."""
     extra = config.extra
     if not extra.proxy_ip:
@@ -104,4 +104,4 @@ def sender_for(config: ConnectorConfig, tp_size: int = 0) -> HeartbeatSender | N
     host = advertised_host(extra.kv_host, extra.proxy_ip)
     return HeartbeatSender(Address(extra.proxy_ip, extra.proxy_port), _ROLE_NAMES[config.role],
                            Address(host, extra.http_port), Address(host, config.worker_port(0)),
-                           extra.heartbeat_interval_s, extra.auth_secret.encode(), tp_size)
+                           extra.heartbeat_interval_s, extra.auth_secret.encode(), tp_size, pp_size)

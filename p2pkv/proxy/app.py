@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 from fastapi import FastAPI, Request
@@ -58,6 +58,18 @@ def _prefill_body(body: dict[str, Any], params: PrefillParams) -> dict[str, Any]
     return pre
 
 
+class KvTarget(NamedTuple):
+    """Where a decode instance takes KV, and its tensor- and pipeline-parallel sizes (0: not known)."""
+
+    address: Address | None
+    tp: int
+    pp: int
+
+
+def _size(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
 class Router:
     """Per-app state: the HTTP client, the instance pools, the learned KV addresses and the metrics."""
 
@@ -67,8 +79,8 @@ class Router:
         self.metrics = metrics
         self.prefill = static_pool("prefill", config.prefill, Policy(config.prefill_policy))
         self.decode = static_pool("decode", config.decode, Policy(config.decode_policy))
-        self._kv: dict[Instance, tuple[Address, int]] = {}  # learned KV address and tensor-parallel size
-        self._tp: dict[Address, int] = {}  # tensor-parallel sizes heartbeats gave, by HTTP address
+        self._kv: dict[Instance, KvTarget] = {}  # learned KV address and parallel sizes
+        self._sizes: dict[Address, tuple[int, int]] = {}  # (tensor, pipeline) sizes heartbeats gave, by HTTP address
         for pool in (self.prefill, self.decode):
             metrics.instances.labels(pool.role).set_function(pool.count)
 
@@ -77,7 +89,7 @@ class Router:
         self.metrics.heartbeats.labels("accepted").inc()
         instance = Instance(a.http, a.kv)
         if a.tp_size:
-            self._tp[a.http] = a.tp_size
+            self._sizes[a.http] = a.tp_size, a.pp_size
         expires_at = time.monotonic() + self.config.heartbeat_misses * a.interval_s
         wanted = {"prefill": (self.prefill,), "decode": (self.decode,), "both": self.pools}[a.role]
         for pool in self.pools:
@@ -92,31 +104,30 @@ class Router:
     def pools(self) -> tuple[Pool, Pool]:
         return self.prefill, self.decode
 
-    async def kv_target(self, instance: Instance, headers: dict[str, str]) -> tuple[Address, int]:
-        """The decode instance's KV address and tensor-parallel size (0: not known). Both come with its heartbeats;
-        what they do not say is asked of the instance itself, once."""
+    async def kv_target(self, instance: Instance, headers: dict[str, str]) -> KvTarget:
+        """The decode instance's KV address and parallel sizes (0: not known). All come with its heartbeats; what
+        they do not say is asked of the instance itself, once."""
         known = self._kv.get(instance)
         if known is not None:
             return known
-        heard_tp = self._tp.get(instance.http, 0)
-        if instance.kv is not None and heard_tp:
-            return instance.kv, heard_tp
+        heard = self._sizes.get(instance.http)
+        if instance.kv is not None and heard is not None:
+            return KvTarget(instance.kv, *heard)
         try:
             answer = await self._probe(instance, headers)
         except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as exc:
             if instance.kv is None:
                 raise
-            log.info("decode instance %s did not say its tensor-parallel size (%r); taken to equal the prefill's",
+            log.info("decode instance %s did not say its parallel sizes (%r); taken to equal the prefill's",
                      instance.http, exc)
-            self._kv[instance] = instance.kv, 0
-            return instance.kv, 0
+            target = self._kv[instance] = KvTarget(instance.kv, 0, 0)
+            return target
         address = instance.kv or Address(answer.get("kv_host") or instance.http.host, answer["kv_port"])
-        tp = answer.get("tp_size", 0)
-        tp = tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0 else 0
-        self._kv[instance] = address, tp
-        log.info("decode instance %s has its KV port at %s (tensor-parallel size %s)", instance.http, address,
-                 tp or "not said")
-        return address, tp
+        tp, pp = (_size(answer.get(key)) for key in ("tp_size", "pp_size"))
+        target = self._kv[instance] = KvTarget(address, tp, pp)
+        log.info("decode instance %s has its KV port at %s (tensor-parallel size %s, pipeline-parallel size %s)",
+                 instance.http, address, tp or "not said", pp or "not said")
+        return target
 
     async def _probe(self, instance: Instance, headers: dict[str, str]) -> dict[str, Any]:
         models = await self.client.get(f"{instance.url}/v1/models", headers=headers)
@@ -149,15 +160,14 @@ class Router:
         if decode is None:
             self.metrics.requests.labels("no_instance").inc()
             return _error(503, "no decode instance is available")
-        decode_kv: Address | None
         try:
-            decode_kv, decode_tp = await self.kv_target(decode.instance, headers)
+            target = await self.kv_target(decode.instance, headers)
         except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as exc:
             # Without the decode side's KV address the prefill side cannot push; it holds the KV for a pull.
             log.warning("decode instance %s did not report its KV address (%s); using GET", decode.instance.http, exc)
-            decode_kv, decode_tp = None, 0
+            target = KvTarget(None, 0, 0)
         transfer_id = uuid.uuid4().hex
-        params = PrefillParams(transfer_id, decode_kv, decode_tp=decode_tp)
+        params = PrefillParams(transfer_id, target.address, decode_tp=target.tp, decode_pp=target.pp)
         outcome = await self._prefill(_prefill_body(body, params), path, headers)
         if isinstance(outcome, Response):
             self.metrics.requests.labels("prefill_rejected").inc()

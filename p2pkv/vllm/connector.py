@@ -33,10 +33,11 @@ def _route_logs() -> None:
         logger.propagate = False
 
 
-def _tp_rank() -> int:
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+def _ranks() -> tuple[int, int]:
+    """This worker's (tensor-parallel rank, pipeline-parallel rank)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-    return int(get_tensor_model_parallel_rank())
+    return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
 
 
 def _total_kv_heads(vllm_config: VllmConfig) -> int:
@@ -56,17 +57,20 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                              tc.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._heartbeat: HeartbeatSender | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.config, block_size, tp_size)
-            # One announcer per instance, whatever its tensor-parallel size: the scheduler side is unique.
-            self._heartbeat = sender_for(self.config, tp_size)
+            self._scheduler = SchedulerSide(self.config, block_size, tp_size, pp_size)
+            # One announcer per instance, whatever its parallel sizes: the scheduler side is unique.
+            self._heartbeat = sender_for(self.config, tp_size, pp_size)
             if self._heartbeat is not None:
                 self._heartbeat.start()
         else:
-            self._worker = WorkerSide(self.config, _tp_rank(), block_size, tp_size, _total_kv_heads(vllm_config))
+            tp_rank, pp_rank = _ranks()
+            self._worker = WorkerSide(self.config, tp_rank, block_size, tp_size, _total_kv_heads(vllm_config),
+                                      pp_rank)
 
     @property
     def scheduler(self) -> SchedulerSide:

@@ -36,6 +36,7 @@ class _Producer:
     inline: bool
     block_ids: list[int] = field(default_factory=list)
     saved: bool = False
+    skipped: bool = False  # nothing to save: the decode side holds other layers (another pipeline-parallel size)
 
 
 def _params(request: Request) -> AnyParams | None:
@@ -47,10 +48,11 @@ def _params(request: Request) -> AnyParams | None:
 
 
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int = 1) -> None:
+    def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int = 1, pp_size: int = 1) -> None:
         self._config = config
         self._block_size = block_size
         self._tp_size = tp_size
+        self._pp_size = pp_size
         self._producers: dict[str, _Producer] = {}
         self._consumed: set[str] = set()
         self._loads: list[LoadSpec] = []
@@ -73,6 +75,11 @@ class SchedulerSide:
             log.error("transfer %s: prefill saw %d prompt tokens, this request has %d; computing locally",
                       params.transfer_id, params.num_prompt_tokens, num_prompt)
             return 0, False
+        if params.prefill_pp not in (0, self._pp_size):
+            log.warning("transfer %s: the prefill instance runs pipeline-parallel size %d, this one %d: its ranks "
+                        "hold other layers, so the prompt is computed here", params.transfer_id, params.prefill_pp,
+                        self._pp_size)
+            return 0, False
         # The last prompt token is always computed here, so its logits exist to sample from.
         external = num_prompt - 1 - num_computed_tokens
         return (external, True) if external > 0 else (0, False)
@@ -88,8 +95,14 @@ class SchedulerSide:
                         or other_tp)
                 num_prompt = len(request.prompt_token_ids or ())
                 inline = params.inline or self._config.extra.send_type is SendType.PUT
-                self._producers[req_id] = _Producer(params.transfer_id, None if pull else params.decode_kv,
-                                                    num_prompt, inline)
+                producer = self._producers[req_id] = _Producer(params.transfer_id, None if pull else params.decode_kv,
+                                                               num_prompt, inline)
+                if params.decode_pp not in (0, self._pp_size):
+                    # Stage s here holds other layers than stage s there: nothing this instance could send fits.
+                    log.warning("transfer %s: the decode instance runs pipeline-parallel size %d, this one %d; "
+                                "not saving its KV (the decode side computes the prompt)", params.transfer_id,
+                                params.decode_pp, self._pp_size)
+                    producer.skipped = True
             return
         if not isinstance(params, DecodeParams) or req_id in self._consumed:
             return
@@ -135,7 +148,7 @@ class SchedulerSide:
         for req_id, computed in progress.items():
             producer = self._producers[req_id]
             done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            if producer.saved or done < producer.num_prompt_tokens:
+            if producer.saved or producer.skipped or done < producer.num_prompt_tokens:
                 continue
             # The prompt completes in this step: every block of it holds final KV once the forward has run.
             producer.saved = True
@@ -148,14 +161,18 @@ class SchedulerSide:
         if isinstance(_params(request), ProbeParams):
             host = self._config.extra.kv_host
             return False, ProbeAnswer(self._config.kv_port, "" if host in ("0.0.0.0", "::") else host,
-                                      self._tp_size).to_dict()
+                                      self._tp_size, self._pp_size).to_dict()
         self._consumed.discard(req_id)
         producer = self._producers.pop(req_id, None)
+        if producer is not None and producer.skipped:
+            # Nothing held: the decode side learns this side's size and computes the prompt itself.
+            return False, DecodeParams(producer.transfer_id, producer.num_prompt_tokens, self._own_address,
+                                       prefill_tp=self._tp_size, prefill_pp=self._pp_size).to_dict()
         if producer is None or not producer.saved:
             return False, None
         # Keep the blocks until the workers report the push finished or the pull served (finished_sending).
         pull = producer.peer is None
         # The prefill address goes along in push mode too: a decode side without staging space pulls instead.
         params = DecodeParams(producer.transfer_id, producer.num_prompt_tokens, self._own_address, pull=pull,
-                              prefill_tp=self._tp_size)
+                              prefill_tp=self._tp_size, prefill_pp=self._pp_size)
         return True, params.to_dict()

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from p2pkv.blocks import BlockAccess, InPlaceBlocks
 from p2pkv.config import ConnectorConfig
 from p2pkv.engine import EngineSettings, TransferEngine
@@ -50,6 +52,12 @@ def _kernel_tag(t: torch.Tensor) -> str:
     return str(t.device.type)
 
 
+def _layer_number(name: str) -> int:
+    """The model's index of a layer from vLLM's name for it ("model.layers.12.self_attn.attn" -> 12); 0 for a
+    name without one."""
+    return next((int(part) for part in name.split(".") if part.isdigit()), 0)
+
+
 def _no_sink(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
     return ()
 
@@ -63,9 +71,13 @@ def _raiser(exc: Exception) -> Callable[[float], bool]:
 
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, rank: int, block_size: int, tp_size: int = 1,
-                 total_heads: int = 0) -> None:
+                 total_heads: int = 0, pp_rank: int = 0) -> None:
+        """`rank`: the tensor-parallel rank; `pp_rank`: the pipeline stage, whose ranks come after the earlier
+        stages' (the worker binds `kv_port + pp_rank * tp_size + rank`, as vLLM numbers its workers)."""
         self._config = config
         self._rank = rank
+        self._pp_rank = pp_rank
+        self._slot = pp_rank * tp_size + rank
         self._block_size = block_size
         self._tp_size = tp_size
         self._total_heads = total_heads
@@ -87,7 +99,7 @@ class WorkerSide:
         return self._engine
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = list(kv_caches)
+        names = sorted(kv_caches, key=lambda n: (_layer_number(n), n))
         tensors = [kv_caches[n] for n in names]
         extra = self._config.extra
         kernel = _kernel_tag(tensors[0])
@@ -101,9 +113,11 @@ class WorkerSide:
             self._blocks = InPlaceBlocks(KvBlocks.from_tensors(tensors, self._block_size, kernel, self._total_heads))
         self._slices = HeadSlices(tensors, self._block_size, kernel, self._blocks, device)
         self._layer_index = {n: i for i, n in enumerate(names)}
-        metrics_port = extra.metrics_port + self._rank if extra.metrics_port else 0
-        settings = EngineSettings.from_config(extra, self._config.worker_port(self._rank), metrics_port)
-        self._engine = TransferEngine(settings, self._blocks.digest, self._rank, access, pipes)
+        metrics_port = extra.metrics_port + self._slot if extra.metrics_port else 0
+        settings = EngineSettings.from_config(extra, self._config.worker_port(self._slot), metrics_port)
+        # Peers compare which layers they hold: a pipeline stage must talk to the same stage of the other side.
+        digest = msgspec.structs.replace(self._blocks.digest, first_layer=_layer_number(names[0]))
+        self._engine = TransferEngine(settings, digest, self._slot, access, pipes)
         if device is not None:
             device.pool, device.metrics = self._engine.pool, self._engine.metrics
             if self._engine.pool is not None and device.on_gpu:
@@ -141,7 +155,7 @@ class WorkerSide:
         if spec.prefill_tp:
             self._pull_heads(load, peer)
             return
-        self.engine.pull(spec.transfer_id, peer.offset(self._rank), spec.first_block, len(spec.block_ids),
+        self.engine.pull(spec.transfer_id, peer.offset(self._slot), spec.first_block, len(spec.block_ids),
                          self.blocks.sink(spec.transfer_id, spec.block_ids), load.deadline,
                          self.blocks.device_blocks(spec.block_ids))
 
@@ -166,7 +180,9 @@ class WorkerSide:
         # Submitted only once every part could be prepared: a load that fails here has nothing writing its blocks.
         for prefill_rank, sink, head_slice, access in jobs:
             load.parts.append((head_slice.key, access))
-            self.engine.pull(tid, peer.offset(prefill_rank), spec.first_block, len(spec.block_ids), sink,
+            # The same pipeline stage of the prefill instance: its ranks follow its earlier stages' ranks.
+            prefill_slot = self._pp_rank * spec.prefill_tp + prefill_rank
+            self.engine.pull(tid, peer.offset(prefill_slot), spec.first_block, len(spec.block_ids), sink,
                              load.deadline, None, head_slice)
 
     def _offer(self, spec: SaveSpec) -> None:
@@ -195,7 +211,7 @@ class WorkerSide:
         except Exception as exc:  # no host memory, a device error: this transfer fails, not the forward pass
             log.error("transfer %s: layer %d could not be copied from the device: %r", spec.transfer_id, layer, exc)
             views, ready = (), _raiser(exc)
-        self.engine.push_layer(spec.transfer_id, spec.peer.offset(self._rank), layer, len(spec.block_ids), views,
+        self.engine.push_layer(spec.transfer_id, spec.peer.offset(self._slot), layer, len(spec.block_ids), views,
                                deadline, ready)
 
     def wait_for_save(self) -> None:

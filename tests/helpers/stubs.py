@@ -31,8 +31,9 @@ def stub_prefill(seen: list[dict[str, Any]], fail: bool = False) -> FastAPI:
     return app
 
 
-def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0) -> FastAPI:
-    """A decode backend; its probe answer says `tp_size` when given (a p2pkv connector older than that does not)."""
+def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0) -> FastAPI:
+    """A decode backend; its probe answer says `tp_size` and `pp_size` when given (a p2pkv connector older than
+    that does not)."""
     app = FastAPI()
 
     @app.get("/health")
@@ -52,6 +53,8 @@ def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0) -> FastAPI:
             answer: dict[str, Any] = {"p2pkv": 1, "kv_port": 23456, "kv_host": ""}
             if tp_size:
                 answer["tp_size"] = tp_size
+            if pp_size:
+                answer["pp_size"] = pp_size
             return {"choices": [{"text": ""}], "kv_transfer_params": answer}
         seen.append(body)
         if body.get("stream"):

@@ -43,8 +43,8 @@ def test_both_formats_parse() -> None:
     new = parse_announcement(typed("both", "h:2", "h:3", 0.5, SECRET), SECRET)
     assert (new.role, str(new.http), str(new.kv), new.interval_s, new.legacy) == ("both", "h:2", "h:3", 0.5, False)
     assert new.tp_size == 0  # not said
-    sized = parse_announcement(encode_datagram(Heartbeat("decode", "h:4", "h:5", 1.0, "e", 4), b""), b"")
-    assert sized.tp_size == 4
+    sized = parse_announcement(encode_datagram(Heartbeat("decode", "h:4", "h:5", 1.0, "e", 4, 2), b""), b"")
+    assert (sized.tp_size, sized.pp_size) == (4, 2)
 
 
 @pytest.mark.parametrize("raw, secret, error", [
@@ -61,6 +61,7 @@ def test_both_formats_parse() -> None:
     (typed("decode", "h:1", interval_s=0), b"", "interval"),
     (typed("decode", "h:1")[:-3], b"", "datagram"),
     (encode_datagram(Heartbeat("decode", "h:1", "", 1.0, "e", -1), b""), b"", "tp_size"),
+    (encode_datagram(Heartbeat("decode", "h:1", "", 1.0, "e", 1, 5000), b""), b"", "pp_size"),
     (encode_datagram(PushAbort("t", "r"), b""), b"", "expected a heartbeat"),
     (encode_frame(Heartbeat("decode", "h:1", "", 1.0), 10, b""), b"", "payload of 10 bytes"),
     (b"P2KV" + bytes(10_000), b"", "too large"),

@@ -19,6 +19,10 @@ def test_prefill_and_decode_params_round_trip() -> None:
     corrupt = DecodeParams("abc123", 300, Address("::1", 5), test_corrupt=True)
     assert parse_transfer_params(corrupt.to_dict()) == corrupt
     assert parse_transfer_params(ProbeParams().to_dict()) == ProbeParams()
+    sized = PrefillParams("abc123", None, decode_tp=2, decode_pp=4)
+    assert parse_transfer_params(sized.to_dict()) == sized
+    sized_back = DecodeParams("abc123", 300, None, prefill_tp=4, prefill_pp=2)
+    assert parse_transfer_params(sized_back.to_dict()) == sized_back
 
 
 def test_foreign_params_are_not_ours() -> None:
@@ -36,6 +40,8 @@ def test_foreign_params_are_not_ours() -> None:
         {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": True},
         {"p2pkv": 1, "transfer_id": "x"},
         {"p2pkv": 1, "transfer_id": "x", "do_remote_decode": True, "decode_kv_address": "nohost"},
+        {"p2pkv": 1, "transfer_id": "x", "do_remote_decode": True, "decode_pp_size": -1},
+        {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prefill_pp_size": "2"},
     ],
 )
 def test_malformed_p2pkv_params_raise(raw: dict[str, object]) -> None:
@@ -54,3 +60,5 @@ def test_address_parsing() -> None:
 
 def test_probe_answer() -> None:
     assert ProbeAnswer(21001, "").to_dict() == {"p2pkv": 1, "kv_port": 21001, "kv_host": ""}
+    assert ProbeAnswer(21001, "", 2, 3).to_dict() == {"p2pkv": 1, "kv_port": 21001, "kv_host": "", "tp_size": 2,
+                                                      "pp_size": 3}

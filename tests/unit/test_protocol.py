@@ -1,5 +1,6 @@
 import struct
 
+import msgspec
 import pytest
 
 from p2pkv.errors import ProtocolError
@@ -93,3 +94,6 @@ def test_layout_differences_name_the_field() -> None:
     assert any(d.startswith("block_size") for d in diffs)
     assert any(d.startswith("dtype") for d in diffs)
     assert len(diffs) == 2
+    # Another pipeline stage of the same model: same shapes, other layers.
+    later_stage = msgspec.structs.replace(LAYOUT, first_layer=LAYOUT.num_layers)
+    assert LAYOUT.differences(later_stage) == [f"first_layer: ours 0, peer {LAYOUT.num_layers}"]

@@ -340,14 +340,34 @@ def test_a_decode_connection_broken_before_any_answer_is_sent_once_more(backends
 
 
 @pytest.mark.parametrize("static_kv", [False, True])
-def test_the_decode_side_tensor_parallel_size_goes_to_the_prefill_side(static_kv: bool) -> None:
+def test_the_decode_side_parallel_sizes_go_to_the_prefill_side(static_kv: bool) -> None:
     p_seen: list[dict[str, Any]] = []
-    with serve(stub_prefill(p_seen)) as p, serve(stub_decode([], tp_size=2)) as d:
+    with serve(stub_prefill(p_seen)) as p, serve(stub_decode([], tp_size=2, pp_size=3)) as d:
         decode = d + "@127.0.0.1:9999" if static_kv else d
         with serve(proxy_for(p, decode)) as proxy:
             for _ in range(2):
                 assert httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x", "max_tokens": 2}).is_success
     params = [s["body"]["kv_transfer_params"] for s in p_seen]
-    assert [x["decode_tp_size"] for x in params] == [2, 2]
+    assert [(x["decode_tp_size"], x["decode_pp_size"]) for x in params] == [(2, 3), (2, 3)]
     # A configured KV address stands; the probe only adds what the configuration did not say.
     assert {x["decode_kv_address"] for x in params} == {"127.0.0.1:9999" if static_kv else "127.0.0.1:23456"}
+
+
+def test_parallel_sizes_from_heartbeats_need_no_probe() -> None:
+    import asyncio
+
+    from p2pkv.discovery import Announcement
+    from p2pkv.params import Address
+    from p2pkv.proxy.app import KvTarget, Router
+    from p2pkv.proxy.metrics import ProxyMetrics
+
+    class NoClient:  # a probe would fail the test: the heartbeat said everything
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"the proxy probed the instance ({name})")
+
+    router = Router(ProxyConfig((), (), discovery_port=1), NoClient(), ProxyMetrics())  # type: ignore[arg-type]
+    kv = Address("127.0.0.1", 23000)
+    router.announce(Announcement("decode", Address("127.0.0.1", 8200), kv, 1.0, tp_size=2, pp_size=4))
+    state = router.decode.pick()
+    assert state is not None
+    assert asyncio.run(router.kv_target(state.instance, {})) == KvTarget(kv, 2, 4)

@@ -106,7 +106,7 @@ def test_producer_saves_once_when_a_chunked_prompt_completes() -> None:
     assert s.build_connector_meta(step(cached=cached, scheduled={req.request_id: 1})).saves == []
     delay, params = s.request_finished(req, [1, 2, 3])
     assert delay is True
-    assert params == DecodeParams("t9", 300, Address("127.0.0.1", 21001), prefill_tp=1).to_dict()
+    assert params == DecodeParams("t9", 300, Address("127.0.0.1", 21001), prefill_tp=1, prefill_pp=1).to_dict()
 
 
 def test_producer_aborted_before_its_prompt_completed_holds_nothing() -> None:
@@ -123,7 +123,7 @@ def test_probe_is_answered_with_the_kv_port() -> None:
     req = Req("probe", [0], {"p2pkv": 1, "probe": True})
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert s.request_finished(req, []) == (False, {"p2pkv": 1, "kv_port": 21001, "kv_host": "127.0.0.1",
-                                                  "tp_size": 1})
+                                                  "tp_size": 1, "pp_size": 1})
 
 
 def test_invalid_params_are_ignored_not_fatal() -> None:
@@ -151,6 +151,35 @@ def test_other_tensor_parallel_sizes_mean_pulls_by_heads() -> None:
     d.update_state_after_alloc(req, Blocks([7]), 39)
     (load,) = d.build_connector_meta(step()).loads
     assert load.pull_from == Address("127.0.0.1", 21001) and load.prefill_tp == 1
+
+
+def test_other_pipeline_parallel_sizes_mean_the_decode_side_computes_the_prompt() -> None:
+    # Stage s of one instance holds other layers than stage s of the other: the prefill side saves nothing and
+    # holds no blocks, and says its size; the decode side then claims no tokens (no wait for KV that never comes).
+    config = parse_connector_config("kv_producer", 21001, "recompute", {"kv_host": "127.0.0.1"})
+    s = SchedulerSide(config, BS, 1, 2)
+    req = Req("p", list(range(300)), PrefillParams("t7", Address("127.0.0.1", 22001), decode_pp=1).to_dict())
+    s.update_state_after_alloc(req, Blocks([4, 5, 6]), 0)
+    first = SimpleNamespace(req_id="p", block_ids=([4, 5, 6],), num_computed_tokens=0)
+    assert s.build_connector_meta(step([first], scheduled={"p": 300})).saves == []
+    delay, raw = s.request_finished(req, [4, 5, 6])
+    returned = parse_transfer_params(raw)
+    assert delay is False
+    assert isinstance(returned, DecodeParams) and (returned.prefill_pp, returned.num_prompt_tokens) == (2, 300)
+    d = SchedulerSide(parse_connector_config("kv_consumer", 23001, "recompute", {"kv_host": "127.0.0.1"}), BS, 1, 1)
+    assert d.get_num_new_matched_tokens(Req("d", list(range(300)), returned.to_dict()), 0) == (0, False)
+    # Equal sizes: saved and loaded as usual.
+    same = SchedulerSide(config, BS, 1, 2)
+    req = Req("q", list(range(300)), PrefillParams("t6", Address("127.0.0.1", 22001), decode_pp=2).to_dict())
+    same.update_state_after_alloc(req, Blocks([4, 5, 6]), 0)
+    first = SimpleNamespace(req_id="q", block_ids=([4, 5, 6],), num_computed_tokens=0)
+    (save,) = same.build_connector_meta(step([first], scheduled={"q": 300})).saves
+    assert save.peer == Address("127.0.0.1", 22001)
+    delay, raw = same.request_finished(req, [4, 5, 6])
+    returned = parse_transfer_params(raw)
+    assert delay is True and isinstance(returned, DecodeParams) and returned.prefill_pp == 2
+    d2 = SchedulerSide(parse_connector_config("kv_consumer", 23001, "recompute", {"kv_host": "127.0.0.1"}), BS, 1, 2)
+    assert d2.get_num_new_matched_tokens(Req("e", list(range(300)), returned.to_dict()), 0) == (299, True)
 
 
 def test_steps_that_compute_nothing_are_marked_idle() -> None:

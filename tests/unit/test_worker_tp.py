@@ -21,15 +21,18 @@ from p2pkv.vllm.worker import WorkerSide
 LAYERS, BLOCKS, TOKENS, DIM, HEADS = 2, 5, 16, 8, 2
 
 
-def caches(heads: int, seed: int) -> dict[str, torch.Tensor]:
+def caches(heads: int, seed: int, stage: int = 0) -> dict[str, torch.Tensor]:
+    """A worker's KV: pipeline stage `stage` holds the model's layers LAYERS * stage onwards (vLLM's names)."""
     g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}": torch.rand(BLOCKS, heads, TOKENS, 2 * DIM, generator=g) for i in range(LAYERS)}
+    return {f"model.layers.{LAYERS * stage + i}.self_attn.attn": torch.rand(BLOCKS, heads, TOKENS, 2 * DIM,
+                                                                              generator=g) for i in range(LAYERS)}
 
 
-def worker(role: str, port: int, rank: int, tp: int, total: int, kv: dict[str, torch.Tensor]) -> WorkerSide:
+def worker(role: str, port: int, rank: int, tp: int, total: int, kv: dict[str, torch.Tensor],
+           pp_rank: int = 0) -> WorkerSide:
     config = parse_connector_config(role, port, "recompute", {"kv_host": "127.0.0.1", "transfer_timeout_s": 10,
                                                              "metrics_port": 0})
-    side = WorkerSide(config, rank, TOKENS, tp, total)
+    side = WorkerSide(config, rank, TOKENS, tp, total, pp_rank)
     side.register_kv_caches(kv)
     return side
 
@@ -83,3 +86,56 @@ def test_a_load_whose_heads_cannot_be_split_fails_without_pulling(sides: list[Wo
     assert decode.take_load_errors() == {1, 2}
     assert decode.get_finished(set()) == (None, {"d-req"})
     assert decode.engine.pull_result("tid2@0") is None  # nothing was submitted
+
+
+def test_pipeline_stages_pull_their_heads_from_the_same_stage(sides: list[WorkerSide]) -> None:
+    # Prefill PP 2 x TP 2 (ranks at kv_port + stage * 2 + rank), decode PP 2 x TP 1 (kv_port + stage): decode
+    # stage s gathers both heads of its layers from prefill stage s's two ranks. A stage that pulled from the
+    # other stage would be refused (its peer holds other layers) and its load would fail.
+    p_port, d_port = free_ports(2, run=4)
+    p_kv = {(s, r): caches(1, 10 + 2 * s + r, s) for s in range(2) for r in range(2)}
+    prefill = [worker("kv_producer", p_port, r, 2, HEADS, p_kv[s, r], s) for s in range(2) for r in range(2)]
+    d_kv = [caches(HEADS, 20 + s, s) for s in range(2)]
+    decode = [worker("kv_consumer", d_port, 0, 1, HEADS, d_kv[s], s) for s in range(2)]
+    sides += [*prefill, *decode]
+    assert [p.engine.address for p in prefill] == [f"127.0.0.1:{p_port + i}" for i in range(4)]
+    assert [d.engine.address for d in decode] == [f"127.0.0.1:{d_port + s}" for s in range(2)]
+    src, dst = (2, 4), (0, 3)
+    for p in prefill:
+        p.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid3", None, src)]))
+        p.wait_for_save()
+    for d in decode:
+        d.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid3", 0, dst, pull_from=Address("127.0.0.1", p_port),
+                                             prefill_tp=2)]))
+    for d in decode:
+        settle(d, "d-req", sending=False)
+        assert d.take_load_errors() == set()
+    for p in prefill:
+        settle(p, "p-req", sending=True)
+    for s in range(2):
+        for name in d_kv[s]:
+            for r in range(2):
+                assert torch.equal(d_kv[s][name][list(dst), r : r + 1], p_kv[s, r][name][list(src)])
+
+
+def test_pipeline_stages_push_to_the_same_stage(sides: list[WorkerSide]) -> None:
+    p_port, d_port = free_ports(2, run=2)
+    p_kv = [caches(HEADS, 30 + s, s) for s in range(2)]
+    d_kv = [caches(HEADS, 40 + s, s) for s in range(2)]
+    prefill = [worker("kv_producer", p_port, 0, 1, HEADS, p_kv[s], s) for s in range(2)]
+    decode = [worker("kv_consumer", d_port, 0, 1, HEADS, d_kv[s], s) for s in range(2)]
+    sides += [*prefill, *decode]
+    src, dst = (1, 3), (4, 0)
+    for d in decode:
+        d.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid4", 0, dst)]))
+    for p, kv in zip(prefill, p_kv, strict=True):
+        p.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid4", Address("127.0.0.1", d_port), src)]))
+        for name in kv:
+            p.save_layer(name)
+        p.wait_for_save()
+    for d in decode:
+        settle(d, "d-req", sending=False)
+        assert d.take_load_errors() == set()
+    for s in range(2):
+        for name in d_kv[s]:
+            assert torch.equal(d_kv[s][name][list(dst)], p_kv[s][name][list(src)])
