@@ -41,6 +41,12 @@ class LayoutDigest(msgspec.Struct, frozen=True):
     total_heads: int = 0  # KV heads of the model over all tensor-parallel ranks; 0: not known
     head_layout: str = "dense"  # how one head of one block lies in memory
     first_layer: int = 0  # the model's index of the first layer held here (pipeline stages hold later layers)
+    total_layers: int = 0  # the model's KV layers over all pipeline stages; 0: not known
+
+    @property
+    def layers(self) -> range:
+        """The model's layers held here."""
+        return range(self.first_layer, self.first_layer + self.num_layers)
 
     @property
     def local_heads(self) -> int:
@@ -56,8 +62,21 @@ class LayoutDigest(msgspec.Struct, frozen=True):
         return (self.total_heads > 0 and self.total_heads == other.total_heads
                 and self.local_heads != other.local_heads)
 
+    def layers_with(self, other: LayoutDigest) -> bool:
+        """The peer holds other layers of the same model (another pipeline-parallel size): pulls name the layers
+        they want."""
+        return self.total_layers > 0 and self.total_layers == other.total_layers and self.layers != other.layers
+
+    def sliced_with(self, other: LayoutDigest) -> bool:
+        """Whole blocks cannot move between us: the peer holds other heads or other layers."""
+        return self.slices_with(other) or self.layers_with(other)
+
     def differences(self, other: LayoutDigest) -> list[str]:
-        names: tuple[str, ...] = ("first_layer", "num_layers", "block_size", "dtype", "kernel")
+        names: tuple[str, ...] = ("block_size", "dtype", "kernel")
+        if self.total_layers and other.total_layers:
+            names = ("total_layers", *names)
+        if not self.layers_with(other):
+            names = ("first_layer", "num_layers", *names)
         if self.slices_with(other):
             names += ("head_bytes", "head_layout")
             if self.block_shape[1:] != other.block_shape[1:]:
@@ -180,6 +199,7 @@ class PullRequest(msgspec.Struct, tag="pull", frozen=True):
     by_reference: bool = False
     pipe_runs: list[list[tuple[int, int]]] = msgspec.field(default_factory=list)
     heads: tuple[int, int] | None = None  # only these heads (the offerer's numbering) of each block; empty: none
+    layers: tuple[int, int] | None = None  # only these layers (the model's numbering); None: every layer held
     pullers: int = 1  # how many pulls of this transfer the offerer gets (one per decode rank that needs it)
     puller: int = 0  # the asking decode rank, so a repeated pull is told apart from another rank's
 

@@ -1,6 +1,7 @@
-"""Some heads of every block: what moves between instances of different tensor-parallel sizes. Each head range is
-a `BlockAccess` of its own, over views of the same cache (`p2pkv.layout.head_slice`), made on first use and kept;
-a cache in host memory is read and written in place, a GPU's through host buffers (`p2pkv.staging`)."""
+"""Some heads of some layers of every block: what moves between instances of different tensor- or
+pipeline-parallel sizes. Each (heads, layers) pair is a `BlockAccess` of its own, over views of the same cache
+(`p2pkv.layout.head_slice`), made on first use and kept; a cache in host memory is read and written in place, a
+GPU's through host buffers (`p2pkv.staging`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from p2pkv.blocks import BlockAccess, InPlaceBlocks
+from p2pkv.errors import IncompatiblePeerError
 from p2pkv.layout import KvBlocks, head_slice
 from p2pkv.staging import DeviceKv, TransferBuffers
 
@@ -27,18 +29,24 @@ class HeadSlices:
         self._whole = whole
         self._device = device
         self._lock = threading.Lock()
-        self._made: dict[tuple[int, int], BlockAccess] = {}
+        self._made: dict[tuple[tuple[int, int], tuple[int, int]], BlockAccess] = {}
 
-    def get(self, heads: tuple[int, int]) -> BlockAccess:
-        """The access to heads `first .. end` of every block; IncompatiblePeerError outside the heads held here."""
+    def get(self, heads: tuple[int, int], layers: tuple[int, int] | None = None) -> BlockAccess:
+        """The access to heads `first .. end` of every block of layers `layers` (as registered here, numbered
+        from 0; None: all); IncompatiblePeerError outside what is held here."""
         if not self._tensors:
             raise AssertionError("no KV cache registered")
-        if self._whole is not None and heads == (0, self._tensors[0].shape[1]):
+        every = (0, len(self._tensors))
+        layers = layers or every
+        if not 0 <= layers[0] < layers[1] <= every[1]:
+            raise IncompatiblePeerError(f"layers {layers[0]}..{layers[1]} outside the {every[1]} held here")
+        if self._whole is not None and heads == (0, self._tensors[0].shape[1]) and layers == every:
             return self._whole
         with self._lock:
-            made = self._made.get(heads)
+            made = self._made.get((heads, layers))
             if made is None:
-                made = self._made[heads] = self._make(head_slice(self._tensors, heads))
+                views = head_slice(self._tensors[layers[0] : layers[1]], heads)
+                made = self._made[heads, layers] = self._make(views)
             return made
 
     def _make(self, views: list[torch.Tensor]) -> BlockAccess:

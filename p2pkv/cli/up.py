@@ -119,9 +119,6 @@ def run_up(args: argparse.Namespace) -> int:
         raise SystemExit("p2pkv up: --prefill and --decode must be at least 1")
     if min(args.prefill_tp, args.decode_tp, args.prefill_pp, args.decode_pp) < 1:
         raise SystemExit("p2pkv up: --prefill-tp, --decode-tp, --prefill-pp and --decode-pp must be at least 1")
-    if args.prefill_pp != args.decode_pp:
-        _say(f"warning: prefill pipeline-parallel size {args.prefill_pp} differs from decode's {args.decode_pp}; "
-             "KV cannot move between them, so every decode instance will compute its prompts itself")
     if args.model is None:
         from p2pkv.tinymodel import write_tiny_model
 

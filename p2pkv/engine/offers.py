@@ -15,8 +15,9 @@ log = logging.getLogger(__name__)
 
 # views(layer, first_block, num_blocks) -> the bytes of those blocks of that layer, in order.
 ViewSource = Callable[[int, int, int], tuple[memoryview, ...]]
-# heads (first, end) -> a ViewSource over only those heads of each block (another tensor-parallel size pulls).
-Slicer = Callable[[tuple[int, int]], ViewSource]
+# (heads (first, end), layers (first, end) of the model or None for all held) -> a ViewSource over only those
+# heads of those layers, numbered from 0 (another tensor- or pipeline-parallel size pulls).
+Slicer = Callable[[tuple[int, int], tuple[int, int] | None], ViewSource]
 UNKNOWN_TRANSFER = "unknown transfer"
 _MAX_PULLERS = 4096
 

@@ -39,14 +39,16 @@ class PullState(enum.Enum):
 @dataclass(frozen=True)
 class HeadSlice:
     """Pull only heads `heads` of the peer's blocks (its numbering; empty: none, the pull just tells the peer its
-    blocks may go), `block_bytes` per block. `pullers` decode ranks pull that peer; this one is `puller`. The
-    result is kept under `key`, since one transfer is then pulled from several peers."""
+    blocks may go), `block_bytes` per block, of the model's layers `layers` (None: every layer, as many as here).
+    `pullers` decode ranks pull that peer; this one is `puller`. The result is kept under `key`, since one transfer
+    is then pulled from several peers."""
 
     heads: tuple[int, int]
     block_bytes: int
     pullers: int
     puller: int
     key: str
+    layers: tuple[int, int] | None = None
 
     @property
     def release_only(self) -> bool:
@@ -147,6 +149,8 @@ class Puller:
             outcome = "ok" if result.state is PullState.DONE else "failed"
             self._metrics.transfers.labels("pull", outcome).inc()
             heads = f" heads={job.part.heads[0]}-{job.part.heads[1]}" if job.part is not None else ""
+            if job.part is not None and job.part.layers is not None:
+                heads += f" layers={job.part.layers[0]}-{job.part.layers[1]}"
             log.info("transfer %s pull %s peer=%s%s bytes=%d ms=%.1f transport=%s%s", job.transfer_id, outcome,
                      job.peer, heads, result.nbytes, ms, result.transport,
                      f" reason={result.reason}" if result.reason else "")
@@ -236,7 +240,7 @@ class Puller:
         request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, by_reference, pipe_runs)
         if part is not None:
             request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, heads=part.heads,
-                                  pullers=part.pullers, puller=part.puller)
+                                  pullers=part.pullers, puller=part.puller, layers=part.layers)
         conn = self._links.send(job.peer, [(request, ())], job.deadline)
         try:
             reply = self._next(conn, job.deadline)
@@ -255,6 +259,8 @@ class Puller:
             return 0, conn.name, False  # none of the peer's heads are needed here
         try:
             nbytes, layer, num_layers = 0, 0, self._layout.num_layers
+            if part is not None and part.layers is not None:
+                num_layers = part.layers[1] - part.layers[0]
             per_layer = job.num_blocks * (part.block_bytes if part is not None else self._layout.block_bytes)
             while layer < num_layers:  # one frame may carry several layers, in order
                 message, payload_len = self._next(conn, job.deadline)

@@ -92,8 +92,8 @@ class Receiver:
                         peer, exc)
 
     def _handshake(self, conn: Connection) -> tuple[Connection, bool] | None:
-        """The connection to serve (shm or plain) and whether the peer holds other heads than this worker (another
-        tensor-parallel size: it pulls head slices); None when the peer was refused."""
+        """The connection to serve (shm or plain) and whether the peer holds other heads or layers than this worker
+        (another tensor- or pipeline-parallel size: it pulls slices); None when the peer was refused."""
         got = conn.recv_frame(self._frame_timeout_s, time.monotonic() + self._frame_timeout_s)
         if got is None:
             raise TransferError("no hello within the frame timeout")
@@ -110,7 +110,7 @@ class Receiver:
             return None
         served = server_reply(conn, hello, self._offer, deadline, self._device,
                               self._maker.kind if self._maker is not None else "")
-        return served, self._layout.slices_with(hello.layout)
+        return served, self._layout.sliced_with(hello.layout)
 
     def _join_pipe(self, conn: Connection, ask: PipeOpen, slot: PipeSlot | None) -> PipeSlot:
         """The client is making a pipe for this connection: join it on a thread of its own."""
@@ -129,7 +129,7 @@ class Receiver:
             if served is None:
                 return
             conn, sliced = served
-            refused: set[str] = set()  # pushes refused on this connection (the peer holds other heads)
+            refused: set[str] = set()  # pushes refused on this connection (the peer holds other heads or layers)
             while not self._stop.is_set():
                 got = conn.recv_frame(_POLL_S, time.monotonic() + self._frame_timeout_s)
                 if got is None:
@@ -180,8 +180,9 @@ class Receiver:
 
     def _refuse_push(self, conn: Connection, push: PushBlocks, payload_len: int, refused: set[str],
                      deadline: float) -> None:
-        """A peer of another tensor-parallel size pushed whole blocks of its own heads, which are not ours: refuse
-        the transfer (its sender then holds the blocks, and this side pulls the heads it needs)."""
+        """A peer of another tensor- or pipeline-parallel size pushed whole blocks of its own heads or layers,
+        which are not ours: refuse the transfer (its sender then holds the blocks, and this side pulls what it
+        needs)."""
         conn.discard_payload(payload_len, deadline)
         if push.transfer_id in refused:
             return
@@ -192,12 +193,12 @@ class Receiver:
     def _sliced_source(self, pull: PullRequest, claim: Offer, sliced: bool) -> ViewSource | str:
         """What a pull reads: the whole blocks, or the heads it asked for; or why it cannot be served."""
         if pull.heads is None:
-            return "the puller holds other heads (another tensor-parallel size) and must ask for some" if sliced \
-                else claim.source
+            return "the puller holds other heads or layers (another tensor-parallel or pipeline-parallel size) " \
+                "and must ask for some" if sliced else claim.source
         if claim.slicer is None:
             return "these blocks cannot be pulled by heads"
         try:
-            return claim.slicer(pull.heads)
+            return claim.slicer(pull.heads, pull.layers)
         except P2pkvError as exc:
             return str(exc)
 
@@ -242,14 +243,14 @@ class Receiver:
 
     def _send_blocks(self, conn: Connection, pull: PullRequest, source: ViewSource, deadline: float) -> int:
         """The pulled blocks' bytes, every layer in one frame (they are whole layers of the puller's transfer)."""
-        num_layers = self._layout.num_layers
+        num_layers = self._layout.num_layers if pull.layers is None else pull.layers[1] - pull.layers[0]
         views = [v for layer in range(num_layers) for v in source(layer, pull.first_block, pull.num_blocks)]
         push = PushBlocks(pull.transfer_id, 0, 0, pull.num_blocks, pull.num_blocks, num_layers, num_layers)
         frames: list[tuple[Message, Sequence[memoryview]]] = [(PullReply(pull.transfer_id, True), ()),
                                                               (push, views)]
         conn.send_frames(frames, deadline)
         if isinstance(conn, ShmConnection) and conn.sends_by_reference:
-            self._await_copies(conn, pull.transfer_id, deadline)
+            self._await_copies(conn, pull.transfer_id, deadline, num_layers)
         return sum(v.nbytes for v in views)
 
     def _serve_by_reference(self, conn: Connection, pull: PullRequest, ranges: RangeSource, deadline: float) -> int:
@@ -283,17 +284,19 @@ class Receiver:
         except P2pkvError as exc:
             raise ProtocolError(f"a pull by pipe asked for other sizes than the blocks hold: {exc}") from None
 
-    def _await_copies(self, conn: Connection, transfer_id: str, deadline: float) -> None:
-        """shm: the puller reads the blocks from this process; wait until it has copied every layer."""
+    def _await_copies(self, conn: Connection, transfer_id: str, deadline: float, num_layers: int = 0) -> None:
+        """shm: the puller reads the blocks from this process; wait until it has copied every layer (of the
+        `num_layers` sent; 0: every layer held here)."""
+        num_layers = num_layers or self._layout.num_layers
         copied: set[int] = set()
-        while len(copied) < self._layout.num_layers:
+        while len(copied) < num_layers:
             got = conn.recv_frame(max(0.0, deadline - time.monotonic()), deadline)
             if got is None:
                 raise TransferError(f"transfer {transfer_id}: the puller did not confirm its copies in time")
             message, payload_len = got
             if not isinstance(message, PayloadCopied) or payload_len or message.transfer_id != transfer_id:
                 raise ProtocolError(f"expected a copy confirmation, got {type(message).__name__}")
-            copied.update(range(max(0, message.layer), min(self._layout.num_layers, message.layer + message.layers)))
+            copied.update(range(max(0, message.layer), min(num_layers, message.layer + message.layers)))
 
     def close(self) -> None:
         self._stop.set()

@@ -14,7 +14,8 @@ from p2pkv.protocol import PushAck, PushBlocks
 
 log = logging.getLogger(__name__)
 NO_SPACE = "no staging space (kv_buffer_size and the host pool are full)"
-HEADS_DIFFER = "the sender holds other KV heads (another tensor-parallel size): pull them by heads"
+HEADS_DIFFER = ("the sender holds other KV heads or layers (another tensor-parallel or pipeline-parallel size): "
+                "pull them by slices")
 _EMPTY = memoryview(b"")
 _MIN_HEAP = 4096
 

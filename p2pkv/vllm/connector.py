@@ -9,6 +9,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from p2pkv.config import parse_connector_config
 from p2pkv.discovery.heartbeat import HeartbeatSender, sender_for
+from p2pkv.stages import StageLayers
 from p2pkv.vllm.metadata import P2pkvMetadata
 from p2pkv.vllm.scheduler import SchedulerSide
 from p2pkv.vllm.worker import WorkerSide
@@ -40,6 +41,18 @@ def _ranks() -> tuple[int, int]:
     return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
 
 
+def _stage_layers(vllm_config: VllmConfig) -> tuple[int, StageLayers]:
+    """The model's layers, and which of them pipeline stage s of size n holds, as vLLM splits them."""
+    from vllm.distributed.utils import get_pp_indices
+
+    total = int(vllm_config.model_config.get_total_num_hidden_layers())
+
+    def layers(stage: int, pp_size: int) -> range:
+        return range(*get_pp_indices(total, stage, pp_size))
+
+    return total, layers
+
+
 def _total_kv_heads(vllm_config: VllmConfig) -> int:
     """KV heads over all tensor-parallel ranks; MLA's latent is one head that every rank holds."""
     model = vllm_config.model_config
@@ -69,8 +82,9 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._heartbeat.start()
         else:
             tp_rank, pp_rank = _ranks()
+            total_layers, stage_layers = _stage_layers(vllm_config)
             self._worker = WorkerSide(self.config, tp_rank, block_size, tp_size, _total_kv_heads(vllm_config),
-                                      pp_rank)
+                                      pp_rank, pp_size, total_layers, stage_layers)
 
     @property
     def scheduler(self) -> SchedulerSide:

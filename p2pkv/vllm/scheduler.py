@@ -36,7 +36,6 @@ class _Producer:
     inline: bool
     block_ids: list[int] = field(default_factory=list)
     saved: bool = False
-    skipped: bool = False  # nothing to save: the decode side holds other layers (another pipeline-parallel size)
 
 
 def _params(request: Request) -> AnyParams | None:
@@ -75,11 +74,6 @@ class SchedulerSide:
             log.error("transfer %s: prefill saw %d prompt tokens, this request has %d; computing locally",
                       params.transfer_id, params.num_prompt_tokens, num_prompt)
             return 0, False
-        if params.prefill_pp not in (0, self._pp_size):
-            log.warning("transfer %s: the prefill instance runs pipeline-parallel size %d, this one %d: its ranks "
-                        "hold other layers, so the prompt is computed here", params.transfer_id, params.prefill_pp,
-                        self._pp_size)
-            return 0, False
         # The last prompt token is always computed here, so its logits exist to sample from.
         external = num_prompt - 1 - num_computed_tokens
         return (external, True) if external > 0 else (0, False)
@@ -89,20 +83,15 @@ class SchedulerSide:
         req_id = request.request_id
         if isinstance(params, PrefillParams) and self._config.role is not Role.CONSUMER:
             if req_id not in self._producers:
-                # A decode instance of another tensor-parallel size pulls the heads each of its ranks needs.
-                other_tp = params.decode_tp not in (0, self._tp_size)
+                # A decode instance of another tensor- or pipeline-parallel size pulls the heads and layers each
+                # of its ranks needs.
+                other_size = params.decode_tp not in (0, self._tp_size) or params.decode_pp not in (0, self._pp_size)
                 pull = (params.pull or params.decode_kv is None or self._config.extra.send_type is SendType.GET
-                        or other_tp)
+                        or other_size)
                 num_prompt = len(request.prompt_token_ids or ())
                 inline = params.inline or self._config.extra.send_type is SendType.PUT
-                producer = self._producers[req_id] = _Producer(params.transfer_id, None if pull else params.decode_kv,
-                                                               num_prompt, inline)
-                if params.decode_pp not in (0, self._pp_size):
-                    # Stage s here holds other layers than stage s there: nothing this instance could send fits.
-                    log.warning("transfer %s: the decode instance runs pipeline-parallel size %d, this one %d; "
-                                "not saving its KV (the decode side computes the prompt)", params.transfer_id,
-                                params.decode_pp, self._pp_size)
-                    producer.skipped = True
+                self._producers[req_id] = _Producer(params.transfer_id, None if pull else params.decode_kv,
+                                                    num_prompt, inline)
             return
         if not isinstance(params, DecodeParams) or req_id in self._consumed:
             return
@@ -115,13 +104,15 @@ class SchedulerSide:
         first = (num_prompt - 1 - num_external_tokens) // self._block_size
         last = (num_prompt - 2) // self._block_size
         block_ids = blocks.get_block_ids()[0]
-        # From a prefill instance of another tensor-parallel size every rank pulls its heads, whatever the mode:
-        # whole blocks pushed rank to rank would hold the wrong heads (the receiving ranks refuse them).
+        # From a prefill instance of another tensor- or pipeline-parallel size every rank pulls its heads of its
+        # layers, whatever the mode: whole blocks pushed rank to rank would hold the wrong heads or layers (the
+        # receiving ranks refuse them).
         prefill_tp = params.prefill_tp if params.prefill_tp not in (0, self._tp_size) else 0
-        pulled = params.pull or bool(prefill_tp)
+        prefill_pp = params.prefill_pp if params.prefill_pp not in (0, self._pp_size) else 0
+        pulled = params.pull or bool(prefill_tp or prefill_pp)
         self._loads.append(LoadSpec(req_id, params.transfer_id, first, tuple(block_ids[first : last + 1]),
                                     params.test_corrupt, params.prefill_kv if pulled else None,
-                                    params.prefill_kv, prefill_tp))
+                                    params.prefill_kv, prefill_tp, prefill_pp))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pkvMetadata:
         meta = P2pkvMetadata(loads=self._loads, idle=not scheduler_output.total_num_scheduled_tokens)
@@ -148,7 +139,7 @@ class SchedulerSide:
         for req_id, computed in progress.items():
             producer = self._producers[req_id]
             done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            if producer.saved or producer.skipped or done < producer.num_prompt_tokens:
+            if producer.saved or done < producer.num_prompt_tokens:
                 continue
             # The prompt completes in this step: every block of it holds final KV once the forward has run.
             producer.saved = True
@@ -164,10 +155,6 @@ class SchedulerSide:
                                       self._tp_size, self._pp_size).to_dict()
         self._consumed.discard(req_id)
         producer = self._producers.pop(req_id, None)
-        if producer is not None and producer.skipped:
-            # Nothing held: the decode side learns this side's size and computes the prompt itself.
-            return False, DecodeParams(producer.transfer_id, producer.num_prompt_tokens, self._own_address,
-                                       prefill_tp=self._tp_size, prefill_pp=self._pp_size).to_dict()
         if producer is None or not producer.saved:
             return False, None
         # Keep the blocks until the workers report the push finished or the pull served (finished_sending).

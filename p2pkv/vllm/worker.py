@@ -18,12 +18,13 @@ from p2pkv.engine.offers import OfferState, ViewSource
 from p2pkv.engine.puller import HeadSlice, PullState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import HEADS_DIFFER, NO_SPACE, StageState
-from p2pkv.errors import P2pkvError
+from p2pkv.errors import ConfigError, IncompatiblePeerError, P2pkvError
 from p2pkv.ipc import CacheAccess
 from p2pkv.layout import KvBlocks
 from p2pkv.params import Address
 from p2pkv.pipes import make_pipes
 from p2pkv.slices import HeadSlices
+from p2pkv.stages import StageLayers, StagePart, plan_stages, stage_split
 from p2pkv.staging import STAGE_ENV, DeviceKv, TransferBuffers
 from p2pkv.tp import plan_pulls
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
@@ -39,8 +40,8 @@ IDLE_WAIT_S = 0.005  # at most this long per empty step, at most 200 empty steps
 class _Load:
     spec: LoadSpec
     deadline: float
-    # From a prefill instance of another tensor-parallel size: one pull per prefill rank, each into a head slice
-    # of the blocks (None for a pull that only releases that rank's blocks).
+    # From a prefill instance of another tensor- or pipeline-parallel size: one pull per prefill rank, each into
+    # a slice of the blocks (some heads of some layers; None for a pull that only releases that rank's blocks).
     parts: list[tuple[str, BlockAccess | None]] = field(default_factory=list)
 
 
@@ -71,13 +72,20 @@ def _raiser(exc: Exception) -> Callable[[float], bool]:
 
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, rank: int, block_size: int, tp_size: int = 1,
-                 total_heads: int = 0, pp_rank: int = 0) -> None:
+                 total_heads: int = 0, pp_rank: int = 0, pp_size: int = 1, total_layers: int = 0,
+                 stage_layers: StageLayers | None = None) -> None:
         """`rank`: the tensor-parallel rank; `pp_rank`: the pipeline stage, whose ranks come after the earlier
-        stages' (the worker binds `kv_port + pp_rank * tp_size + rank`, as vLLM numbers its workers)."""
+        stages' (the worker binds `kv_port + pp_rank * tp_size + rank`, as vLLM numbers its workers).
+        `total_layers` and `stage_layers` (which layers a stage holds): how the model's layers split over stages,
+        for prefill instances of another pipeline-parallel size (not known: such loads fail)."""
         self._config = config
         self._rank = rank
         self._pp_rank = pp_rank
+        self._pp_size = pp_size
         self._slot = pp_rank * tp_size + rank
+        self._total_layers = total_layers
+        self._stage_layers = stage_layers
+        self._layers = range(0)  # the model's layers held here
         self._block_size = block_size
         self._tp_size = tp_size
         self._total_heads = total_heads
@@ -115,8 +123,13 @@ class WorkerSide:
         self._layer_index = {n: i for i, n in enumerate(names)}
         metrics_port = extra.metrics_port + self._slot if extra.metrics_port else 0
         settings = EngineSettings.from_config(extra, self._config.worker_port(self._slot), metrics_port)
-        # Peers compare which layers they hold: a pipeline stage must talk to the same stage of the other side.
-        digest = msgspec.structs.replace(self._blocks.digest, first_layer=_layer_number(names[0]))
+        # Peers compare which layers they hold: a pipeline stage must talk to the same stage of the other side, or
+        # (another pipeline-parallel size) pull only layers both hold.
+        first = _layer_number(names[0])
+        self._layers = range(first, first + len(names))
+        consecutive = [_layer_number(n) for n in names] == list(self._layers)
+        total = self._total_layers if consecutive and self._layers.stop <= self._total_layers else 0
+        digest = msgspec.structs.replace(self._blocks.digest, first_layer=first, total_layers=total)
         self._engine = TransferEngine(settings, digest, self._slot, access, pipes)
         if device is not None:
             device.pool, device.metrics = self._engine.pool, self._engine.metrics
@@ -152,46 +165,68 @@ class WorkerSide:
 
     def _pull(self, load: _Load, peer: Address) -> None:
         spec = load.spec
-        if spec.prefill_tp:
-            self._pull_heads(load, peer)
+        if spec.prefill_tp or spec.prefill_pp:
+            self._pull_parts(load, peer)
             return
         self.engine.pull(spec.transfer_id, peer.offset(self._slot), spec.first_block, len(spec.block_ids),
                          self.blocks.sink(spec.transfer_id, spec.block_ids), load.deadline,
                          self.blocks.device_blocks(spec.block_ids))
 
-    def _pull_heads(self, load: _Load, peer: Address) -> None:
-        """From a prefill instance of another tensor-parallel size: this rank's heads, from the prefill ranks that
-        hold them, each into its slice of the blocks."""
+    def _stages(self, prefill_pp: int) -> list[StagePart]:
+        """The prefill stages this stage pulls its layers from."""
+        if prefill_pp == self._pp_size:
+            return [StagePart(self._pp_rank, (self._layers.start, self._layers.stop), 1)]
+        if self._stage_layers is None or not self._total_layers:
+            raise ConfigError(f"the prefill instance runs pipeline-parallel size {prefill_pp}, this one "
+                              f"{self._pp_size}, and this model's layers cannot be matched across stages")
+        decode = stage_split(self._stage_layers, self._pp_size)
+        if decode[self._pp_rank] != self._layers:
+            raise ConfigError(f"this stage holds layers {self._layers.start}..{self._layers.stop}, not the "
+                              f"{decode[self._pp_rank].start}..{decode[self._pp_rank].stop} of vLLM's split")
+        return plan_stages(self._pp_rank, decode, stage_split(self._stage_layers, prefill_pp), self._total_layers)
+
+    def _pull_parts(self, load: _Load, peer: Address) -> None:
+        """From a prefill instance of another tensor- or pipeline-parallel size: this rank's heads of this stage's
+        layers, from the prefill ranks that hold them, each into its slice of the blocks."""
         spec, tid = load.spec, load.spec.transfer_id
+        prefill_tp = spec.prefill_tp or self._tp_size
         jobs = []
         try:
-            for part in plan_pulls(self._rank, self._tp_size, spec.prefill_tp, self._total_heads):
-                key = f"{tid}@{part.prefill_rank}"
-                access = None if part.release_only else self._slices.get(part.decode_heads)
-                block_bytes = access.digest.block_bytes if access is not None else 0
-                sink = access.sink(key, spec.block_ids) if access is not None else _no_sink
-                jobs.append((part.prefill_rank, sink, HeadSlice(part.prefill_heads, block_bytes, part.pullers,
-                                                                self._rank, key), access))
+            for stage in self._stages(spec.prefill_pp or self._pp_size):
+                local = (stage.layers[0] - self._layers.start, stage.layers[1] - self._layers.start)
+                for part in plan_pulls(self._rank, self._tp_size, prefill_tp, self._total_heads):
+                    # Prefill stage s's ranks follow its earlier stages' ranks.
+                    slot = stage.prefill_stage * prefill_tp + part.prefill_rank
+                    key = f"{tid}@{slot}"
+                    access = None if part.release_only else self._slices.get(part.decode_heads, local)
+                    block_bytes = access.digest.block_bytes if access is not None else 0
+                    sink = access.sink(key, spec.block_ids) if access is not None else _no_sink
+                    jobs.append((slot, sink, HeadSlice(part.prefill_heads, block_bytes, part.pullers * stage.pullers,
+                                                       self._slot, key, stage.layers), access))
         except P2pkvError:
             for _, _, head_slice, access in jobs:
                 if access is not None:
                     access.release(head_slice.key)
             raise
         # Submitted only once every part could be prepared: a load that fails here has nothing writing its blocks.
-        for prefill_rank, sink, head_slice, access in jobs:
+        for slot, sink, head_slice, access in jobs:
             load.parts.append((head_slice.key, access))
-            # The same pipeline stage of the prefill instance: its ranks follow its earlier stages' ranks.
-            prefill_slot = self._pp_rank * spec.prefill_tp + prefill_rank
-            self.engine.pull(tid, peer.offset(prefill_slot), spec.first_block, len(spec.block_ids), sink,
+            self.engine.pull(tid, peer.offset(slot), spec.first_block, len(spec.block_ids), sink,
                              load.deadline, None, head_slice)
 
     def _offer(self, spec: SaveSpec) -> None:
         """GET: hold the blocks for the decode side (and say where they lie, for cuda_ipc pulls; and which bytes
-        hold which heads, for decode ranks of another tensor-parallel size)."""
+        hold which heads of which layers, for decode ranks of another tensor- or pipeline-parallel size)."""
         tid, ids = spec.transfer_id, spec.block_ids
 
-        def heads(wanted: tuple[int, int]) -> ViewSource:
-            return self._slices.get(wanted).source(tid, ids)
+        def heads(wanted: tuple[int, int], layers: tuple[int, int] | None) -> ViewSource:
+            if layers is None:
+                return self._slices.get(wanted).source(tid, ids)
+            if not (self._layers.start <= layers[0] < layers[1] <= self._layers.stop):
+                raise IncompatiblePeerError(f"layers {layers[0]}..{layers[1]} asked for; this stage holds "
+                                            f"{self._layers.start}..{self._layers.stop}")
+            local = (layers[0] - self._layers.start, layers[1] - self._layers.start)
+            return self._slices.get(wanted, local).source(tid, ids)
 
         self.engine.offer(tid, len(ids), self.blocks.source(tid, ids), self._config.extra.lease_s,
                           self.blocks.ranges(tid, ids), heads)

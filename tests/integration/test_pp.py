@@ -1,14 +1,13 @@
-"""Pipeline parallelism on real vLLM through the proxy (`p2pkv up --prefill-pp 2 --decode-pp 2`): each pipeline
-stage holds half of the model's layers, and stage s of the prefill instance moves its layers to stage s of the
-decode instance (ranks bind `kv_port + stage * tp_size + tp_rank`). Output equals a colocated instance, pushed and
-pulled; and a decode instance of another pipeline-parallel size computes the prompt itself at once instead of
-waiting for KV that cannot come."""
+"""Pipeline parallelism on real vLLM through the proxy (`p2pkv up --prefill-pp N --decode-pp M`): each pipeline
+stage holds some of the model's layers. With equal sizes (PP 2 to PP 2), stage s of the prefill instance moves its
+layers to stage s of the decode instance (ranks bind `kv_port + stage * tp_size + tp_rank`), pushed; with
+different sizes (PP 1 to PP 2), each decode stage pulls its layers from the prefill stages that hold them. Output
+equals a colocated instance, pushed and pulled, with the sizes passed by the proxy or not."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -22,15 +21,17 @@ from tests.integration.test_staged import served_like_colocated
 
 pytestmark = pytest.mark.vllm
 SHM = '{transport="shm"}'
-TIMEOUT_S = 30.0
+PULLS = 'p2pkv_transfers_total{direction="pull",outcome="ok"}'
 
 
-@pytest.fixture(scope="module")
-def pp_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    # Four vLLM ranks and the colocated one share two cores: the default deadline (30 s), heartbeats every 10 s,
-    # and a warm-up request through each instance first, as in test_tp.
-    extra = {"transfer_timeout_s": TIMEOUT_S, "test_fault_injection": True, "heartbeat_interval_s": 10.0}
-    up_args = ("--prefill-pp", "2", "--decode-pp", "2")
+@pytest.fixture(scope="module", params=[(2, 2), (1, 2)], ids=["p2d2", "p1d2"])
+def pp_cluster(request: pytest.FixtureRequest, tiny_model: str,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    prefill_pp, decode_pp = request.param
+    # Up to four vLLM ranks and the colocated one share two cores: the default deadline (30 s), heartbeats every
+    # 10 s, and a warm-up request through each instance first, as in test_tp.
+    extra = {"transfer_timeout_s": 30.0, "test_fault_injection": True, "heartbeat_interval_s": 10.0}
+    up_args = ("--prefill-pp", str(prefill_pp), "--decode-pp", str(decode_pp))
     with up_with_colocated(tiny_model, tmp_path_factory.mktemp("pp"), extra, [], up_args) as (_, info, colocated):
         info.update(model=tiny_model, colocated=colocated)
         for base in (info["proxy"], colocated):
@@ -53,69 +54,67 @@ def _delta(after: list[float], before: list[float]) -> list[float]:
     return [a - b for a, b in zip(after, before, strict=True)]
 
 
-def test_each_stage_moves_its_own_layers_and_output_matches_colocated(pp_cluster: dict[str, Any]) -> None:
+def test_each_stage_gets_its_own_layers_and_output_matches_colocated(pp_cluster: dict[str, Any]) -> None:
     prefill, decode = _instance(pp_cluster, "kv_producer"), _instance(pp_cluster, "kv_consumer")
-    assert prefill["pp_size"] == decode["pp_size"] == 2
     series = [(decode, "p2pkv_bytes_loaded_total"), (decode, "p2pkv_bytes_received_total" + SHM),
-              (prefill, "p2pkv_bytes_sent_total" + SHM)]
+              (prefill, "p2pkv_bytes_sent_total" + SHM), (decode, PULLS)]
     before = [_per_rank(instance, name) for instance, name in series]
     lengths = [60, 129, 300, 700]
     expected = sum(served_like_colocated(pp_cluster, f"pp{i}", length) for i, length in enumerate(lengths))
-    # Pushed: every block of the prompt (the decode side loads all but the last token's).
-    pushed = sum(math.ceil(n / BLOCK_SIZE) for n in lengths) * kv_bytes_per_block_and_layer() * LAYERS
-    loaded, received, sent = (_delta(_per_rank(instance, name), b)
-                              for (instance, name), b in zip(series, before, strict=True))
-    # The tiny model's 4 layers split 2 and 2: each stage moved exactly its half of every prompt's KV.
+    loaded, received, sent, pulls = (_delta(_per_rank(instance, name), b)
+                                     for (instance, name), b in zip(series, before, strict=True))
+    # The tiny model's 4 layers split 2 and 2 on the decode side: each stage got exactly its half of every
+    # prompt's KV.
     assert loaded == [expected / 2, expected / 2]
-    assert received == sent == [pushed / 2, pushed / 2]
+    if prefill["pp_size"] == decode["pp_size"]:
+        # Pushed stage to stage: every block of the prompt (the decode side loads all but the last token's).
+        pushed = sum(math.ceil(n / BLOCK_SIZE) for n in lengths) * kv_bytes_per_block_and_layer() * LAYERS
+        assert received == sent == [pushed / 2, pushed / 2]
+        assert pulls == [0, 0]
+    else:
+        # Pulled by layers from the one prefill stage: what each decode stage loads, once per request.
+        assert received == loaded and sent == [expected]
+        assert pulls == [len(lengths), len(lengths)]
 
 
 def _prefill_then_decode(info: dict[str, Any], text: str, params: PrefillParams,
-                         adjust: Any = None) -> tuple[DecodeParams, dict[str, Any]]:
+                         corrupt: bool = False) -> tuple[DecodeParams, dict[str, Any]]:
     """The prefill request straight to the prefill instance, then the decode request with what it returned."""
     prefill, decode = _instance(info, "kv_producer"), _instance(info, "kv_consumer")
     body = {"model": info["model"], "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
     returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
     assert isinstance(returned, DecodeParams)
-    sent = adjust(returned) if adjust is not None else returned
+    assert returned.prefill_pp == prefill["pp_size"]
+    sent = dataclasses.replace(returned, test_corrupt=corrupt)
     body = {"model": info["model"], "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
             "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": sent.to_dict()}
     return returned, complete(f"http://{decode['http']}", body)
 
 
-def test_pulls_go_stage_to_stage_and_a_corrupted_load_changes_the_output(pp_cluster: dict[str, Any]) -> None:
+def test_pulls_and_a_corrupted_load_changes_the_output(pp_cluster: dict[str, Any]) -> None:
     decode = _instance(pp_cluster, "kv_consumer")
-    pulls = 'p2pkv_transfers_total{direction="pull",outcome="ok"}'
-    before = _per_rank(decode, pulls)
+    before = _per_rank(decode, PULLS)
     answers, references = [], []
     for corrupt, tag in ((False, "pp-get"), (True, "pp-get-corrupt")):
         text = prompt(tag, 300)
         references.append(ids_and_logprobs(greedy(pp_cluster["colocated"], pp_cluster["model"], text)))
-        params = PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]), pull=True, decode_pp=2)
-        returned, answer = _prefill_then_decode(pp_cluster, text, params,
-                                                lambda r, c=corrupt: dataclasses.replace(r, test_corrupt=c))
-        assert returned.pull and returned.prefill_pp == 2
+        params = PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]), pull=True, decode_pp=decode["pp_size"])
+        returned, answer = _prefill_then_decode(pp_cluster, text, params, corrupt)
+        assert returned.pull
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 299
         answers.append(ids_and_logprobs(answer))
     assert answers[0][0] == references[0][0]
     assert answers[1] != references[1]
-    assert _delta(_per_rank(decode, pulls), before) == [2, 2]  # each stage pulled its layers once per request
+    assert _delta(_per_rank(decode, PULLS), before) == [2, 2]  # each stage pulled its layers once per request
 
 
-def test_another_pipeline_parallel_size_computes_the_prompt_on_decode_at_once(pp_cluster: dict[str, Any]) -> None:
-    # The prefill instance is told the decode side runs one stage: it saves nothing and says its own size. The
-    # decode instance is told the prefill side ran one stage: it claims no KV. Neither waits for a deadline.
-    prefill, decode = _instance(pp_cluster, "kv_producer"), _instance(pp_cluster, "kv_consumer")
-    text = prompt("pp-mismatch", 300)
-    sent_before = _per_rank(prefill, "p2pkv_bytes_sent_total" + SHM)
-    started = time.monotonic()
-    params = PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]), decode_pp=1)
-    returned, answer = _prefill_then_decode(pp_cluster, text, params,
-                                            lambda r: dataclasses.replace(r, prefill_pp=1))
-    elapsed = time.monotonic() - started
-    assert returned.prefill_pp == 2
-    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert _per_rank(prefill, "p2pkv_bytes_sent_total" + SHM) == sent_before
+def test_a_proxy_that_does_not_pass_the_sizes_still_moves_the_kv(pp_cluster: dict[str, Any]) -> None:
+    # An older proxy says nothing of the decode side's sizes. Equal sizes: pushed as usual. Other sizes: the push
+    # reaches a decode stage that holds other layers, which refuses it; the prefill side then holds the blocks,
+    # and the decode stages, told the prefill side's size, pull their layers.
+    decode = _instance(pp_cluster, "kv_consumer")
+    text = prompt("pp-legacy", 300)
     reference = ids_and_logprobs(greedy(pp_cluster["colocated"], pp_cluster["model"], text))
+    _, answer = _prefill_then_decode(pp_cluster, text, PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"])))
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 299
     assert ids_and_logprobs(answer)[0] == reference[0]
-    assert elapsed < TIMEOUT_S, f"took {elapsed:.1f} s: something waited for the transfer deadline"

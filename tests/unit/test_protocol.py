@@ -97,3 +97,17 @@ def test_layout_differences_name_the_field() -> None:
     # Another pipeline stage of the same model: same shapes, other layers.
     later_stage = msgspec.structs.replace(LAYOUT, first_layer=LAYOUT.num_layers)
     assert LAYOUT.differences(later_stage) == [f"first_layer: ours 0, peer {LAYOUT.num_layers}"]
+
+
+def test_stages_of_one_model_that_hold_other_layers_may_pull_from_each_other() -> None:
+    n = LAYOUT.num_layers
+    whole = msgspec.structs.replace(LAYOUT, num_layers=2 * n, total_layers=2 * n)
+    second = msgspec.structs.replace(LAYOUT, first_layer=n, total_layers=2 * n)
+    assert whole.layers_with(second) and whole.sliced_with(second) and not whole.slices_with(second)
+    assert whole.differences(second) == []
+    assert not second.layers_with(second) and not second.sliced_with(second)
+    # Another model (its layer count differs), or one whose layer count is not known: refused.
+    other_model = msgspec.structs.replace(second, total_layers=3 * n)
+    assert f"total_layers: ours {2 * n}, peer {3 * n}" in whole.differences(other_model)
+    unknown = msgspec.structs.replace(second, total_layers=0)
+    assert not whole.layers_with(unknown) and whole.differences(unknown)

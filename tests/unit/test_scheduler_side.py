@@ -153,33 +153,41 @@ def test_other_tensor_parallel_sizes_mean_pulls_by_heads() -> None:
     assert load.pull_from == Address("127.0.0.1", 21001) and load.prefill_tp == 1
 
 
-def test_other_pipeline_parallel_sizes_mean_the_decode_side_computes_the_prompt() -> None:
-    # Stage s of one instance holds other layers than stage s of the other: the prefill side saves nothing and
-    # holds no blocks, and says its size; the decode side then claims no tokens (no wait for KV that never comes).
+def test_other_pipeline_parallel_sizes_mean_pulls_by_layers() -> None:
+    # Stage s of one instance holds other layers than stage s of the other: the prefill side holds its blocks for
+    # pulls whatever the mode, and says its size; the decode side then pulls, each stage the layers it holds.
     config = parse_connector_config("kv_producer", 21001, "recompute", {"kv_host": "127.0.0.1"})
     s = SchedulerSide(config, BS, 1, 2)
     req = Req("p", list(range(300)), PrefillParams("t7", Address("127.0.0.1", 22001), decode_pp=1).to_dict())
     s.update_state_after_alloc(req, Blocks([4, 5, 6]), 0)
     first = SimpleNamespace(req_id="p", block_ids=([4, 5, 6],), num_computed_tokens=0)
-    assert s.build_connector_meta(step([first], scheduled={"p": 300})).saves == []
+    assert [sv.peer for sv in s.build_connector_meta(step([first], scheduled={"p": 300})).saves] == [None]
     delay, raw = s.request_finished(req, [4, 5, 6])
     returned = parse_transfer_params(raw)
-    assert delay is False
-    assert isinstance(returned, DecodeParams) and (returned.prefill_pp, returned.num_prompt_tokens) == (2, 300)
+    assert delay is True
+    assert isinstance(returned, DecodeParams) and returned.pull and (returned.prefill_pp, returned.prefill_tp) == (2, 1)
     d = SchedulerSide(parse_connector_config("kv_consumer", 23001, "recompute", {"kv_host": "127.0.0.1"}), BS, 1, 1)
-    assert d.get_num_new_matched_tokens(Req("d", list(range(300)), returned.to_dict()), 0) == (0, False)
-    # Equal sizes: saved and loaded as usual.
+    pushed = DecodeParams("t7", 300, Address("127.0.0.1", 21001), prefill_tp=1, prefill_pp=2)
+    req = Req("d", list(range(300)), pushed.to_dict())
+    assert d.get_num_new_matched_tokens(req, 0) == (299, True)
+    d.update_state_after_alloc(req, Blocks([7, 8, 9]), 299)
+    (load,) = d.build_connector_meta(step()).loads
+    assert load.pull_from == Address("127.0.0.1", 21001) and (load.prefill_pp, load.prefill_tp) == (2, 0)
+    # Equal sizes: pushed rank to rank as usual.
     same = SchedulerSide(config, BS, 1, 2)
     req = Req("q", list(range(300)), PrefillParams("t6", Address("127.0.0.1", 22001), decode_pp=2).to_dict())
     same.update_state_after_alloc(req, Blocks([4, 5, 6]), 0)
     first = SimpleNamespace(req_id="q", block_ids=([4, 5, 6],), num_computed_tokens=0)
     (save,) = same.build_connector_meta(step([first], scheduled={"q": 300})).saves
     assert save.peer == Address("127.0.0.1", 22001)
-    delay, raw = same.request_finished(req, [4, 5, 6])
-    returned = parse_transfer_params(raw)
-    assert delay is True and isinstance(returned, DecodeParams) and returned.prefill_pp == 2
+    returned = parse_transfer_params(same.request_finished(req, [4, 5, 6])[1])
+    assert isinstance(returned, DecodeParams) and not returned.pull and returned.prefill_pp == 2
     d2 = SchedulerSide(parse_connector_config("kv_consumer", 23001, "recompute", {"kv_host": "127.0.0.1"}), BS, 1, 2)
-    assert d2.get_num_new_matched_tokens(Req("e", list(range(300)), returned.to_dict()), 0) == (299, True)
+    req = Req("e", list(range(300)), returned.to_dict())
+    assert d2.get_num_new_matched_tokens(req, 0) == (299, True)
+    d2.update_state_after_alloc(req, Blocks([7, 8, 9]), 299)
+    (load,) = d2.build_connector_meta(step()).loads
+    assert load.pull_from is None and load.prefill_pp == 0
 
 
 def test_steps_that_compute_nothing_are_marked_idle() -> None:

@@ -95,7 +95,7 @@ class Worker:
 
     def offer(self, tid: str, ids: tuple[int, ...]) -> None:
         self.engine.offer(tid, len(ids), self.whole.source(tid, ids), 10,
-                          slicer=lambda heads: self.slices.get(heads).source(tid, ids))
+                          slicer=lambda heads, layers: self.slices.get(heads, layers).source(tid, ids))
 
     def pull(self, tid: str, peers: list[Address], rank: int, tp: int, prefill_tp: int,
              ids: tuple[int, ...]) -> None:

@@ -21,18 +21,28 @@ from p2pkv.vllm.worker import WorkerSide
 LAYERS, BLOCKS, TOKENS, DIM, HEADS = 2, 5, 16, 8, 2
 
 
-def caches(heads: int, seed: int, stage: int = 0) -> dict[str, torch.Tensor]:
-    """A worker's KV: pipeline stage `stage` holds the model's layers LAYERS * stage onwards (vLLM's names)."""
+def caches(heads: int, seed: int, stage: int = 0, layers: int = LAYERS) -> dict[str, torch.Tensor]:
+    """A worker's KV: pipeline stage `stage` holds `layers` of the model's layers from layers * stage on (vLLM's
+    names)."""
     g = torch.Generator().manual_seed(seed)
-    return {f"model.layers.{LAYERS * stage + i}.self_attn.attn": torch.rand(BLOCKS, heads, TOKENS, 2 * DIM,
-                                                                              generator=g) for i in range(LAYERS)}
+    return {f"model.layers.{layers * stage + i}.self_attn.attn": torch.rand(BLOCKS, heads, TOKENS, 2 * DIM,
+                                                                             generator=g) for i in range(layers)}
+
+
+MODEL_LAYERS = 2 * LAYERS
+
+
+def halves(stage: int, pp: int) -> range:
+    """How these tests' model splits over pipeline stages (as vLLM's default does for 4 layers)."""
+    per = MODEL_LAYERS // pp
+    return range(stage * per, (stage + 1) * per)
 
 
 def worker(role: str, port: int, rank: int, tp: int, total: int, kv: dict[str, torch.Tensor],
-           pp_rank: int = 0) -> WorkerSide:
+           pp_rank: int = 0, pp_size: int = 2) -> WorkerSide:
     config = parse_connector_config(role, port, "recompute", {"kv_host": "127.0.0.1", "transfer_timeout_s": 10,
                                                              "metrics_port": 0})
-    side = WorkerSide(config, rank, TOKENS, tp, total, pp_rank)
+    side = WorkerSide(config, rank, TOKENS, tp, total, pp_rank, pp_size, MODEL_LAYERS, halves)
     side.register_kv_caches(kv)
     return side
 
@@ -139,3 +149,53 @@ def test_pipeline_stages_push_to_the_same_stage(sides: list[WorkerSide]) -> None
     for s in range(2):
         for name in d_kv[s]:
             assert torch.equal(d_kv[s][name][list(dst)], p_kv[s][name][list(src)])
+
+
+def test_a_decode_stage_gathers_its_layers_from_two_prefill_stages(sides: list[WorkerSide]) -> None:
+    # Prefill PP 2 x TP 2 (one head and two layers per rank) to decode PP 1 x TP 1 (both heads of all four
+    # layers): the decode rank makes four pulls, one per prefill rank, each of one head of two layers.
+    p_port, d_port = free_ports(2, run=4)
+    p_kv = {(st, r): caches(1, 50 + 2 * st + r, st) for st in range(2) for r in range(2)}
+    prefill = [worker("kv_producer", p_port, r, 2, HEADS, p_kv[st, r], st) for st in range(2) for r in range(2)]
+    d_kv = caches(HEADS, 60, 0, MODEL_LAYERS)
+    decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, 0, 1)
+    sides += [*prefill, decode]
+    src, dst = (0, 3), (2, 1)
+    for p in prefill:
+        p.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid5", None, src)]))
+        p.wait_for_save()
+    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid5", 0, dst, pull_from=Address("127.0.0.1", p_port),
+                                              prefill_tp=2, prefill_pp=2)]))
+    settle(decode, "d-req", sending=False)
+    assert decode.take_load_errors() == set()
+    for p in prefill:
+        settle(p, "p-req", sending=True)
+    for layer in range(MODEL_LAYERS):
+        name = f"model.layers.{layer}.self_attn.attn"
+        for r in range(2):
+            assert torch.equal(d_kv[name][list(dst), r : r + 1], p_kv[layer // LAYERS, r][name][list(src)])
+
+
+def test_two_decode_stages_pull_their_layers_from_one_prefill_stage(sides: list[WorkerSide]) -> None:
+    # Prefill PP 1 to decode PP 2: each decode stage pulls its two layers; the prefill rank holds its blocks until
+    # both stages have pulled.
+    p_port, d_port = free_ports(2, run=2)
+    p_kv = caches(HEADS, 70, 0, MODEL_LAYERS)
+    prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, 0, 1)
+    d_kv = [caches(HEADS, 80 + st, st) for st in range(2)]
+    decode = [worker("kv_consumer", d_port, 0, 1, HEADS, d_kv[st], st) for st in range(2)]
+    sides += [prefill, *decode]
+    src, dst = (4, 0, 2), (1, 2, 3)
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid6", None, src)]))
+    prefill.wait_for_save()
+    load = LoadSpec("d-req", "tid6", 0, dst, pull_from=Address("127.0.0.1", p_port), prefill_pp=1)
+    decode[0].bind(P2pkvMetadata(loads=[load]))
+    settle(decode[0], "d-req", sending=False)
+    assert prefill.get_finished({"p-req"}) == (None, None)  # one of its two pullers so far
+    decode[1].bind(P2pkvMetadata(loads=[load]))
+    settle(decode[1], "d-req", sending=False)
+    settle(prefill, "p-req", sending=True)
+    for st in range(2):
+        assert decode[st].take_load_errors() == set()
+        for name in d_kv[st]:
+            assert torch.equal(d_kv[st][name][list(dst)], p_kv[name][list(src)])
