@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -62,9 +63,9 @@ class HeartbeatSender:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
-    def _healthy(self) -> bool:
+    def _healthy(self, timeout_s: float) -> bool:
         try:
-            with urllib.request.urlopen(self._health_url, timeout=min(1.0, self.interval_s)) as resp:
+            with urllib.request.urlopen(self._health_url, timeout=max(0.05, timeout_s)) as resp:
                 return bool(resp.status == 200)
         except (urllib.error.URLError, OSError, ValueError):
             return False
@@ -79,7 +80,11 @@ class HeartbeatSender:
         announced = False
         try:
             while not self._stop.is_set():
-                if self._healthy():
+                due = time.monotonic() + self.interval_s
+                # A server starved of CPU may take seconds to answer: wait for it until the next beat is due rather
+                # than give up after a second (three slow answers in a row would have the proxy drop a live
+                # instance), and keep the beats' cadence whatever the answer took.
+                if self._healthy(self.interval_s):
                     try:
                         sock.send(encode_datagram(self.message, self._secret), zmq.NOBLOCK)
                         self.sent += 1
@@ -88,7 +93,7 @@ class HeartbeatSender:
                             announced = True
                     except zmq.Again:
                         pass  # the proxy is not connected; the next interval tries again
-                self._stop.wait(self.interval_s)
+                self._stop.wait(max(0.0, due - time.monotonic()))
         finally:
             sock.close()
 

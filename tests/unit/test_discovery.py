@@ -212,6 +212,31 @@ def test_the_sender_announces_only_while_its_server_is_healthy() -> None:
         wait_for(lambda: listed(proxy) == [], timeout_s=3)  # 3 missed intervals of 0.2 s
 
 
+def test_a_server_slow_to_answer_its_health_check_is_still_announced() -> None:
+    # A vLLM server starved of CPU can take over a second to answer /health. The sender waits for the answer until
+    # the next beat is due instead of giving up (which, three times in a row, had the proxy drop a live instance).
+    import asyncio
+
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        await asyncio.sleep(1.3)
+        return {"status": "ok"}
+
+    with serve(app) as slow, discovering_proxy() as (proxy, _, discovery):
+        sender = HeartbeatSender(Address("127.0.0.1", discovery), "decode", Address.parse(slow),
+                                 Address("127.0.0.1", 5557), 2.0, b"")
+        sender.start()
+        try:
+            wait_for(lambda: len(listed(proxy)) == 1, timeout_s=8)
+            wait_for(lambda: sender.sent >= 2, timeout_s=8)  # and on, beat after beat
+        finally:
+            sender.close()
+
+
 def test_sender_from_connector_config() -> None:
     config = parse_connector_config("kv_consumer", 14579, "recompute", {
         "proxy_ip": "127.0.0.1", "proxy_port": 30001, "http_port": 8100, "kv_host": "0.0.0.0",
