@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port
+from p2pkv.params import Address
 from p2pkv.tinymodel import TinyModelSpec, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,6 +145,38 @@ def up_with_colocated(model: str, work: Path, extra: dict[str, Any], vllm_args: 
         if proc.poll() is None:
             proc.kill()
         colocated.stop()
+
+
+# Several vLLM ranks and the colocated one share this host's two cores, where vLLM's workers spin for a second after
+# each step: a rank's threads can wait seconds for a core. So in clusters of several ranks per instance the
+# deadline is the default (30 s), not 5 s; heartbeats go every 10 s (the proxy drops an instance after 3 missed);
+# and one request warms every instance up (its first forwards) before the checks: in one CI run a starved prefill
+# instance missed 9 s of heartbeats during the first requests and was dropped.
+MULTI_RANK_EXTRA = {"transfer_timeout_s": 30.0, "test_fault_injection": True, "heartbeat_interval_s": 10.0}
+
+
+@contextmanager
+def multi_rank_cluster(model: str, work: Path, up_args: tuple[str, ...],
+                       env: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
+    """`p2pkv up` with `up_args` (PUT_ASYNC) beside a colocated instance, both warmed up; its ready file's
+    description, with `model` and `colocated` (the colocated instance's URL) added."""
+    with up_with_colocated(model, work, MULTI_RANK_EXTRA, [], up_args, env) as (_, info, colocated):
+        info.update(model=model, colocated=colocated)
+        for base in (info["proxy"], colocated):
+            complete(base, {"model": model, "prompt": "warm up " * 25, "max_tokens": 16, "temperature": 0})
+        yield info
+
+
+def instance_of(info: dict[str, Any], role: str) -> dict[str, Any]:
+    found: dict[str, Any] = next(i for i in info["instances"] if i["role"] == role)
+    return found
+
+
+def per_rank(instance: dict[str, Any], series: str) -> list[float]:
+    """A series on each of an instance's ranks (rank r serves its metrics on the instance's port + r)."""
+    address = Address.parse(instance["metrics"])
+    ranks = instance.get("tp_size", 1) * instance.get("pp_size", 1)
+    return [metric(str(address.offset(r)), series) for r in range(ranks)]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,14 @@ from typing import Any
 import pytest
 
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
-from tests.integration.conftest import BLOCK_SIZE, complete, kv_bytes_per_block_and_layer, metric, up_with_colocated
+from tests.integration.conftest import (
+    BLOCK_SIZE,
+    complete,
+    instance_of,
+    kv_bytes_per_block_and_layer,
+    multi_rank_cluster,
+    per_rank,
+)
 from tests.integration.test_disagg import LAYERS, MAX_TOKENS, greedy, ids_and_logprobs, prompt
 from tests.integration.test_staged import served_like_colocated
 
@@ -28,26 +35,9 @@ PULLS = 'p2pkv_transfers_total{direction="pull",outcome="ok"}'
 def pp_cluster(request: pytest.FixtureRequest, tiny_model: str,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     prefill_pp, decode_pp = request.param
-    # Up to four vLLM ranks and the colocated one share two cores: the default deadline (30 s), heartbeats every
-    # 10 s, and a warm-up request through each instance first, as in test_tp.
-    extra = {"transfer_timeout_s": 30.0, "test_fault_injection": True, "heartbeat_interval_s": 10.0}
     up_args = ("--prefill-pp", str(prefill_pp), "--decode-pp", str(decode_pp))
-    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("pp"), extra, [], up_args) as (_, info, colocated):
-        info.update(model=tiny_model, colocated=colocated)
-        for base in (info["proxy"], colocated):
-            greedy(base, tiny_model, prompt("pp-warm-up", 200))
+    with multi_rank_cluster(tiny_model, tmp_path_factory.mktemp("pp"), up_args) as info:
         yield info
-
-
-def _instance(info: dict[str, Any], role: str) -> dict[str, Any]:
-    found: dict[str, Any] = next(i for i in info["instances"] if i["role"] == role)
-    return found
-
-
-def _per_rank(instance: dict[str, Any], series: str) -> list[float]:
-    """A series on each of the instance's ranks (rank r serves its metrics on the instance's port + r)."""
-    address = Address.parse(instance["metrics"])
-    return [metric(str(address.offset(r)), series) for r in range(instance["tp_size"] * instance["pp_size"])]
 
 
 def _delta(after: list[float], before: list[float]) -> list[float]:
@@ -55,13 +45,13 @@ def _delta(after: list[float], before: list[float]) -> list[float]:
 
 
 def test_each_stage_gets_its_own_layers_and_output_matches_colocated(pp_cluster: dict[str, Any]) -> None:
-    prefill, decode = _instance(pp_cluster, "kv_producer"), _instance(pp_cluster, "kv_consumer")
+    prefill, decode = instance_of(pp_cluster, "kv_producer"), instance_of(pp_cluster, "kv_consumer")
     series = [(decode, "p2pkv_bytes_loaded_total"), (decode, "p2pkv_bytes_received_total" + SHM),
               (prefill, "p2pkv_bytes_sent_total" + SHM), (decode, PULLS)]
-    before = [_per_rank(instance, name) for instance, name in series]
+    before = [per_rank(instance, name) for instance, name in series]
     lengths = [60, 129, 300, 700]
     expected = sum(served_like_colocated(pp_cluster, f"pp{i}", length) for i, length in enumerate(lengths))
-    loaded, received, sent, pulls = (_delta(_per_rank(instance, name), b)
+    loaded, received, sent, pulls = (_delta(per_rank(instance, name), b)
                                      for (instance, name), b in zip(series, before, strict=True))
     # The tiny model's 4 layers split 2 and 2 on the decode side: each stage got exactly its half of every
     # prompt's KV.
@@ -80,7 +70,7 @@ def test_each_stage_gets_its_own_layers_and_output_matches_colocated(pp_cluster:
 def _prefill_then_decode(info: dict[str, Any], text: str, params: PrefillParams,
                          corrupt: bool = False) -> tuple[DecodeParams, dict[str, Any]]:
     """The prefill request straight to the prefill instance, then the decode request with what it returned."""
-    prefill, decode = _instance(info, "kv_producer"), _instance(info, "kv_consumer")
+    prefill, decode = instance_of(info, "kv_producer"), instance_of(info, "kv_consumer")
     body = {"model": info["model"], "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
     returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
     assert isinstance(returned, DecodeParams)
@@ -92,8 +82,8 @@ def _prefill_then_decode(info: dict[str, Any], text: str, params: PrefillParams,
 
 
 def test_pulls_and_a_corrupted_load_changes_the_output(pp_cluster: dict[str, Any]) -> None:
-    decode = _instance(pp_cluster, "kv_consumer")
-    before = _per_rank(decode, PULLS)
+    decode = instance_of(pp_cluster, "kv_consumer")
+    before = per_rank(decode, PULLS)
     answers, references = [], []
     for corrupt, tag in ((False, "pp-get"), (True, "pp-get-corrupt")):
         text = prompt(tag, 300)
@@ -105,14 +95,14 @@ def test_pulls_and_a_corrupted_load_changes_the_output(pp_cluster: dict[str, Any
         answers.append(ids_and_logprobs(answer))
     assert answers[0][0] == references[0][0]
     assert answers[1] != references[1]
-    assert _delta(_per_rank(decode, PULLS), before) == [2, 2]  # each stage pulled its layers once per request
+    assert _delta(per_rank(decode, PULLS), before) == [2, 2]  # each stage pulled its layers once per request
 
 
 def test_a_proxy_that_does_not_pass_the_sizes_still_moves_the_kv(pp_cluster: dict[str, Any]) -> None:
     # An older proxy says nothing of the decode side's sizes. Equal sizes: pushed as usual. Other sizes: the push
     # reaches a decode stage that holds other layers, which refuses it; the prefill side then holds the blocks,
     # and the decode stages, told the prefill side's size, pull their layers.
-    decode = _instance(pp_cluster, "kv_consumer")
+    decode = instance_of(pp_cluster, "kv_consumer")
     text = prompt("pp-legacy", 300)
     reference = ids_and_logprobs(greedy(pp_cluster["colocated"], pp_cluster["model"], text))
     _, answer = _prefill_then_decode(pp_cluster, text, PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"])))

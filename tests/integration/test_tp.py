@@ -14,7 +14,7 @@ import pytest
 
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
 from p2pkv.staging import STAGE_ENV
-from tests.integration.conftest import complete, metric, up_with_colocated
+from tests.integration.conftest import complete, instance_of, multi_rank_cluster, per_rank
 from tests.integration.test_disagg import MAX_TOKENS, greedy, ids_and_logprobs, prompt
 from tests.integration.test_staged import served_like_colocated
 
@@ -26,36 +26,20 @@ SHM = '{transport="shm"}'
 def tp_cluster(request: pytest.FixtureRequest, tiny_model: str,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     prefill_tp, decode_tp = request.param
-    # PUT_ASYNC: the proxy asks for pulls. Three vLLM ranks and the colocated one share this host's two cores, where
-    # vLLM's workers spin for a second after each step: a rank's threads can wait seconds for a core, so the
-    # deadline here is the default (30 s), not the 5 s of the other tests.
-    # For the same reason heartbeats go every 10 s (the proxy drops an instance after 3 missed), and one request
-    # warms every instance up (its first forwards) before the checks: in one CI run a starved prefill instance
-    # missed 9 s of heartbeats during the first requests and was dropped.
-    extra = {"transfer_timeout_s": 30.0, "test_fault_injection": True, "heartbeat_interval_s": 10.0}
+    # PUT_ASYNC: the proxy asks for pulls.
     env = {STAGE_ENV: "1"} if prefill_tp > decode_tp else {}
     up_args = ("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp))
-    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("tp"), extra, [], up_args,
-                           env) as (_, info, colocated):
-        info.update(model=tiny_model, colocated=colocated)
-        for base in (info["proxy"], colocated):
-            greedy(base, tiny_model, prompt("tp-warm-up", 200))
+    with multi_rank_cluster(tiny_model, tmp_path_factory.mktemp("tp"), up_args, env) as info:
         yield info
 
 
-def _instance(info: dict[str, Any], role: str) -> dict[str, Any]:
-    found: dict[str, Any] = next(i for i in info["instances"] if i["role"] == role)
-    return found
-
-
 def _total(instance: dict[str, Any], series: str) -> float:
-    """A series summed over the instance's ranks (rank r serves its metrics on the instance's port + r)."""
-    address = Address.parse(instance["metrics"])
-    return sum(metric(str(address.offset(r)), series) for r in range(instance["tp_size"]))
+    """A series summed over the instance's ranks."""
+    return sum(per_rank(instance, series))
 
 
 def test_each_rank_pulls_its_heads_and_output_matches_colocated(tp_cluster: dict[str, Any]) -> None:
-    prefill, decode = _instance(tp_cluster, "kv_producer"), _instance(tp_cluster, "kv_consumer")
+    prefill, decode = instance_of(tp_cluster, "kv_producer"), instance_of(tp_cluster, "kv_consumer")
     assert prefill["tp_size"] != decode["tp_size"]
     series = [(decode, "p2pkv_bytes_loaded_total"), (decode, "p2pkv_bytes_received_total" + SHM),
               (prefill, "p2pkv_bytes_sent_total" + SHM),
@@ -71,7 +55,7 @@ def test_each_rank_pulls_its_heads_and_output_matches_colocated(tp_cluster: dict
 
 
 def test_negative_control_corrupted_kv_changes_the_output(tp_cluster: dict[str, Any]) -> None:
-    prefill, decode = _instance(tp_cluster, "kv_producer"), _instance(tp_cluster, "kv_consumer")
+    prefill, decode = instance_of(tp_cluster, "kv_producer"), instance_of(tp_cluster, "kv_consumer")
     answers = []
     for corrupt in (False, True):
         text = prompt("tp-control", 300)

@@ -65,6 +65,24 @@ def settle(side: WorkerSide, req: str, sending: bool, timeout_s: float = 10) -> 
     raise AssertionError(f"{req} did not finish")
 
 
+def offer_and_pull(prefill: list[WorkerSide], decode: list[WorkerSide], tid: str, src: tuple[int, ...],
+                   dst: tuple[int, ...], p_port: int, prefill_tp: int = 0, prefill_pp: int = 0) -> None:
+    """GET: every prefill worker offers blocks `src`, every decode worker pulls them into `dst`; all settle, with
+    no load errors."""
+    for p in prefill:
+        p.bind(P2pkvMetadata(saves=[SaveSpec("p-req", tid, None, src)]))
+        p.wait_for_save()
+    load = LoadSpec("d-req", tid, 0, dst, pull_from=Address("127.0.0.1", p_port), prefill_tp=prefill_tp,
+                    prefill_pp=prefill_pp)
+    for d in decode:
+        d.bind(P2pkvMetadata(loads=[load]))
+    for d in decode:
+        settle(d, "d-req", sending=False)
+        assert d.take_load_errors() == set()
+    for p in prefill:
+        settle(p, "p-req", sending=True)  # served to every rank that pulls it: its blocks may go
+
+
 def test_decode_ranks_of_tp_2_load_their_heads_from_a_tp_1_prefill_worker(sides: list[WorkerSide]) -> None:
     p_port, d_port = free_ports(2, run=2)
     p_kv = caches(HEADS, 1)
@@ -73,15 +91,7 @@ def test_decode_ranks_of_tp_2_load_their_heads_from_a_tp_1_prefill_worker(sides:
     decode = [worker("kv_consumer", d_port, r, 2, HEADS, d_kv[r]) for r in range(2)]
     sides += [prefill, *decode]
     src, dst = (3, 0, 4), (1, 2, 0)
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid1", None, src)]))
-    prefill.wait_for_save()  # GET: the blocks are offered
-    for d in decode:
-        d.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid1", 0, dst, pull_from=Address("127.0.0.1", p_port),
-                                             prefill_tp=1)]))
-    for d in decode:
-        settle(d, "d-req", sending=False)
-        assert d.take_load_errors() == set()
-    settle(prefill, "p-req", sending=True)  # served to both ranks: its blocks may go
+    offer_and_pull([prefill], decode, "tid1", src, dst, p_port, prefill_tp=1)
     for r in range(2):
         for name in p_kv:
             assert torch.equal(d_kv[r][name][list(dst)], p_kv[name][list(src), r : r + 1])
@@ -111,17 +121,7 @@ def test_pipeline_stages_pull_their_heads_from_the_same_stage(sides: list[Worker
     assert [p.engine.address for p in prefill] == [f"127.0.0.1:{p_port + i}" for i in range(4)]
     assert [d.engine.address for d in decode] == [f"127.0.0.1:{d_port + s}" for s in range(2)]
     src, dst = (2, 4), (0, 3)
-    for p in prefill:
-        p.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid3", None, src)]))
-        p.wait_for_save()
-    for d in decode:
-        d.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid3", 0, dst, pull_from=Address("127.0.0.1", p_port),
-                                             prefill_tp=2)]))
-    for d in decode:
-        settle(d, "d-req", sending=False)
-        assert d.take_load_errors() == set()
-    for p in prefill:
-        settle(p, "p-req", sending=True)
+    offer_and_pull(prefill, decode, "tid3", src, dst, p_port, prefill_tp=2)
     for s in range(2):
         for name in d_kv[s]:
             for r in range(2):
@@ -161,15 +161,7 @@ def test_a_decode_stage_gathers_its_layers_from_two_prefill_stages(sides: list[W
     decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, 0, 1)
     sides += [*prefill, decode]
     src, dst = (0, 3), (2, 1)
-    for p in prefill:
-        p.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid5", None, src)]))
-        p.wait_for_save()
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid5", 0, dst, pull_from=Address("127.0.0.1", p_port),
-                                              prefill_tp=2, prefill_pp=2)]))
-    settle(decode, "d-req", sending=False)
-    assert decode.take_load_errors() == set()
-    for p in prefill:
-        settle(p, "p-req", sending=True)
+    offer_and_pull(prefill, [decode], "tid5", src, dst, p_port, prefill_tp=2, prefill_pp=2)
     for layer in range(MODEL_LAYERS):
         name = f"model.layers.{layer}.self_attn.attn"
         for r in range(2):
