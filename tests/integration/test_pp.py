@@ -1,8 +1,9 @@
 """Pipeline parallelism on real vLLM through the proxy (`p2pkv up --prefill-pp N --decode-pp M`): each pipeline
 stage holds some of the model's layers. With equal sizes (PP 2 to PP 2), stage s of the prefill instance moves its
-layers to stage s of the decode instance (ranks bind `kv_port + stage * tp_size + tp_rank`), pushed; with
-different sizes (PP 1 to PP 2), each decode stage pulls its layers from the prefill stages that hold them. Output
-equals a colocated instance, pushed and pulled, with the sizes passed by the proxy or not."""
+layers to stage s of the decode instance (ranks bind `kv_port + stage * tp_size + tp_rank`), pushed. With other
+sizes on both axes (PP 2 x TP 1 prefill to PP 1 x TP 2 decode), each decode rank pulls its heads of every layer
+from the two prefill stages that hold them. Output equals a colocated instance, pushed and pulled, with the sizes
+passed by the proxy or not. (`test_tp` covers other tensor-parallel sizes alone.)"""
 
 from __future__ import annotations
 
@@ -31,17 +32,23 @@ SHM = '{transport="shm"}'
 PULLS = 'p2pkv_transfers_total{direction="pull",outcome="ok"}'
 
 
-@pytest.fixture(scope="module", params=[(2, 2), (1, 2)], ids=["p2d2", "p1d2"])
+@pytest.fixture(scope="module", params=[(2, 1, 2, 1), (2, 1, 1, 2)], ids=["pp2-pp2", "pp2tp1-pp1tp2"])
 def pp_cluster(request: pytest.FixtureRequest, tiny_model: str,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    prefill_pp, decode_pp = request.param
-    up_args = ("--prefill-pp", str(prefill_pp), "--decode-pp", str(decode_pp))
+    prefill_pp, prefill_tp, decode_pp, decode_tp = request.param
+    up_args = ("--prefill-pp", str(prefill_pp), "--prefill-tp", str(prefill_tp), "--decode-pp", str(decode_pp),
+               "--decode-tp", str(decode_tp))
     with multi_rank_cluster(tiny_model, tmp_path_factory.mktemp("pp"), up_args) as info:
         yield info
 
 
 def _delta(after: list[float], before: list[float]) -> list[float]:
     return [a - b for a, b in zip(after, before, strict=True)]
+
+
+def _same_sizes(info: dict[str, Any]) -> bool:
+    prefill, decode = instance_of(info, "kv_producer"), instance_of(info, "kv_consumer")
+    return all(prefill[k] == decode[k] for k in ("tp_size", "pp_size"))
 
 
 def test_each_stage_gets_its_own_layers_and_output_matches_colocated(pp_cluster: dict[str, Any]) -> None:
@@ -53,18 +60,19 @@ def test_each_stage_gets_its_own_layers_and_output_matches_colocated(pp_cluster:
     expected = sum(served_like_colocated(pp_cluster, f"pp{i}", length) for i, length in enumerate(lengths))
     loaded, received, sent, pulls = (_delta(per_rank(instance, name), b)
                                      for (instance, name), b in zip(series, before, strict=True))
-    # The tiny model's 4 layers split 2 and 2 on the decode side: each stage got exactly its half of every
-    # prompt's KV.
+    # The decode side's two ranks (two stages of two layers, or two ranks of half the heads) each got exactly its
+    # half of every prompt's KV.
     assert loaded == [expected / 2, expected / 2]
-    if prefill["pp_size"] == decode["pp_size"]:
+    if _same_sizes(pp_cluster):
         # Pushed stage to stage: every block of the prompt (the decode side loads all but the last token's).
         pushed = sum(math.ceil(n / BLOCK_SIZE) for n in lengths) * kv_bytes_per_block_and_layer() * LAYERS
         assert received == sent == [pushed / 2, pushed / 2]
         assert pulls == [0, 0]
     else:
-        # Pulled by layers from the one prefill stage: what each decode stage loads, once per request.
-        assert received == loaded and sent == [expected]
-        assert pulls == [len(lengths), len(lengths)]
+        # Pulled: each decode rank its heads of each prefill stage's layers, once per request and stage. Each
+        # prefill stage sent its half of the layers.
+        assert received == loaded and sent == [expected / 2, expected / 2]
+        assert pulls == [2 * len(lengths), 2 * len(lengths)]
 
 
 def _prefill_then_decode(info: dict[str, Any], text: str, params: PrefillParams,
@@ -88,20 +96,23 @@ def test_pulls_and_a_corrupted_load_changes_the_output(pp_cluster: dict[str, Any
     for corrupt, tag in ((False, "pp-get"), (True, "pp-get-corrupt")):
         text = prompt(tag, 300)
         references.append(ids_and_logprobs(greedy(pp_cluster["colocated"], pp_cluster["model"], text)))
-        params = PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]), pull=True, decode_pp=decode["pp_size"])
+        params = PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]), pull=True, decode_tp=decode["tp_size"],
+                               decode_pp=decode["pp_size"])
         returned, answer = _prefill_then_decode(pp_cluster, text, params, corrupt)
         assert returned.pull
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 299
         answers.append(ids_and_logprobs(answer))
     assert answers[0][0] == references[0][0]
     assert answers[1] != references[1]
-    assert _delta(per_rank(decode, PULLS), before) == [2, 2]  # each stage pulled its layers once per request
+    # Per request, each decode rank pulled from the one prefill rank of its stage, or from both prefill stages.
+    per_request = 1 if _same_sizes(pp_cluster) else 2
+    assert _delta(per_rank(decode, PULLS), before) == [2 * per_request, 2 * per_request]
 
 
 def test_a_proxy_that_does_not_pass_the_sizes_still_moves_the_kv(pp_cluster: dict[str, Any]) -> None:
-    # An older proxy says nothing of the decode side's sizes. Equal sizes: pushed as usual. Other sizes: the push
-    # reaches a decode stage that holds other layers, which refuses it; the prefill side then holds the blocks,
-    # and the decode stages, told the prefill side's size, pull their layers.
+    # An older proxy says nothing of the decode side's sizes. Equal sizes: pushed as usual. Other sizes: each
+    # prefill stage's push reaches a decode rank that holds other heads and layers, which refuses it; the prefill
+    # side then holds the blocks, and the decode ranks, told the prefill side's sizes, pull what they hold.
     decode = instance_of(pp_cluster, "kv_consumer")
     text = prompt("pp-legacy", 300)
     reference = ids_and_logprobs(greedy(pp_cluster["colocated"], pp_cluster["model"], text))
