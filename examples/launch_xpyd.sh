@@ -13,6 +13,9 @@
 # For hosts of their own, run one instance per host with the same command and point proxy_ip at the proxy's host;
 # with GPUs there, install CuPy (pip install cupy-cuda12x, or cupy-cuda13x) so that GET pulls go through NCCL, and
 # add "send_type":"GET" to kv_connector_extra_config (pushes go through host memory).
+# This script gives each instance one GPU. Instances of several ranks (--tensor-parallel-size T,
+# --pipeline-parallel-size S, sizes may differ between prefill and decode) need T*S GPUs each and bind kv_port + r
+# for each of their ranks r: give them their GPUs in CUDA_VISIBLE_DEVICES and keep BASE_KV's spacing of 100.
 set -euo pipefail
 : "${MODEL:?set MODEL to a model directory or name}"
 P="${P:-1}" D="${D:-1}" FIRST_GPU="${FIRST_GPU:-0}" HOST="${HOST:-127.0.0.1}"
