@@ -1,0 +1,291 @@
+"""Worker side, loading: KV pulled from the prefill side, or pushed and staged here, lands in the blocks vLLM
+allocated for a request's prompt. Each load is reported once: finished, or its blocks as load errors (vLLM then
+recomputes or fails the request)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+from p2pkv.blocks import BlockAccess
+from p2pkv.config import ConnectorConfig
+from p2pkv.engine import TransferEngine
+from p2pkv.engine.puller import HeadSlice, PullState
+from p2pkv.engine.store import HEADS_DIFFER, NO_SPACE, StageState
+from p2pkv.errors import ConfigError, P2pkvError
+from p2pkv.params import Address
+from p2pkv.slices import HeadSlices
+from p2pkv.stages import StageLayers, StagePart, plan_stages, stage_split
+from p2pkv.tp import plan_pulls
+from p2pkv.vllm.metadata import LoadSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a worker sits in its instance, and which part of the model's KV it holds."""
+
+    rank: int  # tensor-parallel rank
+    tp_size: int
+    pp_rank: int  # pipeline stage
+    pp_size: int
+    total_heads: int  # the model's KV heads (0: not known)
+    layers: range  # the model's layers held here
+    total_layers: int  # the model's KV layers (0: not known, or not its hidden layers in order)
+    stage_layers: StageLayers | None  # which layers a stage of a given pipeline-parallel size holds
+
+    @property
+    def slot(self) -> int:
+        """The worker's number in its instance, as vLLM numbers them: it binds `kv_port + slot`."""
+        return self.pp_rank * self.tp_size + self.rank
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    deadline: float
+    # From a prefill instance of another tensor- or pipeline-parallel size: one pull per prefill rank, each into
+    # a slice of the blocks (some heads of some layers; None for a pull that only releases that rank's blocks).
+    parts: list[tuple[str, BlockAccess | None]] = field(default_factory=list)
+
+
+def _no_sink(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
+    return ()
+
+
+class Loads:
+    def __init__(self, config: ConnectorConfig, engine: TransferEngine, blocks: BlockAccess, slices: HeadSlices,
+                 at: Placement) -> None:
+        self._config = config
+        self._engine = engine
+        self._blocks = blocks
+        self._slices = slices
+        self._at = at
+        self._loads: dict[str, _Load] = {}
+        self._errors: set[int] = set()
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._loads)
+
+    def start(self, specs: list[LoadSpec]) -> None:
+        """This step's new loads: pulls start now; pushes are awaited."""
+        deadline = time.monotonic() + self._config.extra.transfer_timeout_s
+        for spec in specs:
+            load = self._loads[spec.req_id] = _Load(spec, deadline)
+            if spec.pull_from is not None and spec.block_ids:
+                try:
+                    self._pull(load, spec.pull_from)
+                except P2pkvError as exc:  # e.g. heads that cannot be split: this load fails, not the step
+                    self._fail_load(spec, str(exc))
+                    load.parts.clear()
+                    load.spec = replace(spec, block_ids=())
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for a load's transfer to settle; False (at once) when no load is pending."""
+        for load in self._loads.values():
+            keys = [key for key, _ in load.parts] or [load.spec.transfer_id]
+            if load.spec.pull_from is not None:
+                pending = [k for k in keys if (r := self._engine.pull_result(k)) is not None
+                           and r.state is PullState.PENDING]
+                self._engine.wait_pull((pending or keys)[0], timeout_s)  # returns once that pull settles
+            else:
+                self._engine.wait_staged(load.spec.transfer_id, timeout_s)
+            return True
+        return False
+
+    def take_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def _pull(self, load: _Load, peer: Address) -> None:
+        spec = load.spec
+        if spec.prefill_tp or spec.prefill_pp:
+            self._pull_parts(load, peer)
+            return
+        self._engine.pull(spec.transfer_id, peer.offset(self._at.slot), spec.first_block, len(spec.block_ids),
+                          self._blocks.sink(spec.transfer_id, spec.block_ids), load.deadline,
+                          self._blocks.device_blocks(spec.block_ids))
+
+    def _stages(self, prefill_pp: int) -> list[StagePart]:
+        """The prefill stages this stage pulls its layers from."""
+        at = self._at
+        if prefill_pp == at.pp_size:
+            return [StagePart(at.pp_rank, (at.layers.start, at.layers.stop), 1)]
+        if at.stage_layers is None or not at.total_layers:
+            raise ConfigError(f"the prefill instance runs pipeline-parallel size {prefill_pp}, this one "
+                              f"{at.pp_size}, and this model's layers cannot be matched across stages")
+        decode = stage_split(at.stage_layers, at.pp_size)
+        if decode[at.pp_rank] != at.layers:
+            raise ConfigError(f"this stage holds layers {at.layers.start}..{at.layers.stop}, not the "
+                              f"{decode[at.pp_rank].start}..{decode[at.pp_rank].stop} of vLLM's split")
+        return plan_stages(at.pp_rank, decode, stage_split(at.stage_layers, prefill_pp), at.total_layers)
+
+    def _pull_parts(self, load: _Load, peer: Address) -> None:
+        """From a prefill instance of another tensor- or pipeline-parallel size: this rank's heads of this stage's
+        layers, from the prefill ranks that hold them, each into its slice of the blocks."""
+        spec, tid = load.spec, load.spec.transfer_id
+        prefill_tp = spec.prefill_tp or self._at.tp_size
+        jobs = []
+        try:
+            for stage in self._stages(spec.prefill_pp or self._at.pp_size):
+                local = (stage.layers[0] - self._at.layers.start, stage.layers[1] - self._at.layers.start)
+                for part in plan_pulls(self._at.rank, self._at.tp_size, prefill_tp, self._at.total_heads):
+                    # Prefill stage s's ranks follow its earlier stages' ranks.
+                    slot = stage.prefill_stage * prefill_tp + part.prefill_rank
+                    key = f"{tid}@{slot}"
+                    access = None if part.release_only else self._slices.get(part.decode_heads, local)
+                    block_bytes = access.digest.block_bytes if access is not None else 0
+                    sink = access.sink(key, spec.block_ids) if access is not None else _no_sink
+                    jobs.append((slot, sink, HeadSlice(part.prefill_heads, block_bytes, part.pullers * stage.pullers,
+                                                       self._at.slot, key, stage.layers), access))
+        except P2pkvError:
+            for _, _, head_slice, access in jobs:
+                if access is not None:
+                    access.release(head_slice.key)
+            raise
+        # Submitted only once every part could be prepared: a load that fails here has nothing writing its blocks.
+        for slot, sink, head_slice, access in jobs:
+            load.parts.append((head_slice.key, access))
+            self._engine.pull(tid, peer.offset(slot), spec.first_block, len(spec.block_ids), sink,
+                             load.deadline, None, head_slice)
+
+    def finished(self) -> set[str]:
+        done: set[str] = set()
+        now = time.monotonic()
+        for req_id, load in self._loads.items():
+            if load.spec.pull_from is not None:
+                if self._pull_finished(load):
+                    done.add(req_id)
+                continue
+            state = self._engine.staged_state(load.spec.transfer_id)
+            if state is StageState.FAILED and self._fall_back_to_pull(load):
+                continue
+            if state is StageState.COMPLETE:
+                try:
+                    self._land(load.spec)
+                except P2pkvError as exc:  # device KV: the copy into the blocks did not finish in time
+                    self._fail_load(load.spec, str(exc))
+                done.add(req_id)
+            elif state is StageState.FAILED or now > load.deadline:
+                self._fail_load(load.spec, "transfer failed" if state is StageState.FAILED else "deadline passed")
+                item = self._engine.take_staged(load.spec.transfer_id)
+                if item is not None:
+                    self._engine.release_staged(item)
+                done.add(req_id)
+        for req_id in done:
+            del self._loads[req_id]
+        return done
+
+    def _fall_back_to_pull(self, load: _Load) -> bool:
+        """This side refused the push for lack of space: pull the blocks straight into the cache instead."""
+        spec = load.spec
+        reason = self._engine.store.reason(spec.transfer_id)
+        if reason not in (NO_SPACE, HEADS_DIFFER) or spec.fallback_from is None or not spec.block_ids:
+            return False
+        item = self._engine.take_staged(spec.transfer_id)
+        if item is not None:
+            self._engine.release_staged(item)
+        log.info("transfer %s: no staging space here; pulling from %s", spec.transfer_id, spec.fallback_from)
+        load.spec = replace(spec, pull_from=spec.fallback_from)
+        self._pull(load, spec.fallback_from)
+        return True
+
+    def _parts_finished(self, load: _Load) -> bool:
+        """A load pulled in head slices: done once every part has settled; it failed if any part did."""
+        spec = load.spec
+        results = [self._engine.pull_result(key) for key, _ in load.parts]
+        if any(r is not None and r.state is PullState.PENDING for r in results):
+            return False
+        failed = next((r.reason if r is not None else "deadline passed" for r in results
+                       if r is None or r.state is not PullState.DONE), None)
+        try:
+            if failed is None:
+                for key, access in load.parts:
+                    if access is not None:
+                        access.land(key)
+                self._loaded(spec, sum(r.nbytes for r in results if r is not None))
+        except P2pkvError as exc:
+            failed = str(exc)
+        finally:
+            for key, access in load.parts:
+                self._engine.forget_pull(key)
+                if access is not None:
+                    access.release(key)
+        if failed is not None:
+            self._fail_load(spec, "pull failed: " + failed)
+        return True
+
+    def _pull_finished(self, load: _Load) -> bool:
+        spec = load.spec
+        if not spec.block_ids:
+            return True
+        if load.parts:
+            return self._parts_finished(load)
+        result = self._engine.pull_result(spec.transfer_id)
+        if result is not None and result.state is PullState.DONE:
+            self._engine.forget_pull(spec.transfer_id)
+            try:
+                if not result.by_reference:  # copied device to device otherwise: nothing to land
+                    self._blocks.land(spec.transfer_id)
+            except P2pkvError as exc:
+                self._fail_load(spec, str(exc))
+                return True
+            finally:
+                self._blocks.release(spec.transfer_id)
+            self._loaded(spec, result.nbytes)
+            return True
+        # Only a finished pull is reported: vLLM may free and reuse the blocks of a failed load, so the puller
+        # (which honours the same deadline) must be done writing into them first.
+        if result is None or result.state is PullState.FAILED:
+            self._fail_load(spec, "pull failed: " + (result.reason if result is not None else "deadline passed"))
+            self._engine.forget_pull(spec.transfer_id)
+            self._blocks.release(spec.transfer_id)
+            return True
+        return False
+
+    def _loaded(self, spec: LoadSpec, nbytes: int) -> None:
+        """A pulled load is in the blocks. With fault injection, a load marked `test_corrupt` is then damaged (the
+        integration tests' negative control: the output must change)."""
+        if spec.corrupt and self._config.extra.test_fault_injection:
+            key, first = f"{spec.transfer_id}#corrupt", spec.block_ids[:1]
+            try:
+                data = bytearray(b"".join(bytes(v) for v in self._blocks.source(key, first)(0, 0, 1)))
+                data[:4096] = bytes(b ^ 0x5A for b in data[:4096])
+                self._blocks.write_blocks(0, first, memoryview(data))
+            finally:
+                self._blocks.release(key)
+        self._engine.metrics.bytes_loaded.inc(nbytes)
+        self._engine.metrics.add("bytes_loaded", nbytes)
+        self._engine.metrics.transfers.labels("load", "ok").inc()
+
+    def _land(self, spec: LoadSpec) -> None:
+        item = self._engine.take_staged(spec.transfer_id)
+        assert item is not None
+        try:
+            if not spec.block_ids:
+                return
+            n = len(spec.block_ids)
+            start = spec.first_block * item.block_bytes
+            for layer in range(item.num_layers):
+                src = item.layer_view(layer)[start : start + n * item.block_bytes]
+                if spec.corrupt and self._config.extra.test_fault_injection:
+                    src = memoryview(bytes(b ^ 0x5A for b in src[:4096]) + bytes(src[4096:]))
+                self._blocks.write_blocks(layer, spec.block_ids, src)
+            nbytes = n * item.block_bytes * item.num_layers
+            self._engine.metrics.bytes_loaded.inc(nbytes)
+            self._engine.metrics.add("bytes_loaded", nbytes)
+            self._engine.metrics.transfers.labels("load", "ok").inc()
+            log.info("transfer %s landed peer=%s blocks=%d bytes=%d ms=%.1f transport=%s", spec.transfer_id,
+                     item.source.split("#")[0], n, nbytes, (time.monotonic() - item.created) * 1000, item.transport)
+        finally:
+            self._engine.release_staged(item)
+
+    def _fail_load(self, spec: LoadSpec, reason: str) -> None:
+        """Report the load's blocks to vLLM as load errors (it recomputes or fails the request)."""
+        log.warning("transfer %s: load failed (%s); reporting %d blocks", spec.transfer_id, reason,
+                    len(spec.block_ids))
+        self._errors.update(spec.block_ids)
+        self._engine.metrics.transfers.labels("load", "failed").inc()
