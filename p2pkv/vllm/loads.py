@@ -76,12 +76,17 @@ class Loads:
         for spec in specs:
             load = self._loads[spec.req_id] = _Load(spec, deadline)
             if spec.pull_from is not None and spec.block_ids:
-                try:
-                    self._pull(load, spec.pull_from)
-                except P2pkvError as exc:  # e.g. heads that cannot be split: this load fails, not the step
-                    self._fail_load(spec, str(exc))
-                    load.parts.clear()
-                    load.spec = replace(spec, block_ids=())
+                self._start_pull(load, spec.pull_from)
+
+    def _start_pull(self, load: _Load, peer: Address) -> None:
+        """Pull the load's KV from `peer`. One that cannot even start (heads or layers that cannot be split, say)
+        fails now, as load errors, and is reported finished at the next check: the step goes on."""
+        try:
+            self._pull(load, peer)
+        except P2pkvError as exc:
+            self._fail_load(load.spec, str(exc))
+            load.parts.clear()
+            load.spec = replace(load.spec, pull_from=peer, block_ids=())
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for a load's transfer to settle; False (at once) when no load is pending."""
@@ -180,7 +185,8 @@ class Loads:
         return done
 
     def _fall_back_to_pull(self, load: _Load) -> bool:
-        """This side refused the push for lack of space: pull the blocks straight into the cache instead."""
+        """This side refused the push (no staging space, or the sender holds other heads or layers): pull the
+        blocks straight into the cache instead."""
         spec = load.spec
         reason = self._engine.store.reason(spec.transfer_id)
         if reason not in (NO_SPACE, HEADS_DIFFER) or spec.fallback_from is None or not spec.block_ids:
@@ -188,13 +194,13 @@ class Loads:
         item = self._engine.take_staged(spec.transfer_id)
         if item is not None:
             self._engine.release_staged(item)
-        log.info("transfer %s: no staging space here; pulling from %s", spec.transfer_id, spec.fallback_from)
+        log.info("transfer %s: push refused here (%s); pulling from %s", spec.transfer_id, reason, spec.fallback_from)
         load.spec = replace(spec, pull_from=spec.fallback_from)
-        self._pull(load, spec.fallback_from)
+        self._start_pull(load, spec.fallback_from)
         return True
 
     def _parts_finished(self, load: _Load) -> bool:
-        """A load pulled in head slices: done once every part has settled; it failed if any part did."""
+        """A load pulled in slices: done once every part has settled; it failed if any part did."""
         spec = load.spec
         results = [self._engine.pull_result(key) for key, _ in load.parts]
         if any(r is not None and r.state is PullState.PENDING for r in results):

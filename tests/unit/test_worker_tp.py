@@ -14,6 +14,7 @@ pytest.importorskip("vllm", reason="the worker side's metadata is vLLM's connect
 
 from p2pkv.cli.cluster import free_ports
 from p2pkv.config import parse_connector_config
+from p2pkv.engine.store import HEADS_DIFFER
 from p2pkv.params import Address
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
 from p2pkv.vllm.worker import WorkerSide
@@ -191,3 +192,18 @@ def test_two_decode_stages_pull_their_layers_from_one_prefill_stage(sides: list[
         assert decode[st].take_load_errors() == set()
         for name in d_kv[st]:
             assert torch.equal(d_kv[st][name][list(dst)], p_kv[name][list(src)])
+
+
+def test_a_fallback_pull_that_cannot_be_planned_fails_the_load_not_the_step(sides: list[WorkerSide]) -> None:
+    # The push to this decode rank was refused (the sender holds other heads); the fallback pull by heads cannot
+    # be planned (3 heads over TP 2: no such model). get_finished reports load errors and the load as finished.
+    (d_port,) = free_ports(1, run=2)
+    decode = worker("kv_consumer", d_port, 0, 2, 3, caches(1, 6))
+    sides.append(decode)
+    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid7", 0, (1, 2), fallback_from=Address("127.0.0.1", 9),
+                                              prefill_tp=1)]))
+    decode.engine.store.fail("tid7", HEADS_DIFFER)
+    assert decode.get_finished(set()) == (None, None)  # the fallback failed to start: reported at the next check
+    assert decode.take_load_errors() == {1, 2}
+    assert decode.get_finished(set()) == (None, {"d-req"})
+    assert decode.engine.pull_result("tid7@0") is None  # nothing was submitted
