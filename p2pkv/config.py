@@ -58,6 +58,7 @@ class ExtraConfig:
     # p2pkv's own keys.
     kv_host: str = "0.0.0.0"
     transport: Transport = Transport.AUTO
+    pull_over_device: bool = True
     transfer_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
     lease_s: float = 30.0
@@ -144,6 +145,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "kv_buffer_size": _as_float("kv_buffer_size", 0.0, 1e15, open_low=True),
     "kv_host": _as_str("kv_host"),
     "transport": _as_enum("transport", Transport),
+    "pull_over_device": _as_bool("pull_over_device"),
     "transfer_timeout_s": _as_float("transfer_timeout_s", 0.0, 3600.0, open_low=True),
     "connect_timeout_s": _as_float("connect_timeout_s", 0.0, 600.0, open_low=True),
     "lease_s": _as_float("lease_s", 0.0, 3600.0, open_low=True),

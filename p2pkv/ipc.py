@@ -20,7 +20,7 @@ import torch
 from p2pkv.device_copy import settle
 from p2pkv.engine.device import RemoteCache, Run, pair_ranges
 from p2pkv.errors import P2pkvError, TransferTimeout
-from p2pkv.protocol import DeviceExport
+from p2pkv.protocol import DeviceExport, DeviceHome
 from p2pkv.staging import DeviceKv
 from p2pkv.transport import cma
 
@@ -33,6 +33,11 @@ def _check_bounds(ranges: Sequence[Run], size: int) -> None:
             raise P2pkvError(f"range {offset}+{n} lies outside the peer's exported storage of {size} bytes")
 
 
+def _visible_gpus() -> dict[str, int]:
+    """This process's GPUs by UUID, with its own index of each."""
+    return {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+
+
 class _CudaRemote:
     transport = "cuda_ipc"
 
@@ -40,8 +45,7 @@ class _CudaRemote:
         self._kv = kv
         # The producer's device index means nothing here (each process numbers the GPUs it sees): find its GPU
         # by UUID among ours. It must be visible: CUDA_VISIBLE_DEVICES="own GPU first, then the others".
-        visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
-        index = visible.get(export.device)
+        index = _visible_gpus().get(export.device)
         if index is None:
             raise P2pkvError(f"the peer's GPU {export.device} is not visible to this process (CUDA_VISIBLE_DEVICES)")
         self._storages: list[torch.Tensor] = []
@@ -120,6 +124,11 @@ class CacheAccess:
             handles = [(s.data_ptr(), s.numel()) for s in self.kv.storages]
             device = ""
         return DeviceExport(self.kind, cma.boot_id(), os.getpid(), device, handles)
+
+    def reaches(self, home: DeviceHome) -> bool:
+        if home.kind != self.kind or home.boot_id != cma.boot_id():
+            return False
+        return self.kind == "host" or home.device in _visible_gpus()
 
     def open(self, export: DeviceExport) -> RemoteCache:
         if export.kind != self.kind:

@@ -111,10 +111,19 @@ class DeviceExport(msgspec.Struct, frozen=True):
     handles: list[tuple[int | bytes | bool | None, ...]]
 
 
+class DeviceHome(msgspec.Struct, frozen=True):
+    """Where a worker's exported cache lives: its kind ("cuda" or "host"), the host (boot id) and the GPU (UUID,
+    empty for "host"). A peer tells from it whether it could open that export."""
+
+    kind: str
+    boot_id: str
+    device: str = ""
+
+
 class Hello(msgspec.Struct, tag="hello", frozen=True):
     """First frame on a new connection: who is speaking, what its KV looks like, whether it may be read
     directly (shm transport), which device exports it can open (`device_kind`, cuda_ipc), and which kind of pipe
-it can make (`pipe_kind`, nccl)."""
+    it can make (`pipe_kind`, nccl); `home`: where its own export lives, when it exports its cache."""
 
     engine_id: str
     rank: int
@@ -122,6 +131,7 @@ it can make (`pipe_kind`, nccl)."""
     cma: CmaOffer | None = None
     device_kind: str = ""
     pipe_kind: str = ""
+    home: DeviceHome | None = None
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):
@@ -134,6 +144,9 @@ class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):
     reads_you: bool = False
     device: DeviceExport | None = None  # the listener's KV cache, when the client can open that kind
     pipe_kind: str = ""  # the client's pipe kind, when the listener can join that kind too
+    # The listener reaches the client's cache over a device path (opens its export, or shares a pipe kind): the
+    # client should not push whole blocks through host memory, but send PullInstead and hold them for a pull.
+    pull_instead: bool = False
 
 
 class PipeOpen(msgspec.Struct, tag="pipe_open", frozen=True):
@@ -178,6 +191,13 @@ class PushAck(msgspec.Struct, tag="push_ack", frozen=True):
     transfer_id: str
     accepted: bool
     reason: str = ""
+
+
+class PullInstead(msgspec.Struct, tag="pull_instead", frozen=True):
+    """Instead of pushing a transfer: the sender holds its blocks for the receiver to pull over the device path
+    the handshake found (`HelloReply.pull_instead`)."""
+
+    transfer_id: str
 
 
 class PushAbort(msgspec.Struct, tag="abort", frozen=True):
@@ -238,7 +258,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
 
 
 Message = (Hello | HelloReply | BlockRanges | PushBlocks | PushAck | PushAbort | PullRequest | PullReply | Heartbeat
-           | CmaStatus | PayloadCopied | PipeOpen)
+           | CmaStatus | PayloadCopied | PipeOpen | PullInstead)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from p2pkv.errors import P2pkvError
-from p2pkv.protocol import DeviceExport
+from p2pkv.protocol import DeviceExport, DeviceHome
 
 Run = tuple[int, int]  # (byte offset in a layer's storage, length)
 # (layer, first_block, num_blocks) -> the blocks' byte ranges in that layer's exported storage, in payload order;
@@ -38,6 +38,10 @@ class DeviceAccess(Protocol):
 
     def open(self, export: DeviceExport) -> RemoteCache:
         """A peer's cache; P2pkvError saying why when it cannot be opened here."""
+
+    def reaches(self, home: DeviceHome) -> bool:
+        """Whether a cache exported at `home` would open here: same kind, same host, its GPU visible. Cheap: no
+        export is opened."""
 
 
 Piece = tuple[int, int, int]  # (layer, byte offset in that layer's storage, length)

@@ -20,7 +20,7 @@ from p2pkv.engine.sender import Outgoing, PushJob, Sender
 from p2pkv.engine.store import ReceiveStore, StagedTransfer, StageState
 from p2pkv.memory import HostPool
 from p2pkv.params import Address
-from p2pkv.protocol import FrameLimits, Hello, LayoutDigest
+from p2pkv.protocol import DeviceHome, FrameLimits, Hello, LayoutDigest
 from p2pkv.transport.base import Connection
 from p2pkv.transport.tcp import TcpConnection, TcpListener
 
@@ -41,6 +41,7 @@ class EngineSettings:
     limits: FrameLimits
     pool_bytes: int = 0
     transport: Transport = Transport.AUTO
+    pull_over_device: bool = True
 
     @classmethod
     def from_config(cls, extra: ExtraConfig, port: int, metrics_port: int) -> EngineSettings:
@@ -56,6 +57,7 @@ class EngineSettings:
             limits=FrameLimits(max_message_bytes=extra.max_frame_bytes),
             pool_bytes=int(extra.mem_pool_size_gb * (1 << 30)),
             transport=extra.transport,
+            pull_over_device=extra.pull_over_device,
         )
 
 
@@ -111,11 +113,12 @@ class TransferEngine:
         if s.transport is Transport.NCCL and pipes is None:
             log.warning("transport nccl: this worker cannot make NCCL pipes (no GPU KV, or no CuPy); using shm or tcp")
         self._receiver = Receiver(listener, self.store, self.offers, self.layout, self.metrics, s.transfer_timeout_s,
-                                  offer, export, pipes, s.connect_timeout_s)
+                                  offer, export, pipes, s.connect_timeout_s, self._pull_rule(device, pipes))
         self._receiver.start()
         hello = Hello(engine_id=self.engine_id, rank=self.rank, layout=self.layout, cma=offer,
                       device_kind=device.kind if device is not None else "",
-                      pipe_kind=pipes.kind if pipes is not None else "")
+                      pipe_kind=pipes.kind if pipes is not None else "",
+                      home=DeviceHome(export.kind, export.boot_id, export.device) if export is not None else None)
         require_shm = s.transport is Transport.SHM
         self._sender = Sender(self._connect, hello, self.metrics, require_shm)
         self._sender.start()
@@ -128,6 +131,20 @@ class TransferEngine:
                 s.metrics_port, addr=s.host, registry=self.metrics.registry)
         log.info("p2pkv engine %s rank %d listening on %s", self.engine_id, self.rank, self.address)
 
+    def _pull_rule(self, device: DeviceAccess | None, pipes: PipeMaker | None) -> Callable[[Hello], bool] | None:
+        """When this worker asks a client to leave its pushes for a pull (`pull_over_device`): it can open the
+        client's exported cache (cuda_ipc), or both make pipes of one kind (nccl). Pulls over those copy cache to
+        cache; pushes of device KV go through host buffers."""
+        if not self.settings.pull_over_device or (device is None and pipes is None):
+            return None
+
+        def rule(hello: Hello) -> bool:
+            if pipes is not None and hello.pipe_kind == pipes.kind:
+                return True
+            return device is not None and hello.home is not None and device.reaches(hello.home)
+
+        return rule
+
     def _connect(self, peer: Address, deadline: float) -> Connection:
         deadline = min(deadline, time.monotonic() + self.settings.connect_timeout_s)
         return TcpConnection.connect(peer, deadline, self.settings.secret, self.settings.limits)
@@ -135,12 +152,18 @@ class TransferEngine:
     # Sending side.
     def push_layer(self, transfer_id: str, peer: Address, layer: int, total_blocks: int,
                    views: tuple[memoryview, ...], deadline: float,
-                   ready: Callable[[float], bool] | None = None) -> None:
+                   ready: Callable[[float], bool] | None = None, pull_instead: bool = False) -> None:
         """Queue one layer; `ready` (staged device KV) is called with the deadline before it is sent, and must
-        return True once `views` hold the layer's bytes."""
+        return True once `views` hold the layer's bytes. `pull_instead` (no views): the transfer is not pushed;
+        the peer is told to pull it (`pulls_instead`), and the transfer ends refused, holding the blocks."""
         assert self._sender is not None, "engine not started"
         self._sender.submit(PushJob(transfer_id, peer, layer, self.layout.num_layers, total_blocks, views, deadline,
-                                    ready))
+                                    ready, pull_instead))
+
+    def pulls_instead(self, peer: Address) -> bool:
+        """The link to `peer` is up and its receiver pulls over a device path: push nothing, leave the blocks."""
+        assert self._sender is not None, "engine not started"
+        return self._sender.pulls_instead(peer)
 
     def wait_sent(self, deadline: float) -> bool:
         assert self._sender is not None, "engine not started"

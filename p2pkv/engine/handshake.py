@@ -56,6 +56,7 @@ def client_handshake(conn: Connection, hello: Hello, deadline: float, require_sh
             raise IncompatiblePeerError(f"peer {conn.peer} refused us: {reply.reason}")
         conn.peer_device = reply.device
         conn.peer_pipe = reply.pipe_kind if reply.pipe_kind == hello.pipe_kind else ""
+        conn.pull_instead = reply.pull_instead
         if hello.cma is None or not isinstance(conn, TcpConnection):
             return conn
         reason = why_unreadable(reply.cma)
@@ -66,7 +67,7 @@ def client_handshake(conn: Connection, hello: Hello, deadline: float, require_sh
             return conn
         pid = reply.cma.pid if reply.cma is not None else 0
         shm = ShmConnection(conn, pid, sends_by_reference=reply.reads_you, reads_by_reference=not reason)
-        shm.peer_device, shm.peer_pipe = reply.device, conn.peer_pipe
+        shm.peer_device, shm.peer_pipe, shm.pull_instead = reply.device, conn.peer_pipe, reply.pull_instead
         return shm
     except P2pkvError:
         conn.close()
@@ -74,18 +75,20 @@ def client_handshake(conn: Connection, hello: Hello, deadline: float, require_sh
 
 
 def server_reply(conn: Connection, hello: Hello, offer: CmaOffer | None, deadline: float,
-                 device: DeviceExport | None = None, pipe_kind: str = "") -> Connection:
+                 device: DeviceExport | None = None, pipe_kind: str = "", pull_instead: bool = False) -> Connection:
     """Accept a compatible client; with shm on both sides, answer with our offer and wrap the connection. Our
-    device export goes to a client that can open that kind (cuda_ipc); a pipe is agreed when both make its kind."""
+    device export goes to a client that can open that kind (cuda_ipc); a pipe is agreed when both make its kind.
+    `pull_instead`: ask the client to leave its pushes for us to pull over that device path."""
     export = device if device is not None and hello.device_kind == device.kind else None
     pipe = pipe_kind if pipe_kind and hello.pipe_kind == pipe_kind else ""
     if offer is None or hello.cma is None or not isinstance(conn, TcpConnection):
-        conn.send_frame(HelloReply(accepted=True, device=export, pipe_kind=pipe), (), deadline)
+        conn.send_frame(HelloReply(accepted=True, device=export, pipe_kind=pipe, pull_instead=pull_instead), (),
+                        deadline)
         conn.peer_pipe = pipe
         return conn
     reason = why_unreadable(hello.cma)
-    conn.send_frame(HelloReply(accepted=True, cma=offer, reads_you=not reason, device=export, pipe_kind=pipe), (),
-                    deadline)
+    conn.send_frame(HelloReply(accepted=True, cma=offer, reads_you=not reason, device=export, pipe_kind=pipe,
+                               pull_instead=pull_instead), (), deadline)
     # The client answers our offer with a CmaStatus frame, which the shm connection consumes.
     shm = ShmConnection(conn, hello.cma.pid, sends_by_reference=False, reads_by_reference=not reason)
     shm.peer_pipe = pipe

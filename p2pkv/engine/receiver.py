@@ -6,14 +6,14 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from p2pkv.engine.device import Pipe, PipeMaker, RangeSource, pair_ranges
 from p2pkv.engine.handshake import server_reply
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import Offer, OfferTable, ViewSource
 from p2pkv.engine.pipes import PipeSlot
-from p2pkv.engine.store import HEADS_DIFFER, ReceiveStore
+from p2pkv.engine.store import HEADS_DIFFER, PULL_INSTEAD, ReceiveStore
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
 from p2pkv.protocol import (
@@ -26,6 +26,7 @@ from p2pkv.protocol import (
     Message,
     PayloadCopied,
     PipeOpen,
+    PullInstead,
     PullReply,
     PullRequest,
     PushAbort,
@@ -45,8 +46,11 @@ class Receiver:
     def __init__(self, listener: Listener, store: ReceiveStore, offers: OfferTable, layout: LayoutDigest,
                  metrics: EngineMetrics, frame_timeout_s: float, offer: CmaOffer | None = None,
                  device: DeviceExport | None = None, pipes: PipeMaker | None = None,
-                 pipe_setup_s: float = 5.0) -> None:
+                 pipe_setup_s: float = 5.0, pulls_over_device: Callable[[Hello], bool] | None = None) -> None:
+        """`pulls_over_device`: whether this worker would pull a client's blocks over a device path (opening its
+        export, or through a pipe) rather than take them pushed through host memory."""
         self._listener = listener
+        self._pulls_over_device = pulls_over_device
         self._offer = offer
         self._device = device
         self._maker = pipes
@@ -108,9 +112,11 @@ class Receiver:
             self._metrics.refused_peers.inc()
             conn.send_frame(HelloReply(accepted=False, reason=reason), (), deadline)
             return None
+        sliced = self._layout.sliced_with(hello.layout)  # pulls slices over tcp or shm: no device path for them
+        pull_instead = not sliced and self._pulls_over_device is not None and self._pulls_over_device(hello)
         served = server_reply(conn, hello, self._offer, deadline, self._device,
-                              self._maker.kind if self._maker is not None else "")
-        return served, self._layout.sliced_with(hello.layout)
+                              self._maker.kind if self._maker is not None else "", pull_instead)
+        return served, sliced
 
     def _join_pipe(self, conn: Connection, ask: PipeOpen, slot: PipeSlot | None) -> PipeSlot:
         """The client is making a pipe for this connection: join it on a thread of its own."""
@@ -146,6 +152,9 @@ class Receiver:
                 elif isinstance(message, PipeOpen):
                     conn.discard_payload(payload_len, deadline)
                     slot = self._join_pipe(conn, message, slot)
+                elif isinstance(message, PullInstead):
+                    conn.discard_payload(payload_len, deadline)
+                    self._store.refer(message.transfer_id, PULL_INSTEAD)
                 elif isinstance(message, PushAbort):
                     conn.discard_payload(payload_len, deadline)
                     self._store.fail(message.transfer_id, f"sender aborted: {message.reason}", create=False)

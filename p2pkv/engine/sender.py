@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 from p2pkv.engine.links import Connect, Links
 from p2pkv.engine.metrics import EngineMetrics
+from p2pkv.engine.store import PULL_INSTEAD
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError
 from p2pkv.params import Address
-from p2pkv.protocol import Hello, PayloadCopied, PushAbort, PushAck, PushBlocks
+from p2pkv.protocol import Hello, Message, PayloadCopied, PullInstead, PushAbort, PushAck, PushBlocks
+from p2pkv.transport.base import Connection
 from p2pkv.transport.shm import ShmConnection
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ class PushJob:
     views: tuple[memoryview, ...]
     deadline: float
     ready: Callable[[float], bool] | None = None  # staged device KV: waits (to a deadline) until `views` hold it
+    pull_instead: bool = False  # the link asked for pulls (its handshake): no views, send PullInstead for it
 
 
 class OutState(enum.Enum):
@@ -221,23 +224,34 @@ class Sender:
         peer = jobs[0].peer
         with self._lock:
             live = [(job, item) for job in jobs if (item := self._sending.get(job.transfer_id)) is not None]
-        live = self._await_ready(peer, live)
         if not live:
             return
-        frames = _frames([job for job, _ in live])
+        deadline = min(job.deadline for job, _ in live)
+        everyone = live
         try:
-            conn = self._links.send(peer, frames, min(job.deadline for job, _ in live))
+            conn = self._links.open(peer, deadline)
+            live, notices = self._hand_over(conn, live)
+            live = self._await_ready(peer, live)
+            frames: list[tuple[Message, tuple[memoryview, ...]]] = [(n, ()) for n in notices]
+            frames += _frames([job for job, _ in live])
+            if not frames:
+                return
+            conn = self._links.send(peer, frames, deadline)
         except P2pkvError as exc:
             with self._lock:
-                for _, item in live:
+                for _, item in everyone:
                     if item.state is OutState.SENDING:
                         self._finish_locked(item, OutState.FAILED, str(exc))
-            for transfer_id in dict.fromkeys(job.transfer_id for job, _ in live):
+            for transfer_id in dict.fromkeys(job.transfer_id for job, _ in everyone):
                 self._abort(peer, transfer_id, str(exc))
             return
         by_reference = isinstance(conn, ShmConnection) and conn.sends_by_reference
         total = 0
         with self._lock:
+            for notice in notices:
+                if (item := self._sending.get(notice.transfer_id)) is not None:
+                    item.transport = conn.name
+                    self._finish_locked(item, OutState.REFUSED, PULL_INSTEAD)
             for job, item in live:
                 nbytes = sum(v.nbytes for v in job.views)
                 total += nbytes
@@ -248,6 +262,36 @@ class Sender:
                 self._maybe_done_locked(item)
         self._metrics.bytes_sent.labels(conn.name).inc(total)
         self._metrics.add("bytes_sent", total)
+
+    def _hand_over(self, conn: Connection, live: list[tuple[PushJob, Outgoing]]
+                   ) -> tuple[list[tuple[PushJob, Outgoing]], list[PullInstead]]:
+        """The jobs still to push, and a PullInstead notice for each transfer that is not pushed but left for the
+        receiver to pull: those its link asked for, not begun yet, and those the worker prepared without bytes
+        (it found the link asking). A transfer begun on a link that did not ask, then prepared without bytes (the
+        link changed under it), fails."""
+        notices: dict[str, PullInstead] = {}
+        broken: set[str] = set()
+        for job, item in live:
+            if job.transfer_id in notices or job.transfer_id in broken:
+                continue
+            if item.layers_sent and job.pull_instead:
+                broken.add(job.transfer_id)
+            elif not item.layers_sent and (job.pull_instead or conn.pull_instead):
+                notices[job.transfer_id] = PullInstead(job.transfer_id)
+        if broken:
+            with self._lock:
+                for transfer_id in broken:
+                    if (out := self._sending.get(transfer_id)) is not None:
+                        self._finish_locked(out, OutState.FAILED, "the link changed while the transfer was pushed")
+            for transfer_id in broken:
+                self._abort(live[0][0].peer, transfer_id, "the link changed while the transfer was pushed")
+        keep = [(job, item) for job, item in live if job.transfer_id not in notices and job.transfer_id not in broken]
+        return keep, list(notices.values())
+
+    def pulls_instead(self, peer: Address) -> bool:
+        """The link to `peer` is up and asked for pulls instead of pushes (no I/O)."""
+        conn = self._links.get(peer)
+        return conn is not None and conn.pull_instead
 
     def _await_ready(self, peer: Address, live: list[tuple[PushJob, Outgoing]]) -> list[tuple[PushJob, Outgoing]]:
         """Wait for the device-to-host copies of staged layers; a copy that misses its deadline fails its transfer."""
@@ -321,6 +365,8 @@ class Sender:
         self._changed.notify_all()
         ms = (time.monotonic() - item.started) * 1000
         outcome = {OutState.DONE: "ok", OutState.REFUSED: "refused"}.get(state, "failed")
+        if reason == PULL_INSTEAD:
+            outcome = "pull_instead"
         self._metrics.transfers.labels("send", outcome).inc()
         self._metrics.transfer_seconds.labels("send").observe(ms / 1000)
         log.info("transfer %s send %s peer=%s bytes=%d ms=%.1f transport=%s%s", item.transfer_id, outcome,

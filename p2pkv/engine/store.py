@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 NO_SPACE = "no staging space (kv_buffer_size and the host pool are full)"
 HEADS_DIFFER = ("the sender holds other KV heads or layers (another tensor-parallel or pipeline-parallel size): "
                 "pull them by slices")
+PULL_INSTEAD = "the receiver pulls over a device path (cuda_ipc or a pipe): the sender holds the blocks for it"
 _EMPTY = memoryview(b"")
 _MIN_HEAP = 4096
 
@@ -163,6 +164,19 @@ class ReceiveStore:
                 item = StagedTransfer(transfer_id, 0, 0, self._block_bytes, "", _EMPTY, time.monotonic())
                 self._items[transfer_id] = item
             self._fail_locked(item, reason)
+
+    def refer(self, transfer_id: str, reason: str) -> None:
+        """The sender holds this transfer's blocks for a pull instead of pushing them (`reason`): record that, so
+        the load pulls at once. Expected, not an error: no warning."""
+        with self._lock:
+            item = self._items.get(transfer_id)
+            if item is not None:
+                self._fail_locked(item, reason)
+                return
+            item = StagedTransfer(transfer_id, 0, 0, self._block_bytes, "", _EMPTY, time.monotonic())
+            item.state, item.reason = StageState.FAILED, reason
+            self._items[transfer_id] = item
+            self._settled.notify_all()
 
     def fail_from_source(self, source: str, reason: str) -> None:
         """A connection broke: every transfer it had not finished is failed."""

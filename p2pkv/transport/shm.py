@@ -36,6 +36,7 @@ class ShmConnection:
     name = "shm"
     peer_device: DeviceExport | None = None  # set by the handshake
     peer_pipe: str = ""  # set by the handshake
+    pull_instead: bool = False  # set by the handshake
 
     def __init__(self, inner: TcpConnection, peer_pid: int, sends_by_reference: bool,
                  reads_by_reference: bool) -> None:

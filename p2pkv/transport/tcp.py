@@ -46,6 +46,7 @@ class TcpConnection:
     name = "tcp"
     peer_device: DeviceExport | None = None  # set by the handshake
     peer_pipe: str = ""  # set by the handshake
+    pull_instead: bool = False  # set by the handshake
 
     def __init__(self, sock: socket.socket, peer: str, secret: bytes, limits: FrameLimits) -> None:
         sock.setblocking(False)

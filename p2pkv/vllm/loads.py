@@ -12,7 +12,7 @@ from p2pkv.blocks import BlockAccess
 from p2pkv.config import ConnectorConfig
 from p2pkv.engine import TransferEngine
 from p2pkv.engine.puller import HeadSlice, PullState
-from p2pkv.engine.store import HEADS_DIFFER, NO_SPACE, StageState
+from p2pkv.engine.store import HEADS_DIFFER, NO_SPACE, PULL_INSTEAD, StageState
 from p2pkv.errors import ConfigError, P2pkvError
 from p2pkv.params import Address
 from p2pkv.slices import HeadSlices
@@ -185,16 +185,16 @@ class Loads:
         return done
 
     def _fall_back_to_pull(self, load: _Load) -> bool:
-        """This side refused the push (no staging space, or the sender holds other heads or layers): pull the
-        blocks straight into the cache instead."""
+        """This side refused the push (no staging space, or the sender holds other heads or layers), or asked for
+        pulls over a device path: pull the blocks straight into the cache instead."""
         spec = load.spec
         reason = self._engine.store.reason(spec.transfer_id)
-        if reason not in (NO_SPACE, HEADS_DIFFER) or spec.fallback_from is None or not spec.block_ids:
+        if reason not in (NO_SPACE, HEADS_DIFFER, PULL_INSTEAD) or spec.fallback_from is None or not spec.block_ids:
             return False
         item = self._engine.take_staged(spec.transfer_id)
         if item is not None:
             self._engine.release_staged(item)
-        log.info("transfer %s: push refused here (%s); pulling from %s", spec.transfer_id, reason, spec.fallback_from)
+        log.info("transfer %s: not pushed (%s); pulling from %s", spec.transfer_id, reason, spec.fallback_from)
         load.spec = replace(spec, pull_from=spec.fallback_from)
         self._start_pull(load, spec.fallback_from)
         return True

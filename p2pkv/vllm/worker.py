@@ -72,6 +72,7 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         self._meta = P2pkvMetadata()
         self._pushed: dict[str, set[int]] = {}
+        self._left: set[str] = set()  # this step's transfers left for the peer to pull (it asked: device path)
         self._sending: dict[str, str] = {}
         self._specs: dict[str, SaveSpec] = {}
         self._finished: set[str] = set()
@@ -118,6 +119,7 @@ class WorkerSide:
     def bind(self, meta: P2pkvMetadata) -> None:
         self._meta = meta
         self._pushed = {s.transfer_id: set() for s in meta.saves}
+        self._left = set()
         self.loading.start(meta.loads)
 
     def save_layer(self, layer_name: str) -> None:
@@ -161,17 +163,22 @@ class WorkerSide:
         pushed = self._pushed[spec.transfer_id]
         if layer in pushed:
             return
+        peer = spec.peer.offset(self._at.slot)
+        if not pushed and self.engine.pulls_instead(peer):
+            self._left.add(spec.transfer_id)  # decided once per transfer, at its first layer
         pushed.add(layer)
         self._sending[spec.req_id] = spec.transfer_id
         self._specs[spec.req_id] = spec
         deadline = time.monotonic() + self._config.extra.transfer_timeout_s
+        if spec.transfer_id in self._left:  # the peer pulls over a device path: no copy to the host, no bytes
+            self.engine.push_layer(spec.transfer_id, peer, layer, len(spec.block_ids), (), deadline, None, True)
+            return
         try:
             views, ready = self.blocks.push_views(spec.transfer_id, layer, spec.block_ids)
         except Exception as exc:  # no host memory, a device error: this transfer fails, not the forward pass
             log.error("transfer %s: layer %d could not be copied from the device: %r", spec.transfer_id, layer, exc)
             views, ready = (), _raiser(exc)
-        self.engine.push_layer(spec.transfer_id, spec.peer.offset(self._at.slot), layer, len(spec.block_ids), views,
-                               deadline, ready)
+        self.engine.push_layer(spec.transfer_id, peer, layer, len(spec.block_ids), views, deadline, ready)
 
     def wait_for_save(self) -> None:
         # Layers whose hook did not fire this step (none in normal runs) are pushed here so no transfer is short.

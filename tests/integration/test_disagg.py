@@ -75,7 +75,7 @@ def test_disaggregated_equals_colocated_and_kv_was_transferred(up_cluster: UpClu
     assert metric(decode["metrics"], "p2pkv_staging_bytes") == 0
 
 
-def _two_steps(cluster: UpCluster, text: str, params: PrefillParams | None = None,
+def two_steps(cluster: UpCluster, text: str, params: PrefillParams | None = None,
                corrupt: bool = False) -> tuple[DecodeParams, dict[str, Any]]:
     """The proxy's two steps done by hand, so a request can choose its mode or ask for corrupted KV."""
     prefill, decode = cluster.instance("kv_producer"), cluster.instance("kv_consumer")
@@ -91,7 +91,7 @@ def _two_steps(cluster: UpCluster, text: str, params: PrefillParams | None = Non
 
 
 def _by_hand(cluster: UpCluster, text: str, corrupt: bool) -> dict[str, Any]:
-    return _two_steps(cluster, text, corrupt=corrupt)[1]
+    return two_steps(cluster, text, corrupt=corrupt)[1]
 
 
 def test_negative_control_corrupted_kv_changes_the_output(up_cluster: UpCluster) -> None:
@@ -185,7 +185,7 @@ def test_get_mode_decode_pulls_from_prefill(up_cluster: UpCluster) -> None:
     sent_before = metric(prefill["metrics"], "p2pkv_bytes_sent_total" + SHM)
     length = 385
     text = prompt("get", length)
-    returned, answer = _two_steps(up_cluster, text, PrefillParams(uuid.uuid4().hex, None, pull=True))
+    returned, answer = two_steps(up_cluster, text, PrefillParams(uuid.uuid4().hex, None, pull=True))
     assert returned.pull
     assert returned.prefill_kv == Address.parse(prefill["kv"])
     reference = greedy(up_cluster.colocated, up_cluster.model, text)
@@ -223,7 +223,7 @@ def test_put_mode_pushes_inline(up_cluster: UpCluster) -> None:
     text = prompt("put", length)
     params = PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]), inline=True)
     assert params.to_dict()["send_type"] == "PUT"
-    returned, answer = _two_steps(up_cluster, text, params)
+    returned, answer = two_steps(up_cluster, text, params)
     assert not returned.pull
     reference = greedy(up_cluster.colocated, up_cluster.model, text)
     assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]

@@ -16,11 +16,13 @@ from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.device import pair_ranges
 from p2pkv.engine.offers import OfferState
 from p2pkv.engine.puller import PullResult, PullState
+from p2pkv.engine.sender import OutState
+from p2pkv.engine.store import PULL_INSTEAD, StageState
 from p2pkv.errors import P2pkvError
 from p2pkv.ipc import CacheAccess
 from p2pkv.memory import HostPool
 from p2pkv.params import Address
-from p2pkv.protocol import DeviceExport
+from p2pkv.protocol import DeviceExport, DeviceHome
 from p2pkv.staging import DeviceKv, TransferBuffers
 from p2pkv.transport import cma
 from tests.unit.test_staging import SIZES, caches
@@ -35,12 +37,14 @@ def test_pair_ranges_cuts_where_either_side_ends() -> None:
 
 
 class Side:
-    def __init__(self, fill: bool, transport: Transport = Transport.AUTO, exports: bool = True) -> None:
+    def __init__(self, fill: bool, transport: Transport = Transport.AUTO, exports: bool = True,
+                 pull_over_device: bool = True) -> None:
         self.layers = caches("LBHNC", fill)
         self.kv = DeviceKv(self.layers, 16, "test", 5)
         self.kv.pool = HostPool(1 << 20, pinned=False)
         self.buffers = TransferBuffers(self.kv)
-        extra = ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=5, transport=transport)
+        extra = ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=5, transport=transport,
+                            pull_over_device=pull_over_device)
         self.engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), self.kv.digest,
                                      device=CacheAccess(self.kv) if exports else None)
         self.engine.start()
@@ -62,8 +66,9 @@ MakeSide = Callable[..., Side]
 def make_side() -> Iterator[MakeSide]:
     made: list[Side] = []
 
-    def make(fill: bool, transport: Transport = Transport.AUTO, exports: bool = True) -> Side:
-        made.append(Side(fill, transport, exports))
+    def make(fill: bool, transport: Transport = Transport.AUTO, exports: bool = True,
+             pull_over_device: bool = True) -> Side:
+        made.append(Side(fill, transport, exports, pull_over_device))
         return made[-1]
 
     yield make
@@ -152,6 +157,10 @@ def test_an_export_from_another_host_or_kind_is_not_opened() -> None:
         access.open(type(export)(export.kind, "other-boot", export.pid, "", export.handles))
     with pytest.raises(P2pkvError, match="exports a cuda cache"):
         access.open(type(export)("cuda", export.boot_id, export.pid, "", export.handles))
+    # What the handshake asks before it wants pulls instead of pushes: the same, without opening anything.
+    assert access.reaches(DeviceHome(export.kind, export.boot_id))
+    assert not access.reaches(DeviceHome(export.kind, "other-boot"))
+    assert not access.reaches(DeviceHome("cuda", export.boot_id, "GPU-0"))
 
 
 def test_the_cuda_ipc_row_runs_between_two_processes_on_host_caches() -> None:
@@ -179,3 +188,71 @@ def test_a_cache_that_cannot_be_exported_still_serves_pulls_as_bytes(make_side: 
     assert not result.by_reference
     puller.buffers.land("plain")
     assert _same(offerer, puller, {1: 3, 2: 4})
+
+
+def _push(sender: Side, receiver: Side, tid: str, blocks: list[int], prepared: bool = True) -> None:
+    """Push every layer of `blocks` as the worker does; `prepared` False: the worker found the link asking for
+    pulls and queues the layers without bytes."""
+    deadline = time.monotonic() + 10
+    for layer in range(SIZES["L"]):
+        if prepared:
+            views, ready = sender.buffers.push_views(tid, layer, blocks)
+            sender.engine.push_layer(tid, receiver.address, layer, len(blocks), views, deadline, ready)
+        else:
+            sender.engine.push_layer(tid, receiver.address, layer, len(blocks), (), deadline, None, True)
+
+
+def _sent(side: Side, outcome: str) -> float:
+    value = side.engine.metrics.registry.get_sample_value("p2pkv_transfers_total",
+                                                          {"direction": "send", "outcome": outcome})
+    return value or 0.0
+
+
+def _left_for_a_pull(sender: Side, receiver: Side, tid: str) -> None:
+    assert receiver.engine.wait_staged(tid, 10) is StageState.FAILED
+    assert receiver.engine.store.reason(tid) == PULL_INSTEAD
+    out = sender.engine.wait_outgoing(tid, 10)
+    assert out is not None and out.state is OutState.REFUSED and out.reason == PULL_INSTEAD
+    assert out.nbytes == 0
+
+
+def test_a_push_to_a_peer_that_opens_our_cache_is_left_for_it_to_pull(make_side: MakeSide) -> None:
+    """The decode side can open the prefill side's export (same host, same kind): it asks in the handshake for
+    pulls, the prefill side sends PullInstead instead of the blocks and offers them, and the decode side copies
+    them cache to cache. Once the link is up, the worker sees it asking and copies nothing to the host."""
+    prefill, decode = make_side(True), make_side(False)
+    moves = {3: 0, 4: 1, 9: 7}
+    _push(prefill, decode, "left-1", list(moves))
+    _left_for_a_pull(prefill, decode, "left-1")
+    assert prefill.engine.pulls_instead(decode.address)
+    prefill.buffers.release("left-1")  # the worker frees the push's host buffer and offers the blocks instead
+    result = _pull(prefill, decode, "left-1", list(moves), list(moves.values()))
+    assert result.by_reference and _same(prefill, decode, moves)
+    _push(prefill, decode, "left-2", list(moves), prepared=False)
+    _left_for_a_pull(prefill, decode, "left-2")
+    assert prefill.pool_in_use() == 0 and decode.pool_in_use() == 0
+    assert _sent(prefill, "pull_instead") == 2 and _sent(prefill, "ok") == 0
+    received = decode.engine.metrics.registry.get_sample_value("p2pkv_bytes_received_total", {"transport": "shm"})
+    assert not received, "no pushed bytes reached the decode side"
+
+
+@pytest.mark.parametrize("decode_kind", ["pull_over_device false", "transport tcp", "exports nothing"])
+def test_a_peer_that_does_not_ask_for_pulls_gets_the_push(make_side: MakeSide, decode_kind: str) -> None:
+    prefill = make_side(True)
+    decode = make_side(False, transport=Transport.TCP if decode_kind == "transport tcp" else Transport.AUTO,
+                       exports=decode_kind != "exports nothing",
+                       pull_over_device=decode_kind != "pull_over_device false")
+    _push(prefill, decode, "pushed-1", [2, 5])
+    assert decode.engine.wait_staged("pushed-1", 10) is StageState.COMPLETE
+    out = prefill.engine.wait_outgoing("pushed-1", 10)
+    assert out is not None and out.state is OutState.DONE
+    assert not prefill.engine.pulls_instead(decode.address)
+    assert _sent(prefill, "ok") == 1 and _sent(prefill, "pull_instead") == 0
+
+
+def test_layers_prepared_without_bytes_are_left_for_a_pull_even_on_a_link_that_pushes(make_side: MakeSide) -> None:
+    """The worker decided from a link that asked for pulls; the link was replaced by one that does not: the
+    transfer is still left for a pull (it has no bytes to push), never sent short."""
+    prefill, decode = make_side(True), make_side(False, pull_over_device=False)
+    _push(prefill, decode, "unprepared-1", [1, 2], prepared=False)
+    _left_for_a_pull(prefill, decode, "unprepared-1")

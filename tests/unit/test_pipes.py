@@ -22,6 +22,8 @@ from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import OfferState
 from p2pkv.engine.pipes import PipeSlot
 from p2pkv.engine.puller import PullResult, PullState
+from p2pkv.engine.sender import OutState
+from p2pkv.engine.store import PULL_INSTEAD, StageState
 from p2pkv.errors import P2pkvError, TransferError
 from p2pkv.ipc import CacheAccess
 from p2pkv.memory import HostPool
@@ -61,14 +63,14 @@ class RecordingPipes(GlooPipes):
 
 class Side:
     def __init__(self, order: str, fill: bool, transport: Transport = Transport.NCCL, refuse_join: bool = False,
-                 exports: bool = False):
+                 exports: bool = False, pull_over_device: bool = True):
         self.layers = views(order, torch.bfloat16, SIZES, fill)
         self.kv = DeviceKv(self.layers, 16, "test", 5)
         self.kv.pool = HostPool(1 << 20, pinned=False)
         self.buffers = TransferBuffers(self.kv)
         self.pipes = RecordingPipes(self.kv, refuse_join)
         extra = ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=TIMEOUT_S, connect_timeout_s=SETUP_S,
-                            transport=transport)
+                            transport=transport, pull_over_device=pull_over_device)
         self.engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), self.kv.digest, pipes=self.pipes,
                                      device=CacheAccess(self.kv) if exports else None)
         self.engine.start()
@@ -109,6 +111,15 @@ def same(src: Side, dst: Side, moves: dict[int, int]) -> bool:
                for s, d in moves.items())
 
 
+def push(sender: Side, receiver: Side, tid: str, blocks: list[int]) -> StageState | None:
+    """Every layer pushed as the worker pushes it; the receiver's state of the transfer once it settled."""
+    deadline = time.monotonic() + 10
+    for layer in range(SIZES["L"]):
+        views, ready = sender.buffers.push_views(tid, layer, blocks)
+        sender.engine.push_layer(tid, receiver.address, layer, len(blocks), views, deadline, ready)
+    return receiver.engine.wait_staged(tid, 10)
+
+
 def pull_until_by_pipe(offerer: Side, puller: Side, moves: dict[int, int], prefix: str) -> list[PullResult]:
     """Pulls until one goes by pipe (the first ones carry bytes while the pipe is being made), each checked."""
     results: list[PullResult] = []
@@ -143,6 +154,27 @@ def test_pulls_go_by_pipe_once_it_is_made(sides: list[Side], order: str) -> None
     assert sent == received
     stats = puller.kv.pool.stats() if puller.kv.pool is not None else None
     assert stats is None or stats.bytes_in_use == 0, "the pull by pipe used no host buffer"
+
+
+@pytest.mark.parametrize("pull_over_device", [True, False])
+def test_a_push_to_a_peer_that_makes_pipes_too_is_left_for_a_pull_by_pipe(sides: list[Side],
+                                                                          pull_over_device: bool) -> None:
+    """PUT/PUT_ASYNC between workers that both make pipes: the decode side asks in the handshake for pulls, so the
+    blocks are not pushed through host memory but left for a pull through the pipe (nccl: GPU to GPU). With
+    `pull_over_device` false on the decode side, they are pushed."""
+    prefill, decode = Side("LBHNC", True), Side("LBHNC", False, pull_over_device=pull_over_device)
+    sides += [prefill, decode]
+    state = push(prefill, decode, "pushed", [3, 4])
+    out = prefill.engine.wait_outgoing("pushed", 10)
+    assert out is not None
+    if not pull_over_device:
+        assert state is StageState.COMPLETE and out.state is OutState.DONE
+        return
+    assert state is StageState.FAILED and decode.engine.store.reason("pushed") == PULL_INSTEAD
+    assert out.state is OutState.REFUSED and out.reason == PULL_INSTEAD and out.nbytes == 0
+    prefill.buffers.release("pushed")
+    results = pull_until_by_pipe(prefill, decode, {3: 0, 4: 1}, "left")
+    assert results[-1].transport == "gloo"
 
 
 def test_a_pipe_that_cannot_be_made_leaves_the_link_on_bytes(sides: list[Side]) -> None:
