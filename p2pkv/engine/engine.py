@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from p2pkv.config import ExtraConfig, Transport
 from p2pkv.engine.device import DeviceAccess, PipeMaker, RangeSource
 from p2pkv.engine.handshake import local_offer
+from p2pkv.engine.lanes import PullLanes
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import OfferState, OfferTable, Slicer, ViewSource
 from p2pkv.engine.puller import HeadSlice, Puller, PullJob, PullResult
@@ -82,7 +83,7 @@ class TransferEngine:
         self.offers = OfferTable()
         self._receiver: Receiver | None = None
         self._sender: Sender | None = None
-        self._puller: Puller | None = None
+        self._puller: PullLanes | None = None
         self._metrics_server: object | None = None
         self._metrics_thread: threading.Thread | None = None
         self._closed = False
@@ -122,7 +123,8 @@ class TransferEngine:
         require_shm = s.transport is Transport.SHM
         self._sender = Sender(self._connect, hello, self.metrics, require_shm)
         self._sender.start()
-        self._puller = Puller(self._connect, hello, self.metrics, require_shm, device, pipes, s.connect_timeout_s)
+        self._puller = PullLanes(lambda: Puller(self._connect, hello, self.metrics, require_shm, device, pipes,
+                                                s.connect_timeout_s))
         self._puller.start()
         if s.metrics_port:
             from prometheus_client import start_http_server

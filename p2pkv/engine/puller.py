@@ -97,7 +97,7 @@ class Puller:
         self._retired: list[PipeSlot] = []  # closed, maybe still setting up: joined at close()
         self._layout = hello.layout
         self._metrics = metrics
-        self._queue: queue.Queue[PullJob] = queue.Queue()
+        self._queue: queue.Queue[PullJob | None] = queue.Queue()  # None: wake up (to stop)
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)  # a pull finished
         self._results: dict[str, PullResult] = {}
@@ -135,6 +135,8 @@ class Puller:
             try:
                 job = self._queue.get(timeout=_POLL_S)
             except queue.Empty:
+                continue
+            if job is None:
                 continue
             started = time.monotonic()
             try:
@@ -343,6 +345,7 @@ class Puller:
 
     def close(self) -> None:
         self._stop.set()
+        self._queue.put(None)  # the thread stops now rather than at its next poll
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._links.close()

@@ -91,3 +91,29 @@ def test_a_restarted_peer_is_reconnected_for_the_next_pull(puller: TransferEngin
         assert np.array_equal(pull(puller, second.address, "after"), data)
     finally:
         second.close()
+
+
+def test_a_pull_waiting_on_one_peer_does_not_hold_up_pulls_from_another(transport: str) -> None:
+    """Peers get lanes in turn: a pull whose offer is not there yet (it retries until its deadline) waits in its
+    own lane, and a pull from another peer goes through at once. Served one pull at a time, the second would
+    wait out the first one's retries."""
+    slow, fast, puller = start(transport), start(transport), start(transport)
+    try:
+        slow_peer, fast_peer = Address.parse(slow.address), Address.parse(fast.address)
+        waiting = np.zeros((LAYERS, BLOCKS * BLOCK_BYTES), np.uint8)
+        puller.pull("late", slow_peer, 0, BLOCKS, lambda layer, first, count: (
+            waiting[layer][first * BLOCK_BYTES : (first + count) * BLOCK_BYTES].data,), time.monotonic() + 8)
+        time.sleep(0.1)  # the first pull is in its lane, retrying
+        data = offer(fast, "prompt", seed=7)
+        started = time.monotonic()
+        assert np.array_equal(pull(puller, fast.address, "prompt"), data)
+        assert time.monotonic() - started < 2.0
+        result = puller.pull_result("late")
+        assert result is not None and result.state is PullState.PENDING
+        late = offer(slow, "late", seed=8)  # offered now: the waiting pull finds it on its next try
+        done = puller.wait_pull("late", 5)
+        assert done is not None and done.state is PullState.DONE and np.array_equal(waiting, late)
+        assert puller._puller is not None and puller._puller.lane_of(slow_peer) != puller._puller.lane_of(fast_peer)
+    finally:
+        for engine in (puller, fast, slow):
+            engine.close()
