@@ -32,7 +32,8 @@ def tcp_staged() -> str:
 
 
 def cuda_ipc() -> str:
-    """Two processes on the one GPU: one offers, the other pulls by reference (CUDA IPC), every byte checked; the
+    """Two processes on the one GPU: one offers, the other pulls by reference (CUDA IPC), every byte checked; a push
+    between them is left for a pull (the receiver opens the sender's cache) and pulled, every byte checked; the
     copy out of the opened cache at least 80% of a device-to-device copy, 1 MiB to 1 GiB."""
     from p2pkv.bench import ipc_check
 

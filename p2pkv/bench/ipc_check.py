@@ -22,6 +22,8 @@ from p2pkv.config import ExtraConfig, Transport
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.device import RemoteCache
 from p2pkv.engine.puller import PullState
+from p2pkv.engine.sender import OutState
+from p2pkv.engine.store import PULL_INSTEAD, StageState
 from p2pkv.ipc import CacheAccess
 from p2pkv.params import Address
 from p2pkv.pipes import GlooPipes, NcclPipes
@@ -73,9 +75,28 @@ def offer_process(pipe: Connection, device: str, blocks: int, plan: list[tuple[s
         for tid, ids in plan:
             engine.offer(tid, len(ids), buffers.source(tid, ids), 600, buffers.ranges(tid, ids))
         pipe.send((engine.address, CacheAccess(kv).export()))
-        pipe.poll(600)
+        while pipe.poll(600):
+            ask = pipe.recv()
+            if ask == "stop":
+                break
+            pipe.send(_push_left(engine, buffers, *ask))
     finally:
         engine.close()
+
+
+def _push_left(engine: TransferEngine, buffers: TransferBuffers, peer: str, tid: str, ids: list[int]) -> str:
+    """Child: push a transfer as a PUT_ASYNC worker does; the peer, which can pull over a device path, should ask
+    for a pull instead; then offer the blocks, as the worker does. The outcome, for the parent to check."""
+    deadline = time.monotonic() + 120
+    for layer in range(buffers.kv.num_layers):
+        views, ready = buffers.push_views(tid, layer, ids)
+        engine.push_layer(tid, Address.parse(peer), layer, len(ids), views, deadline, ready)
+    out = engine.wait_outgoing(tid, 120)
+    if out is None or out.state is not OutState.REFUSED or out.reason != PULL_INSTEAD:
+        return f"the push ended {out.state.value if out else 'unknown'}: {out.reason if out else ''}"
+    buffers.release(tid)
+    engine.offer(tid, len(ids), buffers.source(tid, ids), 600, buffers.ranges(tid, ids))
+    return "left"
 
 
 @dataclass(frozen=True)
@@ -128,6 +149,7 @@ def run(device: str, sizes: Sequence[int], repeats: int = 3, pipes: bool = False
             raise AssertionError("pulled blocks differ from the sender's")
         how = "by pipe" if pipes else "by reference"
         summary = f"{CHECK_BLOCKS} scattered blocks pulled {how} over {result}, byte for byte, between two processes"
+        summary += "; " + _check_left(engine, parent, peer, cache, device)
         remote = None if pipes else CacheAccess(kv).open(export)
         rates = [_rate(engine, peer, remote, cache, device, size, repeats) for size in sizes]
         if remote is not None:
@@ -137,6 +159,27 @@ def run(device: str, sizes: Sequence[int], repeats: int = 3, pipes: bool = False
         engine.close()  # unmaps the child's cache before the child exits
         parent.send("stop")
         proc.join(60)
+
+
+def _check_left(engine: TransferEngine, parent: Connection, peer: Address, cache: torch.Tensor, device: str) -> str:
+    """The child pushes a transfer to this engine, which pulls over a device path: it must be left for a pull
+    (PullInstead), then pulled here straight into the cache, byte for byte."""
+    src = list(range(1, 17))
+    parent.send((engine.address, "left", src))
+    if not parent.poll(180):
+        raise RuntimeError("the offering process did not answer the push")
+    outcome = parent.recv()
+    if outcome != "left":
+        raise AssertionError(f"the push was not left for a pull: {outcome}")
+    state = engine.wait_staged("left", 30)
+    if state is not StageState.FAILED or engine.store.reason("left") != PULL_INSTEAD:
+        raise AssertionError(f"the receiving side saw {state}: {engine.store.reason('left')}")
+    dst = list(range(40, 56))
+    transport = _pull(engine, peer, "left", dst)
+    if not torch.equal(cache[torch.tensor(dst, device=device)], pattern(torch.tensor(src, device=device),
+                                                                         BLOCK_BYTES)):
+        raise AssertionError("blocks of a push left for a pull differ from the sender's")
+    return f"a push was left for a pull (PullInstead) and pulled over {transport}"
 
 
 def _warm_up(engine: TransferEngine, peer: Address, kv: DeviceKv) -> None:

@@ -168,6 +168,7 @@ def test_the_cuda_ipc_row_runs_between_two_processes_on_host_caches() -> None:
     standing in for CUDA IPC); every byte is checked, and the rates are measured."""
     summary, rates = ipc_check.run("cpu", [1 << 20, 4 << 20], repeats=2)
     assert "byte for byte" in summary and "host_ipc" in summary
+    assert "a push was left for a pull (PullInstead) and pulled over host_ipc" in summary
     assert [r.size for r in rates] == [1 << 20, 4 << 20]
     assert all(r.pull_gbps > 0 and r.copy_gbps > 0 and r.base_gbps > 0 for r in rates)
 

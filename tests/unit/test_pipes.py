@@ -267,6 +267,7 @@ def test_the_pipe_bench_runs_between_two_processes_on_host_caches() -> None:
     made; every byte of a scattered pull is checked, and the rates are measured."""
     summary, rates = ipc_check.run("cpu", [1 << 20, 4 << 20], repeats=2, pipes=True)
     assert "by pipe over gloo" in summary and "byte for byte" in summary
+    assert "a push was left for a pull (PullInstead) and pulled over gloo" in summary
     assert [r.size for r in rates] == [1 << 20, 4 << 20]
     assert all(r.pull_gbps > 0 and r.base_gbps > 0 for r in rates)
 
