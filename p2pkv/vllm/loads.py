@@ -71,12 +71,15 @@ class Loads:
         return bool(self._loads)
 
     def start(self, specs: list[LoadSpec]) -> None:
-        """This step's new loads: pulls start now; pushes are awaited."""
+        """This step's new loads: pulls start now, and so do those of pushes already known to be left for a pull
+        or refused; other pushes are awaited."""
         deadline = time.monotonic() + self._config.extra.transfer_timeout_s
         for spec in specs:
             load = self._loads[spec.req_id] = _Load(spec, deadline)
             if spec.pull_from is not None and spec.block_ids:
                 self._start_pull(load, spec.pull_from)
+            elif self._engine.staged_state(spec.transfer_id) is StageState.FAILED:
+                self._fall_back_to_pull(load)  # a step sooner than finished() would
 
     def _start_pull(self, load: _Load, peer: Address) -> None:
         """Pull the load's KV from `peer`. One that cannot even start (heads or layers that cannot be split, say)

@@ -14,8 +14,9 @@ pytest.importorskip("vllm", reason="the worker side's metadata is vLLM's connect
 
 from p2pkv.cli.cluster import free_ports
 from p2pkv.config import parse_connector_config
-from p2pkv.engine.store import HEADS_DIFFER
+from p2pkv.engine.store import HEADS_DIFFER, PULL_INSTEAD, StageState
 from p2pkv.params import Address
+from p2pkv.staging import STAGE_ENV
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
 from p2pkv.vllm.worker import WorkerSide
 
@@ -207,3 +208,38 @@ def test_a_fallback_pull_that_cannot_be_planned_fails_the_load_not_the_step(side
     assert decode.take_load_errors() == {1, 2}
     assert decode.get_finished(set()) == (None, {"d-req"})
     assert decode.engine.pull_result("tid7@0") is None  # nothing was submitted
+
+
+def test_a_push_left_for_a_pull_is_pulled_cache_to_cache_from_the_load_start(sides: list[WorkerSide],
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Caches handled as GPU caches are (`P2PKV_STAGE_KV`): the decode worker can open the prefill worker's export,
+    so a PUT_ASYNC save is left for a pull (PullInstead). The load starts its pull as it is bound, by reference,
+    straight into the blocks; once the link is up, the prefill worker copies nothing to the host for the next."""
+    monkeypatch.setenv(STAGE_ENV, "1")
+    p_port, d_port = free_ports(2, run=2)
+    p_kv, d_kv = caches(HEADS, 11, layers=MODEL_LAYERS), caches(HEADS, 12, layers=MODEL_LAYERS)
+    prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, pp_size=1)
+    decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, pp_size=1)
+    sides += [prefill, decode]
+    to_host = 'p2pkv_device_copy_bytes_total'
+    for round_, (src, dst) in enumerate((((3, 0), (1, 2)), ((4, 1), (0, 3)))):
+        tid, copied = f"left{round_}", prefill.engine.metrics.registry.get_sample_value(
+            to_host, {"direction": "to_host"})
+        prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", tid, Address("127.0.0.1", d_port), src)]))
+        prefill.wait_for_save()
+        assert decode.engine.wait_staged(tid, 10) is StageState.FAILED
+        assert decode.engine.store.reason(tid) == PULL_INSTEAD
+        prefill.get_finished(set())  # the push ended refused: the prefill worker offers the blocks
+        decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", tid, 0, dst, fallback_from=Address("127.0.0.1", p_port))]))
+        assert decode.engine.pull_result(tid) is not None, "the pull started with the load, not a step later"
+        settle(decode, "d-req", sending=False)
+        assert decode.take_load_errors() == set()
+        settle(prefill, "p-req", sending=True)
+        for name in p_kv:
+            assert torch.equal(d_kv[name][list(dst)], p_kv[name][list(src)])
+        if round_:  # the first round copied its layers before the link was up; this one copies none
+            assert copied
+            assert prefill.engine.metrics.registry.get_sample_value(to_host, {"direction": "to_host"}) == copied
+    received = decode.engine.metrics.registry.get_sample_value("p2pkv_bytes_received_total",
+                                                               {"transport": "host_ipc"})
+    assert received == 2 * 2 * MODEL_LAYERS * p_kv["model.layers.0.self_attn.attn"][0].nbytes
