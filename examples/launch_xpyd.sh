@@ -11,8 +11,8 @@
 # On vLLM's CPU build also export VLLM_CPU_KVCACHE_SPACE (GiB of KV per instance, e.g. 1) and
 # ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 (see the README); CUDA_VISIBLE_DEVICES is then ignored.
 # For hosts of their own, run one instance per host with the same command and point proxy_ip at the proxy's host;
-# with GPUs there, install CuPy (pip install cupy-cuda12x, or cupy-cuda13x) so that GET pulls go through NCCL, and
-# add "send_type":"GET" to kv_connector_extra_config (pushes go through host memory).
+# with GPUs there, install CuPy (pip install cupy-cuda12x, or cupy-cuda13x) so that pulls go through NCCL: the decode
+# side then asks for pulls instead of pushes (pull_over_device, on by default), and PUT_ASYNC transfers go GPU to GPU.
 # This script gives each instance one GPU. Instances of several ranks (--tensor-parallel-size T,
 # --pipeline-parallel-size S, sizes may differ between prefill and decode) need T*S GPUs each and bind kv_port + r
 # for each of their ranks r: give them their GPUs in CUDA_VISIBLE_DEVICES and keep BASE_KV's spacing of 100.
@@ -35,8 +35,9 @@ for ((i = 0; i < P + D; i++)); do
   config=$(printf '{"kv_connector":"P2pNcclConnector","kv_connector_module_path":"p2pkv.vllm","kv_role":"%s",'\
 '"kv_port":%d,"kv_load_failure_policy":"recompute","kv_connector_extra_config":{"kv_host":"%s",'\
 '"proxy_ip":"%s","proxy_port":%d,"http_port":%d}}' "$role" "$kv" "$HOST" "$HOST" "$DISCOVERY_PORT" "$http")
-  # This instance's GPU first (vLLM uses the first one it sees), then the others: GET pulls between instances can
-  # then open each other's KV cache with CUDA IPC (cuda_ipc), which needs the peer's GPU to be visible.
+  # This instance's GPU first (vLLM uses the first one it sees), then the others: pulls between instances (GET, and
+  # PUT_ASYNC transfers left for pulls) can then open each other's KV cache with CUDA IPC (cuda_ipc), which needs the
+  # peer's GPU to be visible.
   gpus=$((FIRST_GPU + i))
   for ((j = 0; j < P + D; j++)); do ((j != i)) && gpus="$gpus,$((FIRST_GPU + j))"; done
   # shellcheck disable=SC2086  # EXTRA_ARGS is a list of arguments

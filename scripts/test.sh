@@ -10,4 +10,4 @@ echo "[test] ruff"
 echo "[test] mypy --strict p2pkv"
 "$VENV/bin/mypy" p2pkv
 echo "[test] pytest"
-exec "$VENV/bin/pytest" -q -ra "$@"
+exec "$VENV/bin/pytest" -q -ra --durations=15 "$@"
