@@ -263,7 +263,10 @@ class TcpListener:
         self._closed = False
 
     def accept(self, timeout: float) -> TcpConnection | None:
-        ready, _, _ = select.select([self._sock], [], [], timeout)
+        try:
+            ready, _, _ = select.select([self._sock], [], [], timeout)
+        except (OSError, ValueError):  # closed meanwhile (by close(), from another thread)
+            return None
         if not ready:
             return None
         try:
@@ -276,5 +279,9 @@ class TcpListener:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread waiting in accept() at once (Linux)
+            except OSError:
+                pass
             self._sock.close()
 
