@@ -257,3 +257,19 @@ def test_layers_prepared_without_bytes_are_left_for_a_pull_even_on_a_link_that_p
     prefill, decode = make_side(True), make_side(False, pull_over_device=False)
     _push(prefill, decode, "unprepared-1", [1, 2], prepared=False)
     _left_for_a_pull(prefill, decode, "unprepared-1")
+
+
+def test_a_transfer_begun_as_a_push_then_prepared_without_bytes_fails_rather_than_go_short(
+        make_side: MakeSide) -> None:
+    """Layer 0 went out as a push; layer 1 comes without bytes (the worker saw a link asking for pulls, after a
+    reconnect, say): the transfer cannot be completed either way, so it fails and the receiver is told."""
+    prefill, decode = make_side(True), make_side(False, pull_over_device=False)
+    deadline = time.monotonic() + 10
+    views, ready = prefill.buffers.push_views("short", 0, [1, 2])
+    prefill.engine.push_layer("short", decode.address, 0, 2, views, deadline, ready)
+    assert prefill.engine.wait_sent(deadline)
+    prefill.engine.push_layer("short", decode.address, 1, 2, (), deadline, None, True)
+    out = prefill.engine.wait_outgoing("short", 10)
+    assert out is not None and out.state is OutState.FAILED and "link changed" in out.reason
+    assert decode.engine.wait_staged("short", 10) is StageState.FAILED
+    assert "sender aborted" in decode.engine.store.reason("short")
