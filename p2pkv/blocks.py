@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from p2pkv.device_copy import Ready
-from p2pkv.engine.device import RangeSource
+from p2pkv.engine.device import RangeSource, Run
 from p2pkv.engine.offers import ViewSource
 from p2pkv.layout import KvBlocks
 from p2pkv.protocol import LayoutDigest
@@ -33,6 +33,10 @@ class BlockAccess(Protocol):
 
     def device_blocks(self, block_ids: Sequence[int]) -> tuple[int, ...] | None:
         """The blocks a pull by reference may copy into; None where pulls carry bytes only."""
+
+    def runs(self, block_ids: Sequence[int]) -> list[list[Run]] | None:
+        """Per layer, where these blocks (of the heads this access holds) lie in the cache's storages, for a pull
+        by reference of a slice to copy into; None where pulls carry bytes only."""
 
     def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:
         """Pushed bytes (payload order) into the blocks; returns once they are there."""
@@ -76,6 +80,9 @@ class InPlaceBlocks:
         return self._views(block_ids)
 
     def device_blocks(self, block_ids: Sequence[int]) -> tuple[int, ...] | None:
+        return None
+
+    def runs(self, block_ids: Sequence[int]) -> list[list[Run]] | None:
         return None
 
     def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:

@@ -27,10 +27,23 @@ from p2pkv.transport import cma
 log = logging.getLogger(__name__)
 
 
-def _check_bounds(ranges: Sequence[Run], size: int) -> None:
+def _check_bounds(ranges: Sequence[Run], size: int, whose: str = "the peer's exported") -> None:
     for offset, n in ranges:
         if offset < 0 or n < 0 or offset + n > size:
-            raise P2pkvError(f"range {offset}+{n} lies outside the peer's exported storage of {size} bytes")
+            raise P2pkvError(f"range {offset}+{n} lies outside {whose} storage of {size} bytes")
+
+
+def _check_layers(theirs: int, their_count: int, ours: int, our_count: int) -> None:
+    """A peer holding other layers (another pipeline-parallel size) exports another number of them: each copy
+    names its layer on both sides, and both must exist."""
+    if not (0 <= theirs < their_count and 0 <= ours < our_count):
+        raise P2pkvError(f"layer {theirs} of the peer's {their_count} into layer {ours} of our {our_count}")
+
+
+def _whole(kv: DeviceKv, remote: Sequence[Sequence[Run]], block_ids: Sequence[int]
+           ) -> list[tuple[int, int, Sequence[Run], Sequence[Run]]]:
+    """Whole blocks: layer i of the peer's ranges into our blocks `block_ids` of layer i."""
+    return [(layer, layer, ranges, kv.geometry[layer].ranges(block_ids)) for layer, ranges in enumerate(remote)]
 
 
 def _visible_gpus() -> dict[str, int]:
@@ -57,13 +70,18 @@ class _CudaRemote:
             raise P2pkvError(f"CUDA IPC open failed: {exc}") from None
 
     def copy_into(self, remote: Sequence[Sequence[Run]], block_ids: Sequence[int], deadline: float) -> int:
+        return self.copy_runs(_whole(self._kv, remote, block_ids), deadline)
+
+    def copy_runs(self, pairs: Sequence[tuple[int, int, Sequence[Run], Sequence[Run]]], deadline: float) -> int:
         markers, total = [], 0
-        for layer, ranges in enumerate(remote):
-            src = self._storages[layer]
+        for theirs, ours, ranges, runs in pairs:
+            _check_layers(theirs, len(self._storages), ours, self._kv.num_layers)
+            src = self._storages[theirs]
             _check_bounds(ranges, src.numel())
-            pairs = pair_ranges(ranges, self._kv.geometry[layer].ranges(block_ids))
-            markers.append(self._kv.copy_pairs(layer, src, pairs))
-            total += sum(n for _, _, n in pairs)
+            _check_bounds(runs, self._kv.storages[ours].numel(), "our")
+            cut = pair_ranges(ranges, runs)
+            markers.append(self._kv.copy_pairs(ours, src, cut))
+            total += sum(n for _, _, n in cut)
         # On a miss the load is reported failed and vLLM may reuse these blocks: settle lets the copies finish first.
         if not settle(markers, deadline, self._kv.copy_timeout_s):
             raise TransferTimeout("copying from the peer's GPU missed the deadline")
@@ -92,12 +110,17 @@ class _HostRemote:
             cma.read_remote(self._pid, memoryview(probe), [(self._spans[0][0], 1)])  # TransferError if unreadable
 
     def copy_into(self, remote: Sequence[Sequence[Run]], block_ids: Sequence[int], deadline: float) -> int:
+        return self.copy_runs(_whole(self._kv, remote, block_ids), deadline)
+
+    def copy_runs(self, pairs: Sequence[tuple[int, int, Sequence[Run], Sequence[Run]]], deadline: float) -> int:
         total = 0
-        for layer, ranges in enumerate(remote):
-            base, size = self._spans[layer]
+        for theirs, ours, ranges, runs in pairs:
+            _check_layers(theirs, len(self._spans), ours, len(self._local))
+            base, size = self._spans[theirs]
             _check_bounds(ranges, size)
-            local = self._local[layer]
-            views = [local[a : a + n] for a, n in self._kv.geometry[layer].ranges(block_ids)]
+            local = self._local[ours]
+            _check_bounds(runs, local.nbytes, "our")
+            views = [local[a : a + n] for a, n in runs]
             cma.read_remote_scattered(self._pid, views, [(base + a, n) for a, n in ranges])
             total += sum(n for _, n in ranges)
             if time.monotonic() > deadline:
@@ -135,8 +158,8 @@ class CacheAccess:
             raise P2pkvError(f"the peer exports a {export.kind} cache, this worker's is {self.kind}")
         if export.boot_id != cma.boot_id():
             raise P2pkvError("the peer is on another host")
-        if len(export.handles) != self.kv.num_layers:
-            raise P2pkvError(f"the peer exports {len(export.handles)} layers, this worker has {self.kv.num_layers}")
+        if not export.handles:
+            raise P2pkvError("the peer exports no layers")
         if self.kind == "cuda":
             return _CudaRemote(self.kv, export)
         try:

@@ -1,7 +1,8 @@
 """Some heads of some layers of every block: what moves between instances of different tensor- or
 pipeline-parallel sizes. Each (heads, layers) pair is a `BlockAccess` of its own, over views of the same cache
 (`p2pkv.layout.head_slice`), made on first use and kept; a cache in host memory is read and written in place, a
-GPU's through host buffers (`p2pkv.staging`)."""
+GPU's through host buffers (`p2pkv.staging`), or, pulled by reference, by the byte runs of the slice in the cache's
+storages (`BlockAccess.runs`, `ranges`)."""
 
 from __future__ import annotations
 

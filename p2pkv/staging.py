@@ -218,6 +218,9 @@ class TransferBuffers:
     def digest(self) -> LayoutDigest:
         return self.kv.digest
 
+    def runs(self, block_ids: Sequence[int]) -> list[list[tuple[int, int]]] | None:
+        return [geometry.ranges(block_ids) for geometry in self.kv.geometry]
+
     def device_blocks(self, block_ids: Sequence[int]) -> tuple[int, ...] | None:
         return tuple(block_ids)
 

@@ -26,6 +26,10 @@ class RemoteCache(Protocol):
         """Copy layer i's `remote[i]` ranges into this worker's blocks `block_ids` of layer i; return the bytes
         copied once they are in place. P2pkvError if that fails or misses the deadline."""
 
+    def copy_runs(self, pairs: Sequence[tuple[int, int, Sequence[Run], Sequence[Run]]], deadline: float) -> int:
+        """Per (their layer, our layer, their ranges, our runs): copy the bytes of those ranges of the peer's
+        storage into those runs of ours, in order (some heads of some layers: a pull by slices). As `copy_into`."""
+
     def close(self) -> None:
         """Idempotent."""
 

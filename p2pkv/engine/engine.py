@@ -14,7 +14,7 @@ from p2pkv.engine.device import DeviceAccess, PipeMaker, RangeSource
 from p2pkv.engine.handshake import local_offer
 from p2pkv.engine.lanes import PullLanes
 from p2pkv.engine.metrics import EngineMetrics
-from p2pkv.engine.offers import OfferState, OfferTable, Slicer, ViewSource
+from p2pkv.engine.offers import OfferState, OfferTable, Slicer, SliceRanges, ViewSource
 from p2pkv.engine.puller import HeadSlice, Puller, PullJob, PullResult
 from p2pkv.engine.receiver import Receiver
 from p2pkv.engine.sender import Outgoing, PushJob, Sender
@@ -186,11 +186,13 @@ class TransferEngine:
 
     # GET mode.
     def offer(self, transfer_id: str, total_blocks: int, source: ViewSource, lease_s: float,
-              ranges: RangeSource | None = None, slicer: Slicer | None = None) -> None:
+              ranges: RangeSource | None = None, slicer: Slicer | None = None,
+              slice_ranges: SliceRanges | None = None) -> None:
         """Hold blocks for a decode engine to pull, until it does or the lease runs out; `ranges`: where they lie
         in the exported cache, for a puller that copies them itself (cuda_ipc); `slicer`: some heads of them, for
-        decode ranks of another tensor-parallel size (each pulls its heads; served once all have)."""
-        self.offers.offer(transfer_id, total_blocks, source, lease_s, ranges, slicer)
+        decode ranks of another tensor-parallel size (each pulls its heads; served once all have); `slice_ranges`:
+        where such slices lie in the exported cache, for pulls of them by reference."""
+        self.offers.offer(transfer_id, total_blocks, source, lease_s, ranges, slicer, slice_ranges)
 
     def offer_state(self, transfer_id: str) -> OfferState | None:
         return self.offers.poll(transfer_id)

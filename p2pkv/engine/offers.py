@@ -18,6 +18,8 @@ ViewSource = Callable[[int, int, int], tuple[memoryview, ...]]
 # (heads (first, end), layers (first, end) of the model or None for all held) -> a ViewSource over only those
 # heads of those layers, numbered from 0 (another tensor- or pipeline-parallel size pulls).
 Slicer = Callable[[tuple[int, int], tuple[int, int] | None], ViewSource]
+# The same slice's blocks as ranges of the exported cache, for a pull by reference of a slice (None: not exported).
+SliceRanges = Callable[[tuple[int, int], tuple[int, int] | None], RangeSource | None]
 UNKNOWN_TRANSFER = "unknown transfer"
 _MAX_PULLERS = 4096
 
@@ -38,6 +40,7 @@ class Offer:
     state: OfferState = OfferState.OFFERED
     ranges: RangeSource | None = None  # where the blocks lie in the exported cache, for pulls by reference
     slicer: Slicer | None = None  # for pulls of some heads only
+    slice_ranges: SliceRanges | None = None  # and by reference
     pullers: int = 0  # pulls expected, as the first pull says (one per decode rank that needs these blocks)
     claimed: set[int] = field(default_factory=set)  # decode ranks that have pulled or are pulling
     in_flight: int = 0
@@ -54,10 +57,11 @@ class OfferTable:
         self._offers: dict[str, Offer] = {}
 
     def offer(self, transfer_id: str, total_blocks: int, source: ViewSource, lease_s: float,
-              ranges: RangeSource | None = None, slicer: Slicer | None = None) -> None:
+              ranges: RangeSource | None = None, slicer: Slicer | None = None,
+              slice_ranges: SliceRanges | None = None) -> None:
         with self._lock:
             self._offers[transfer_id] = Offer(transfer_id, total_blocks, source, time.monotonic() + lease_s,
-                                              ranges=ranges, slicer=slicer)
+                                              ranges=ranges, slicer=slicer, slice_ranges=slice_ranges)
 
     def claim(self, transfer_id: str, first_block: int, num_blocks: int, pullers: int = 1,
               puller: int = 0) -> Offer | str:

@@ -49,6 +49,11 @@ class HeadSlice:
     puller: int
     key: str
     layers: tuple[int, int] | None = None
+    # For a pull by reference (the peer's cache opens here): per layer of the slice, where its heads of the
+    # pulled blocks lie in our storages, and the slice's first layer in our numbering and in the peer's.
+    runs: list[list[Run]] | None = None
+    our_layer: int = 0
+    their_layer: int = 0
 
     @property
     def release_only(self) -> bool:
@@ -232,16 +237,18 @@ class Puller:
         if time.monotonic() >= job.deadline:
             raise TransferError("deadline passed before the pull started")
         by_reference, pipe_runs = False, []
-        if job.part is None and job.device_blocks is not None and (self._device is not None
-                                                                   or self._maker is not None):
+        part = job.part
+        if part is None and job.device_blocks is not None and (self._device is not None
+                                                               or self._maker is not None):
             conn = self._links.open(job.peer, job.deadline)
             by_reference = self._device is not None and self._remote(job.peer, conn) is not None
             if not by_reference and self._maker is not None and self._pipe(job.peer, conn, job.deadline):
                 pipe_runs = self._local_runs(job.device_blocks)
-        part = job.part
+        elif part is not None and part.runs is not None and self._device is not None:
+            by_reference = self._remote(job.peer, self._links.open(job.peer, job.deadline)) is not None
         request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, by_reference, pipe_runs)
         if part is not None:
-            request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, heads=part.heads,
+            request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, by_reference, heads=part.heads,
                                   pullers=part.pullers, puller=part.puller, layers=part.layers)
         conn = self._links.send(job.peer, [(request, ())], job.deadline)
         try:
@@ -284,14 +291,21 @@ class Puller:
         assert self._maker is not None
         return [self._maker.runs(layer, block_ids) for layer in range(self._layout.num_layers)]
 
+    def _layers(self, job: PullJob) -> int:
+        """How many layers a pull moves: every layer held here, or those of its slice."""
+        part = job.part
+        return self._layout.num_layers if part is None or part.layers is None else part.layers[1] - part.layers[0]
+
     def _ranges(self, conn: Connection, job: PullJob) -> list[list[Run]]:
         """The peer's BlockRanges frame: where the pulled blocks lie in its cache, checked against the pull."""
         message, payload_len = self._next(conn, job.deadline)
-        per_layer = job.num_blocks * self._layout.block_bytes
+        part = job.part
+        per_layer = job.num_blocks * (self._layout.block_bytes if part is None else part.block_bytes)
+        local = (job.device_blocks is not None and len(job.device_blocks) == job.num_blocks if part is None
+                 else part.runs is not None and len(part.runs) == self._layers(job))
         if (not isinstance(message, BlockRanges) or message.transfer_id != job.transfer_id or payload_len
-                or len(message.layers) != self._layout.num_layers
-                or any(sum(n for _, n in layer) != per_layer for layer in message.layers)
-                or job.device_blocks is None or len(job.device_blocks) != job.num_blocks):
+                or len(message.layers) != self._layers(job)
+                or any(sum(n for _, n in layer) != per_layer for layer in message.layers) or not local):
             raise ProtocolError(f"unexpected frame for a pull by reference or pipe: {type(message).__name__}")
         return message.layers
 
@@ -302,7 +316,7 @@ class Puller:
         try:
             move, transport = self._pipe_mover(conn, job, runs) if by_pipe else self._copy_mover(conn, job, asked)
             nbytes = move(self._ranges(conn, job))
-            conn.send_frame(PayloadCopied(job.transfer_id, 0, self._layout.num_layers), (), job.deadline)
+            conn.send_frame(PayloadCopied(job.transfer_id, 0, self._layers(job)), (), job.deadline)
         except BaseException:
             self._drop(job.peer)
             raise
@@ -311,9 +325,18 @@ class Puller:
 
     def _copy_mover(self, conn: Connection, job: PullJob, asked: bool) -> tuple[Callable[[list[list[Run]]], int], str]:
         remote = self._remote(job.peer, conn)  # the link the request went over (a reconnect opens anew)
-        blocks = job.device_blocks
-        if not asked or remote is None or blocks is None:
+        blocks, part = job.device_blocks, job.part
+        if not asked or remote is None or (blocks is None and (part is None or part.runs is None)):
             raise ProtocolError("a pull answered by reference that was not asked for")
+        if part is not None and part.runs is not None:
+            runs = part.runs
+
+            def copy_slice(theirs: list[list[Run]]) -> int:
+                pairs = [(part.their_layer + i, part.our_layer + i, ranges, runs[i]) for i, ranges in enumerate(theirs)]
+                return remote.copy_runs(pairs, job.deadline)
+
+            return copy_slice, remote.transport
+        assert blocks is not None
         return (lambda theirs: remote.copy_into(theirs, blocks, job.deadline)), remote.transport
 
     def _pipe_mover(self, conn: Connection, job: PullJob,

@@ -230,12 +230,13 @@ class Receiver:
                     log.warning("transfer %s: refusing a pull from %s: %s", pull.transfer_id, conn.peer, reason)
                 conn.send_frame(PullReply(pull.transfer_id, not reason, reason), (), deadline)
                 return
+            ranges = claim.ranges if pull.heads is None else self._slice_ranges(pull, claim)
+            if pull.by_reference and ranges is not None and self._device is not None:
+                nbytes = self._serve_by_reference(conn, pull, ranges, deadline)
+                transport = "cuda_ipc" if self._device.kind == "cuda" else "host_ipc"
+                return
             if pull.heads is not None:
                 nbytes = self._send_blocks(conn, pull, source, deadline)
-                return
-            if pull.by_reference and claim.ranges is not None and self._device is not None:
-                nbytes = self._serve_by_reference(conn, pull, claim.ranges, deadline)
-                transport = "cuda_ipc" if self._device is not None and self._device.kind == "cuda" else "host_ipc"
                 return
             if pull.pipe_runs and pipe is not None and claim.ranges is not None:
                 nbytes, transport = self._serve_by_pipe(conn, pull, claim.ranges, pipe, deadline), pipe.transport
@@ -262,12 +263,25 @@ class Receiver:
             self._await_copies(conn, pull.transfer_id, deadline, num_layers)
         return sum(v.nbytes for v in views)
 
+    @staticmethod
+    def _slice_ranges(pull: PullRequest, claim: Offer) -> RangeSource | None:
+        """Where the heads and layers a pull asked for lie in our exported cache; None where they cannot be
+        given (then the bytes are sent)."""
+        if claim.slice_ranges is None or pull.heads is None:
+            return None
+        try:
+            return claim.slice_ranges(pull.heads, pull.layers)
+        except P2pkvError:
+            return None
+
     def _serve_by_reference(self, conn: Connection, pull: PullRequest, ranges: RangeSource, deadline: float) -> int:
-        """cuda_ipc: say where the blocks lie in our exported cache; the puller copies them and confirms."""
-        layers = [ranges(layer, pull.first_block, pull.num_blocks) for layer in range(self._layout.num_layers)]
+        """cuda_ipc: say where the blocks (or the heads and layers asked for) lie in our exported cache; the puller
+        copies them and confirms."""
+        num_layers = self._layout.num_layers if pull.layers is None else pull.layers[1] - pull.layers[0]
+        layers = [ranges(layer, pull.first_block, pull.num_blocks) for layer in range(num_layers)]
         conn.send_frames([(PullReply(pull.transfer_id, True, by_reference=True), ()),
                           (BlockRanges(pull.transfer_id, layers), ())], deadline)
-        self._await_copies(conn, pull.transfer_id, deadline)
+        self._await_copies(conn, pull.transfer_id, deadline, num_layers)
         return sum(n for layer in layers for _, n in layer)
 
     def _serve_by_pipe(self, conn: Connection, pull: PullRequest, ranges: RangeSource, pipe: Pipe,

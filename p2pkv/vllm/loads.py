@@ -117,11 +117,12 @@ class Loads:
                           self._blocks.sink(spec.transfer_id, spec.block_ids), load.deadline,
                           self._blocks.device_blocks(spec.block_ids))
 
-    def _stages(self, prefill_pp: int) -> list[StagePart]:
-        """The prefill stages this stage pulls its layers from."""
+    def _stages(self, prefill_pp: int) -> list[tuple[StagePart, int]]:
+        """The prefill stages this stage pulls its layers from, each with the model's index of the first layer that
+        stage holds."""
         at = self._at
         if prefill_pp == at.pp_size:
-            return [StagePart(at.pp_rank, (at.layers.start, at.layers.stop), 1)]
+            return [(StagePart(at.pp_rank, (at.layers.start, at.layers.stop), 1), at.layers.start)]
         if at.stage_layers is None or not at.total_layers:
             raise ConfigError(f"the prefill instance runs pipeline-parallel size {prefill_pp}, this one "
                               f"{at.pp_size}, and this model's layers cannot be matched across stages")
@@ -129,7 +130,9 @@ class Loads:
         if decode[at.pp_rank] != at.layers:
             raise ConfigError(f"this stage holds layers {at.layers.start}..{at.layers.stop}, not the "
                               f"{decode[at.pp_rank].start}..{decode[at.pp_rank].stop} of vLLM's split")
-        return plan_stages(at.pp_rank, decode, stage_split(at.stage_layers, prefill_pp), at.total_layers)
+        prefill = stage_split(at.stage_layers, prefill_pp)
+        return [(part, prefill[part.prefill_stage].start)
+                for part in plan_stages(at.pp_rank, decode, prefill, at.total_layers)]
 
     def _pull_parts(self, load: _Load, peer: Address) -> None:
         """From a prefill instance of another tensor- or pipeline-parallel size: this rank's heads of this stage's
@@ -138,7 +141,7 @@ class Loads:
         prefill_tp = spec.prefill_tp or self._at.tp_size
         jobs = []
         try:
-            for stage in self._stages(spec.prefill_pp or self._at.pp_size):
+            for stage, prefill_first in self._stages(spec.prefill_pp or self._at.pp_size):
                 local = (stage.layers[0] - self._at.layers.start, stage.layers[1] - self._at.layers.start)
                 for part in plan_pulls(self._at.rank, self._at.tp_size, prefill_tp, self._at.total_heads):
                     # Prefill stage s's ranks follow its earlier stages' ranks.
@@ -147,8 +150,10 @@ class Loads:
                     access = None if part.release_only else self._slices.get(part.decode_heads, local)
                     block_bytes = access.digest.block_bytes if access is not None else 0
                     sink = access.sink(key, spec.block_ids) if access is not None else _no_sink
+                    runs = access.runs(spec.block_ids) if access is not None else None
                     jobs.append((slot, sink, HeadSlice(part.prefill_heads, block_bytes, part.pullers * stage.pullers,
-                                                       self._at.slot, key, stage.layers), access))
+                                                       self._at.slot, key, stage.layers, runs, local[0],
+                                                       stage.layers[0] - prefill_first), access))
         except P2pkvError:
             for _, _, head_slice, access in jobs:
                 if access is not None:
@@ -212,9 +217,9 @@ class Loads:
                        if r is None or r.state is not PullState.DONE), None)
         try:
             if failed is None:
-                for key, access in load.parts:
-                    if access is not None:
-                        access.land(key)
+                for (key, access), result in zip(load.parts, results, strict=True):
+                    if access is not None and result is not None and not result.by_reference:
+                        access.land(key)  # a part copied by reference went straight into the blocks
                 self._loaded(spec, sum(r.nbytes for r in results if r is not None))
         except P2pkvError as exc:
             failed = str(exc)

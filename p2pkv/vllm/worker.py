@@ -15,7 +15,7 @@ import msgspec
 from p2pkv.blocks import BlockAccess, InPlaceBlocks
 from p2pkv.config import ConnectorConfig
 from p2pkv.engine import EngineSettings, TransferEngine
-from p2pkv.engine.offers import OfferState, ViewSource
+from p2pkv.engine.offers import OfferState
 from p2pkv.engine.sender import OutState
 from p2pkv.errors import IncompatiblePeerError
 from p2pkv.ipc import CacheAccess
@@ -144,18 +144,18 @@ class WorkerSide:
         hold which heads of which layers, for decode ranks of another tensor- or pipeline-parallel size)."""
         tid, ids = spec.transfer_id, spec.block_ids
 
-        def heads(wanted: tuple[int, int], layers: tuple[int, int] | None) -> ViewSource:
+        def piece(wanted: tuple[int, int], layers: tuple[int, int] | None) -> BlockAccess:
             if layers is None:
-                return self._slices.get(wanted).source(tid, ids)
+                return self._slices.get(wanted)
             held = self._at.layers
             if not held.start <= layers[0] < layers[1] <= held.stop:
                 raise IncompatiblePeerError(f"layers {layers[0]}..{layers[1]} asked for; this stage holds "
                                             f"{held.start}..{held.stop}")
-            local = (layers[0] - held.start, layers[1] - held.start)
-            return self._slices.get(wanted, local).source(tid, ids)
+            return self._slices.get(wanted, (layers[0] - held.start, layers[1] - held.start))
 
         self.engine.offer(tid, len(ids), self.blocks.source(tid, ids), self._config.extra.lease_s,
-                          self.blocks.ranges(tid, ids), heads)
+                          self.blocks.ranges(tid, ids), lambda wanted, layers: piece(wanted, layers).source(tid, ids),
+                          lambda wanted, layers: piece(wanted, layers).ranges(tid, ids))
 
     def _push(self, spec: SaveSpec, layer: int) -> None:
         if spec.peer is None:

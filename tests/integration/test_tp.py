@@ -1,8 +1,9 @@
 """Prefill and decode of different tensor-parallel sizes, on real vLLM through the proxy (`p2pkv up --prefill-tp
 --decode-tp`): each decode rank pulls its KV heads from the prefill ranks that hold them. Decode TP 1 from prefill
-TP 2 (one rank gathers from two) with the GPU path's host buffers (`P2PKV_STAGE_KV=1`). Output equals a colocated
-instance. Two decode ranks splitting one prefill rank's heads (decode TP 2) run in `test_pp`, with other
-pipeline-parallel sizes too, so that CI starts one cluster fewer."""
+TP 2 (one rank gathers from two) with the GPU path's logic (`P2PKV_STAGE_KV=1`): the decode rank copies each prefill
+rank's heads from that rank's exported cache into its own (by reference: host_ipc, cuda_ipc's CPU stand-in). Output
+equals a colocated instance. Two decode ranks splitting one prefill rank's heads (decode TP 2) run in `test_pp`,
+with other pipeline-parallel sizes too, so that CI starts one cluster fewer."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.integration.test_disagg import MAX_TOKENS, greedy, ids_and_logprobs, 
 from tests.integration.test_staged import served_like_colocated
 
 pytestmark = pytest.mark.vllm
-SHM = '{transport="shm"}'
+BY_REFERENCE = '{transport="host_ipc"}'
 
 
 @pytest.fixture(scope="module", params=[(2, 1)], ids=["p2d1-staged"])
@@ -42,15 +43,15 @@ def _total(instance: dict[str, Any], series: str) -> float:
 def test_each_rank_pulls_its_heads_and_output_matches_colocated(tp_cluster: dict[str, Any]) -> None:
     prefill, decode = instance_of(tp_cluster, "kv_producer"), instance_of(tp_cluster, "kv_consumer")
     assert prefill["tp_size"] != decode["tp_size"]
-    series = [(decode, "p2pkv_bytes_loaded_total"), (decode, "p2pkv_bytes_received_total" + SHM),
-              (prefill, "p2pkv_bytes_sent_total" + SHM),
+    series = [(decode, "p2pkv_bytes_loaded_total"), (decode, "p2pkv_bytes_received_total" + BY_REFERENCE),
+              (prefill, "p2pkv_bytes_sent_total" + BY_REFERENCE),
               (decode, 'p2pkv_transfers_total{direction="pull",outcome="ok"}')]
     before = [_total(instance, name) for instance, name in series]
     expected = sum(served_like_colocated(tp_cluster, f"tp{i}", length)
                    for i, length in enumerate([60, 129, 300, 700]))
     loaded, received, sent, pulls = (_total(instance, name) - b for (instance, name), b in zip(series, before,
                                                                                               strict=True))
-    # Every head of every block went once: the ranks' loads add up to the whole KV of the prompts.
+    # Every head of every block went once, cache to cache: the ranks' loads add up to the whole KV of the prompts.
     assert loaded == received == sent == expected
     assert pulls == 4 * max(prefill["tp_size"], decode["tp_size"])  # one per (prefill rank, decode rank) pair here
 

@@ -147,6 +147,12 @@ def test_ranges_outside_the_export_are_refused() -> None:
         remote.copy_into([[(size - 10, src.block_bytes)]] * SIZES["L"], [0], time.monotonic() + 5)
     assert remote.copy_into([[(0, src.block_bytes)]] * SIZES["L"], [2], time.monotonic() + 5) == (
         SIZES["L"] * src.block_bytes)
+    runs = dst.geometry[0].ranges([2])
+    with pytest.raises(P2pkvError, match="layer 9 of the peer's"):  # a slice's layers must exist on both sides
+        remote.copy_runs([(9, 0, [(0, src.block_bytes)], runs)], time.monotonic() + 5)
+    with pytest.raises(P2pkvError, match="outside our storage"):  # our runs are checked too
+        remote.copy_runs([(0, 0, [(0, src.block_bytes)], [(dst.storages[0].numel(), src.block_bytes)])],
+                         time.monotonic() + 5)
 
 
 def test_an_export_from_another_host_or_kind_is_not_opened() -> None:

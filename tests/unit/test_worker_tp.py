@@ -14,6 +14,7 @@ pytest.importorskip("vllm", reason="the worker side's metadata is vLLM's connect
 
 from p2pkv.cli.cluster import free_ports
 from p2pkv.config import parse_connector_config
+from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import HEADS_DIFFER, PULL_INSTEAD, StageState
 from p2pkv.params import Address
 from p2pkv.staging import STAGE_ENV
@@ -47,6 +48,24 @@ def worker(role: str, port: int, rank: int, tp: int, total: int, kv: dict[str, t
     side = WorkerSide(config, rank, TOKENS, tp, total, pp_rank, pp_size, MODEL_LAYERS, halves)
     side.register_kv_caches(kv)
     return side
+
+
+@pytest.fixture(params=[False, True], ids=["host-cache", "staged"])
+def staged(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Caches in host memory (pulls carry bytes), or handled as GPU caches are (`P2PKV_STAGE_KV`): exported and
+    opened across processes, so that each slice is copied by reference (host_ipc, cuda_ipc's CPU stand-in)."""
+    on: bool = request.param
+    if on:
+        monkeypatch.setenv(STAGE_ENV, "1")
+    return on
+
+
+def check_moved(decode: list[WorkerSide], kvs: list[dict[str, torch.Tensor]], dst: tuple[int, ...],
+                staged: bool) -> None:
+    """Staged: every byte each decode rank loaded was copied from the prefill side's cache by reference."""
+    moved = sum(d.engine.metrics.registry.get_sample_value("p2pkv_bytes_received_total",
+                                                          {"transport": "host_ipc"}) or 0.0 for d in decode)
+    assert moved == (sum(t[list(dst)].nbytes for kv in kvs for t in kv.values()) if staged else 0)
 
 
 @pytest.fixture
@@ -85,7 +104,8 @@ def offer_and_pull(prefill: list[WorkerSide], decode: list[WorkerSide], tid: str
         settle(p, "p-req", sending=True)  # served to every rank that pulls it: its blocks may go
 
 
-def test_decode_ranks_of_tp_2_load_their_heads_from_a_tp_1_prefill_worker(sides: list[WorkerSide]) -> None:
+def test_decode_ranks_of_tp_2_load_their_heads_from_a_tp_1_prefill_worker(sides: list[WorkerSide],
+                                                                           staged: bool) -> None:
     p_port, d_port = free_ports(2, run=2)
     p_kv = caches(HEADS, 1)
     prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv)
@@ -97,6 +117,7 @@ def test_decode_ranks_of_tp_2_load_their_heads_from_a_tp_1_prefill_worker(sides:
     for r in range(2):
         for name in p_kv:
             assert torch.equal(d_kv[r][name][list(dst)], p_kv[name][list(src), r : r + 1])
+    check_moved(decode, d_kv, dst, staged)
 
 
 def test_a_load_whose_heads_cannot_be_split_fails_without_pulling(sides: list[WorkerSide]) -> None:
@@ -110,7 +131,7 @@ def test_a_load_whose_heads_cannot_be_split_fails_without_pulling(sides: list[Wo
     assert decode.engine.pull_result("tid2@0") is None  # nothing was submitted
 
 
-def test_pipeline_stages_pull_their_heads_from_the_same_stage(sides: list[WorkerSide]) -> None:
+def test_pipeline_stages_pull_their_heads_from_the_same_stage(sides: list[WorkerSide], staged: bool) -> None:
     # Prefill PP 2 x TP 2 (ranks at kv_port + stage * 2 + rank), decode PP 2 x TP 1 (kv_port + stage): decode
     # stage s gathers both heads of its layers from prefill stage s's two ranks. A stage that pulled from the
     # other stage would be refused (its peer holds other layers) and its load would fail.
@@ -128,6 +149,7 @@ def test_pipeline_stages_pull_their_heads_from_the_same_stage(sides: list[Worker
         for name in d_kv[s]:
             for r in range(2):
                 assert torch.equal(d_kv[s][name][list(dst), r : r + 1], p_kv[s, r][name][list(src)])
+    check_moved(decode, d_kv, dst, staged)
 
 
 def test_pipeline_stages_push_to_the_same_stage(sides: list[WorkerSide]) -> None:
@@ -153,7 +175,7 @@ def test_pipeline_stages_push_to_the_same_stage(sides: list[WorkerSide]) -> None
             assert torch.equal(d_kv[s][name][list(dst)], p_kv[s][name][list(src)])
 
 
-def test_a_decode_stage_gathers_its_layers_from_two_prefill_stages(sides: list[WorkerSide]) -> None:
+def test_a_decode_stage_gathers_its_layers_from_two_prefill_stages(sides: list[WorkerSide], staged: bool) -> None:
     # Prefill PP 2 x TP 2 (one head and two layers per rank) to decode PP 1 x TP 1 (both heads of all four
     # layers): the decode rank makes four pulls, one per prefill rank, each of one head of two layers.
     p_port, d_port = free_ports(2, run=4)
@@ -168,9 +190,10 @@ def test_a_decode_stage_gathers_its_layers_from_two_prefill_stages(sides: list[W
         name = f"model.layers.{layer}.self_attn.attn"
         for r in range(2):
             assert torch.equal(d_kv[name][list(dst), r : r + 1], p_kv[layer // LAYERS, r][name][list(src)])
+    check_moved([decode], [d_kv], dst, staged)
 
 
-def test_two_decode_stages_pull_their_layers_from_one_prefill_stage(sides: list[WorkerSide]) -> None:
+def test_two_decode_stages_pull_their_layers_from_one_prefill_stage(sides: list[WorkerSide], staged: bool) -> None:
     # Prefill PP 1 to decode PP 2: each decode stage pulls its two layers; the prefill rank holds its blocks until
     # both stages have pulled.
     p_port, d_port = free_ports(2, run=2)
@@ -193,6 +216,7 @@ def test_two_decode_stages_pull_their_layers_from_one_prefill_stage(sides: list[
         assert decode[st].take_load_errors() == set()
         for name in d_kv[st]:
             assert torch.equal(d_kv[st][name][list(dst)], p_kv[name][list(src)])
+    check_moved(decode, d_kv, dst, staged)
 
 
 def test_a_fallback_pull_that_cannot_be_planned_fails_the_load_not_the_step(sides: list[WorkerSide]) -> None:
@@ -229,6 +253,8 @@ def test_a_push_left_for_a_pull_is_pulled_cache_to_cache_from_the_load_start(sid
         prefill.wait_for_save()
         assert decode.engine.wait_staged(tid, 10) is StageState.FAILED
         assert decode.engine.store.reason(tid) == PULL_INSTEAD
+        out = prefill.engine.wait_outgoing(tid, 10)  # the notice may arrive before its sender marks the push
+        assert out is not None and out.state is OutState.REFUSED
         prefill.get_finished(set())  # the push ended refused: the prefill worker offers the blocks
         decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", tid, 0, dst, fallback_from=Address("127.0.0.1", p_port))]))
         assert decode.engine.pull_result(tid) is not None, "the pull started with the load, not a step later"
