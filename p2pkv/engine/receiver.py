@@ -230,8 +230,10 @@ class Receiver:
                     log.warning("transfer %s: refusing a pull from %s: %s", pull.transfer_id, conn.peer, reason)
                 conn.send_frame(PullReply(pull.transfer_id, not reason, reason), (), deadline)
                 return
-            ranges = claim.ranges if pull.heads is None else self._slice_ranges(pull, claim)
-            if pull.by_reference and ranges is not None and self._device is not None:
+            ranges = None  # asked for only where the puller can copy them itself
+            if pull.by_reference and self._device is not None:
+                ranges = claim.ranges if pull.heads is None else self._slice_ranges(pull, claim)
+            if ranges is not None and self._device is not None:
                 nbytes = self._serve_by_reference(conn, pull, ranges, deadline)
                 transport = "cuda_ipc" if self._device.kind == "cuda" else "host_ipc"
                 return
