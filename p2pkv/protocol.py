@@ -211,7 +211,7 @@ class PullRequest(msgspec.Struct, tag="pull", frozen=True):
     """GET mode: the decode side asks for blocks `first_block .. first_block+num_blocks` of an offered transfer;
     `by_reference`: it would rather copy them itself from the exported cache (cuda_ipc); `pipe_runs`: it would
     rather receive them through the connection's pipe, into these (offset, length) runs of its storages, per
-    layer (nccl)."""
+    layer (of those asked for, with `layers`; of the heads asked for, with `heads`) (nccl)."""
 
     transfer_id: str
     first_block: int

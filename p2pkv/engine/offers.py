@@ -18,8 +18,9 @@ ViewSource = Callable[[int, int, int], tuple[memoryview, ...]]
 # (heads (first, end), layers (first, end) of the model or None for all held) -> a ViewSource over only those
 # heads of those layers, numbered from 0 (another tensor- or pipeline-parallel size pulls).
 Slicer = Callable[[tuple[int, int], tuple[int, int] | None], ViewSource]
-# The same slice's blocks as ranges of the exported cache, for a pull by reference of a slice (None: not exported).
-SliceRanges = Callable[[tuple[int, int], tuple[int, int] | None], RangeSource | None]
+# The same slice's blocks as byte ranges of this worker's storages, for a pull of a slice by reference or by pipe:
+# the slice's first layer among the storages, and the ranges per layer of the slice (None: no ranges to give).
+SliceRanges = Callable[[tuple[int, int], tuple[int, int] | None], tuple[int, RangeSource] | None]
 UNKNOWN_TRANSFER = "unknown transfer"
 _MAX_PULLERS = 4096
 
@@ -40,7 +41,7 @@ class Offer:
     state: OfferState = OfferState.OFFERED
     ranges: RangeSource | None = None  # where the blocks lie in the exported cache, for pulls by reference
     slicer: Slicer | None = None  # for pulls of some heads only
-    slice_ranges: SliceRanges | None = None  # and by reference
+    slice_ranges: SliceRanges | None = None  # and by reference or by pipe
     pullers: int = 0  # pulls expected, as the first pull says (one per decode rank that needs these blocks)
     claimed: set[int] = field(default_factory=set)  # decode ranks that have pulled or are pulling
     in_flight: int = 0

@@ -244,12 +244,15 @@ class Puller:
             by_reference = self._device is not None and self._remote(job.peer, conn) is not None
             if not by_reference and self._maker is not None and self._pipe(job.peer, conn, job.deadline):
                 pipe_runs = self._local_runs(job.device_blocks)
-        elif part is not None and part.runs is not None and self._device is not None:
-            by_reference = self._remote(job.peer, self._links.open(job.peer, job.deadline)) is not None
+        elif part is not None and part.runs is not None and (self._device is not None or self._maker is not None):
+            conn = self._links.open(job.peer, job.deadline)
+            by_reference = self._device is not None and self._remote(job.peer, conn) is not None
+            if not by_reference and self._maker is not None and self._pipe(job.peer, conn, job.deadline):
+                pipe_runs = part.runs  # this rank's heads of the slice's layers, where they lie in our storages
         request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, by_reference, pipe_runs)
         if part is not None:
-            request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, by_reference, heads=part.heads,
-                                  pullers=part.pullers, puller=part.puller, layers=part.layers)
+            request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, by_reference, pipe_runs,
+                                  heads=part.heads, pullers=part.pullers, puller=part.puller, layers=part.layers)
         conn = self._links.send(job.peer, [(request, ())], job.deadline)
         try:
             reply = self._next(conn, job.deadline)
@@ -346,9 +349,11 @@ class Puller:
         if not runs or pipe is None:
             raise ProtocolError("a pull answered by pipe that was not asked for")
 
+        first = 0 if job.part is None else job.part.our_layer  # a slice's layers lie from there in our storages
+
         def receive(theirs: list[list[Run]]) -> int:
             """Post the receives that the peer's ranges and ours pair into; return once they have landed."""
-            pieces = [(layer, mine, n) for layer in range(self._layout.num_layers)
+            pieces = [(first + layer, mine, n) for layer in range(self._layers(job))
                       for _, mine, n in pair_ranges(theirs[layer], runs[layer])]
             pipe.recv(pieces, job.deadline)
             return sum(n for _, _, n in pieces)

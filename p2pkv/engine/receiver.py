@@ -230,18 +230,16 @@ class Receiver:
                     log.warning("transfer %s: refusing a pull from %s: %s", pull.transfer_id, conn.peer, reason)
                 conn.send_frame(PullReply(pull.transfer_id, not reason, reason), (), deadline)
                 return
-            ranges = None  # asked for only where the puller can copy them itself
-            if pull.by_reference and self._device is not None:
-                ranges = claim.ranges if pull.heads is None else self._slice_ranges(pull, claim)
-            if ranges is not None and self._device is not None:
-                nbytes = self._serve_by_reference(conn, pull, ranges, deadline)
+            # Ranges are asked for only where the puller can copy them itself, or receive them through a pipe.
+            direct = pull.by_reference and self._device is not None
+            piped = bool(pull.pipe_runs) and pipe is not None and not direct
+            at = self._ranges_at(pull, claim) if direct or piped else None
+            if at is not None and direct and self._device is not None:
+                nbytes = self._serve_by_reference(conn, pull, at[1], deadline)
                 transport = "cuda_ipc" if self._device.kind == "cuda" else "host_ipc"
                 return
-            if pull.heads is not None:
-                nbytes = self._send_blocks(conn, pull, source, deadline)
-                return
-            if pull.pipe_runs and pipe is not None and claim.ranges is not None:
-                nbytes, transport = self._serve_by_pipe(conn, pull, claim.ranges, pipe, deadline), pipe.transport
+            if at is not None and piped and pipe is not None:
+                nbytes, transport = self._serve_by_pipe(conn, pull, at, pipe, deadline), pipe.transport
                 return
             nbytes = self._send_blocks(conn, pull, source, deadline)
         finally:
@@ -266,10 +264,13 @@ class Receiver:
         return sum(v.nbytes for v in views)
 
     @staticmethod
-    def _slice_ranges(pull: PullRequest, claim: Offer) -> RangeSource | None:
-        """Where the heads and layers a pull asked for lie in our exported cache; None where they cannot be
-        given (then the bytes are sent)."""
-        if claim.slice_ranges is None or pull.heads is None:
+    def _ranges_at(pull: PullRequest, claim: Offer) -> tuple[int, RangeSource] | None:
+        """Where the blocks a pull asked for lie in our storages (the heads and layers asked for, by a puller of
+        another tensor- or pipeline-parallel size): the first layer's storage, and the ranges per layer; None where
+        they cannot be given (then the bytes are sent)."""
+        if pull.heads is None:
+            return None if claim.ranges is None else (0, claim.ranges)
+        if claim.slice_ranges is None:
             return None
         try:
             return claim.slice_ranges(pull.heads, pull.layers)
@@ -286,20 +287,21 @@ class Receiver:
         self._await_copies(conn, pull.transfer_id, deadline, num_layers)
         return sum(n for layer in layers for _, n in layer)
 
-    def _serve_by_pipe(self, conn: Connection, pull: PullRequest, ranges: RangeSource, pipe: Pipe,
+    def _serve_by_pipe(self, conn: Connection, pull: PullRequest, at: tuple[int, RangeSource], pipe: Pipe,
                        deadline: float) -> int:
-        """nccl: say where the blocks lie here; both sides then post the pieces the two lists pair into, and the
-        puller confirms once they have landed."""
-        num_layers = self._layout.num_layers
+        """nccl: say where the blocks (or the heads and layers asked for) lie here; both sides then post the pieces
+        the two lists pair into, and the puller confirms once they have landed."""
+        first, ranges = at
+        num_layers = self._layout.num_layers if pull.layers is None else pull.layers[1] - pull.layers[0]
         if len(pull.pipe_runs) != num_layers:
             raise ProtocolError(f"a pull by pipe gave runs for {len(pull.pipe_runs)} layers, not {num_layers}")
         layers = [ranges(layer, pull.first_block, pull.num_blocks) for layer in range(num_layers)]
-        pieces = [(layer, ours, n) for layer in range(num_layers)
+        pieces = [(first + layer, ours, n) for layer in range(num_layers)
                   for ours, _, n in self._pair(layers[layer], pull.pipe_runs[layer])]
         conn.send_frames([(PullReply(pull.transfer_id, True, by_pipe=True), ()),
                           (BlockRanges(pull.transfer_id, layers), ())], deadline)
         pipe.send(pieces, deadline)
-        self._await_copies(conn, pull.transfer_id, deadline)
+        self._await_copies(conn, pull.transfer_id, deadline, num_layers)
         return sum(n for _, _, n in pieces)
 
     @staticmethod

@@ -15,6 +15,7 @@ import msgspec
 from p2pkv.blocks import BlockAccess, InPlaceBlocks
 from p2pkv.config import ConnectorConfig
 from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.device import RangeSource
 from p2pkv.engine.offers import OfferState
 from p2pkv.engine.sender import OutState
 from p2pkv.errors import IncompatiblePeerError
@@ -153,9 +154,13 @@ class WorkerSide:
                                             f"{held.start}..{held.stop}")
             return self._slices.get(wanted, (layers[0] - held.start, layers[1] - held.start))
 
+        def slice_ranges(wanted: tuple[int, int], layers: tuple[int, int] | None) -> tuple[int, RangeSource] | None:
+            ranges = piece(wanted, layers).ranges(tid, ids)
+            return None if ranges is None else (0 if layers is None else layers[0] - self._at.layers.start, ranges)
+
         self.engine.offer(tid, len(ids), self.blocks.source(tid, ids), self._config.extra.lease_s,
                           self.blocks.ranges(tid, ids), lambda wanted, layers: piece(wanted, layers).source(tid, ids),
-                          lambda wanted, layers: piece(wanted, layers).ranges(tid, ids))
+                          slice_ranges)
 
     def _push(self, spec: SaveSpec, layer: int) -> None:
         if spec.peer is None:

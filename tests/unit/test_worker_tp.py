@@ -4,8 +4,9 @@ over real sockets; a load whose heads cannot be split fails at once, with nothin
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from p2pkv.config import parse_connector_config
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import HEADS_DIFFER, PULL_INSTEAD, StageState
 from p2pkv.params import Address
+from p2pkv.pipes import PIPE_ENV
 from p2pkv.staging import STAGE_ENV
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
 from p2pkv.vllm.worker import WorkerSide
@@ -43,29 +45,54 @@ def halves(stage: int, pp: int) -> range:
 
 def worker(role: str, port: int, rank: int, tp: int, total: int, kv: dict[str, torch.Tensor],
            pp_rank: int = 0, pp_size: int = 2) -> WorkerSide:
-    config = parse_connector_config(role, port, "recompute", {"kv_host": "127.0.0.1", "transfer_timeout_s": 10,
-                                                             "metrics_port": 0})
+    """With gloo pipes asked for (the `piped` mode), the transport is nccl's: pulls by pipe, no export."""
+    extra: dict[str, object] = {"kv_host": "127.0.0.1", "transfer_timeout_s": 10, "metrics_port": 0}
+    if os.environ.get(PIPE_ENV) == "gloo":
+        extra["transport"] = "nccl"
+    config = parse_connector_config(role, port, "recompute", extra)
     side = WorkerSide(config, rank, TOKENS, tp, total, pp_rank, pp_size, MODEL_LAYERS, halves)
     side.register_kv_caches(kv)
     return side
 
 
-@pytest.fixture(params=[False, True], ids=["host-cache", "staged"])
-def staged(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Caches in host memory (pulls carry bytes), or handled as GPU caches are (`P2PKV_STAGE_KV`): exported and
-    opened across processes, so that each slice is copied by reference (host_ipc, cuda_ipc's CPU stand-in)."""
-    on: bool = request.param
-    if on:
+@pytest.fixture(params=["host-cache", "staged", "piped"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Caches in host memory (pulls carry bytes); or handled as GPU caches are (`P2PKV_STAGE_KV`): exported and
+    opened across processes, so that each slice is copied by reference (host_ipc, cuda_ipc's CPU stand-in); or,
+    `piped`, not exported but moved through a pipe made per link (gloo, nccl's CPU stand-in)."""
+    mode: str = request.param
+    if mode != "host-cache":
         monkeypatch.setenv(STAGE_ENV, "1")
-    return on
+    if mode == "piped":
+        monkeypatch.setenv(PIPE_ENV, "gloo")
+    return mode
+
+
+def counter(side: WorkerSide, name: str, labels: dict[str, str]) -> float:
+    return side.engine.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 def check_moved(decode: list[WorkerSide], kvs: list[dict[str, torch.Tensor]], dst: tuple[int, ...],
-                staged: bool) -> None:
-    """Staged: every byte each decode rank loaded was copied from the prefill side's cache by reference."""
-    moved = sum(d.engine.metrics.registry.get_sample_value("p2pkv_bytes_received_total",
-                                                          {"transport": "host_ipc"}) or 0.0 for d in decode)
-    assert moved == (sum(t[list(dst)].nbytes for kv in kvs for t in kv.values()) if staged else 0)
+                mode: str) -> None:
+    """Staged: every byte each decode rank loaded was copied from the prefill side's cache by reference; piped:
+    received through pipes (the round after the warm-up, `warm_pipes`)."""
+    transport = {"staged": "host_ipc", "piped": "gloo"}.get(mode, "host_ipc")
+    moved = sum(counter(d, "p2pkv_bytes_received_total", {"transport": transport}) for d in decode)
+    assert moved == (sum(t[list(dst)].nbytes for kv in kvs for t in kv.values()) if mode != "host-cache" else 0)
+
+
+def warm_pipes(mode: str, decode: list[WorkerSide], peers: int, pull: Callable[[str], None]) -> None:
+    """Piped: a first round of pulls carries bytes while each link's pipe is made (off the request path); wait
+    until every decode rank has a pipe with each of its `peers` prefill ranks, so the next round goes by pipe."""
+    if mode != "piped":
+        return
+    pull("warm")
+    deadline = time.monotonic() + 10
+    ready = {"kind": "gloo", "outcome": "ready"}
+    while any(counter(d, "p2pkv_pipes_total", ready) < peers for d in decode):
+        assert time.monotonic() < deadline, "the pipes were not made"
+        time.sleep(0.02)
+    assert sum(counter(d, "p2pkv_bytes_received_total", {"transport": "gloo"}) for d in decode) == 0
 
 
 @pytest.fixture
@@ -105,7 +132,7 @@ def offer_and_pull(prefill: list[WorkerSide], decode: list[WorkerSide], tid: str
 
 
 def test_decode_ranks_of_tp_2_load_their_heads_from_a_tp_1_prefill_worker(sides: list[WorkerSide],
-                                                                           staged: bool) -> None:
+                                                                           mode: str) -> None:
     p_port, d_port = free_ports(2, run=2)
     p_kv = caches(HEADS, 1)
     prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv)
@@ -113,11 +140,12 @@ def test_decode_ranks_of_tp_2_load_their_heads_from_a_tp_1_prefill_worker(sides:
     decode = [worker("kv_consumer", d_port, r, 2, HEADS, d_kv[r]) for r in range(2)]
     sides += [prefill, *decode]
     src, dst = (3, 0, 4), (1, 2, 0)
+    warm_pipes(mode, decode, 1, lambda tid: offer_and_pull([prefill], decode, tid, src, dst, p_port, prefill_tp=1))
     offer_and_pull([prefill], decode, "tid1", src, dst, p_port, prefill_tp=1)
     for r in range(2):
         for name in p_kv:
             assert torch.equal(d_kv[r][name][list(dst)], p_kv[name][list(src), r : r + 1])
-    check_moved(decode, d_kv, dst, staged)
+    check_moved(decode, d_kv, dst, mode)
 
 
 def test_a_load_whose_heads_cannot_be_split_fails_without_pulling(sides: list[WorkerSide]) -> None:
@@ -131,7 +159,7 @@ def test_a_load_whose_heads_cannot_be_split_fails_without_pulling(sides: list[Wo
     assert decode.engine.pull_result("tid2@0") is None  # nothing was submitted
 
 
-def test_pipeline_stages_pull_their_heads_from_the_same_stage(sides: list[WorkerSide], staged: bool) -> None:
+def test_pipeline_stages_pull_their_heads_from_the_same_stage(sides: list[WorkerSide], mode: str) -> None:
     # Prefill PP 2 x TP 2 (ranks at kv_port + stage * 2 + rank), decode PP 2 x TP 1 (kv_port + stage): decode
     # stage s gathers both heads of its layers from prefill stage s's two ranks. A stage that pulled from the
     # other stage would be refused (its peer holds other layers) and its load would fail.
@@ -144,12 +172,13 @@ def test_pipeline_stages_pull_their_heads_from_the_same_stage(sides: list[Worker
     assert [p.engine.address for p in prefill] == [f"127.0.0.1:{p_port + i}" for i in range(4)]
     assert [d.engine.address for d in decode] == [f"127.0.0.1:{d_port + s}" for s in range(2)]
     src, dst = (2, 4), (0, 3)
+    warm_pipes(mode, decode, 2, lambda tid: offer_and_pull(prefill, decode, tid, src, dst, p_port, prefill_tp=2))
     offer_and_pull(prefill, decode, "tid3", src, dst, p_port, prefill_tp=2)
     for s in range(2):
         for name in d_kv[s]:
             for r in range(2):
                 assert torch.equal(d_kv[s][name][list(dst), r : r + 1], p_kv[s, r][name][list(src)])
-    check_moved(decode, d_kv, dst, staged)
+    check_moved(decode, d_kv, dst, mode)
 
 
 def test_pipeline_stages_push_to_the_same_stage(sides: list[WorkerSide]) -> None:
@@ -175,7 +204,7 @@ def test_pipeline_stages_push_to_the_same_stage(sides: list[WorkerSide]) -> None
             assert torch.equal(d_kv[s][name][list(dst)], p_kv[s][name][list(src)])
 
 
-def test_a_decode_stage_gathers_its_layers_from_two_prefill_stages(sides: list[WorkerSide], staged: bool) -> None:
+def test_a_decode_stage_gathers_its_layers_from_two_prefill_stages(sides: list[WorkerSide], mode: str) -> None:
     # Prefill PP 2 x TP 2 (one head and two layers per rank) to decode PP 1 x TP 1 (both heads of all four
     # layers): the decode rank makes four pulls, one per prefill rank, each of one head of two layers.
     p_port, d_port = free_ports(2, run=4)
@@ -185,15 +214,17 @@ def test_a_decode_stage_gathers_its_layers_from_two_prefill_stages(sides: list[W
     decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, 0, 1)
     sides += [*prefill, decode]
     src, dst = (0, 3), (2, 1)
+    warm_pipes(mode, [decode], 4, lambda tid: offer_and_pull(prefill, [decode], tid, src, dst, p_port,
+                                                               prefill_tp=2, prefill_pp=2))
     offer_and_pull(prefill, [decode], "tid5", src, dst, p_port, prefill_tp=2, prefill_pp=2)
     for layer in range(MODEL_LAYERS):
         name = f"model.layers.{layer}.self_attn.attn"
         for r in range(2):
             assert torch.equal(d_kv[name][list(dst), r : r + 1], p_kv[layer // LAYERS, r][name][list(src)])
-    check_moved([decode], [d_kv], dst, staged)
+    check_moved([decode], [d_kv], dst, mode)
 
 
-def test_two_decode_stages_pull_their_layers_from_one_prefill_stage(sides: list[WorkerSide], staged: bool) -> None:
+def test_two_decode_stages_pull_their_layers_from_one_prefill_stage(sides: list[WorkerSide], mode: str) -> None:
     # Prefill PP 1 to decode PP 2: each decode stage pulls its two layers; the prefill rank holds its blocks until
     # both stages have pulled.
     p_port, d_port = free_ports(2, run=2)
@@ -203,20 +234,25 @@ def test_two_decode_stages_pull_their_layers_from_one_prefill_stage(sides: list[
     decode = [worker("kv_consumer", d_port, 0, 1, HEADS, d_kv[st], st) for st in range(2)]
     sides += [prefill, *decode]
     src, dst = (4, 0, 2), (1, 2, 3)
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid6", None, src)]))
-    prefill.wait_for_save()
-    load = LoadSpec("d-req", "tid6", 0, dst, pull_from=Address("127.0.0.1", p_port), prefill_pp=1)
-    decode[0].bind(P2pkvMetadata(loads=[load]))
-    settle(decode[0], "d-req", sending=False)
-    assert prefill.get_finished({"p-req"}) == (None, None)  # one of its two pullers so far
-    decode[1].bind(P2pkvMetadata(loads=[load]))
-    settle(decode[1], "d-req", sending=False)
-    settle(prefill, "p-req", sending=True)
+
+    def pull(tid: str) -> None:
+        prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", tid, None, src)]))
+        prefill.wait_for_save()
+        load = LoadSpec("d-req", tid, 0, dst, pull_from=Address("127.0.0.1", p_port), prefill_pp=1)
+        decode[0].bind(P2pkvMetadata(loads=[load]))
+        settle(decode[0], "d-req", sending=False)
+        assert prefill.get_finished({"p-req"}) == (None, None)  # one of its two pullers so far
+        decode[1].bind(P2pkvMetadata(loads=[load]))
+        settle(decode[1], "d-req", sending=False)
+        settle(prefill, "p-req", sending=True)
+
+    warm_pipes(mode, decode, 1, pull)
+    pull("tid6")
     for st in range(2):
         assert decode[st].take_load_errors() == set()
         for name in d_kv[st]:
             assert torch.equal(d_kv[st][name][list(dst)], p_kv[name][list(src)])
-    check_moved(decode, d_kv, dst, staged)
+    check_moved(decode, d_kv, dst, mode)
 
 
 def test_a_fallback_pull_that_cannot_be_planned_fails_the_load_not_the_step(sides: list[WorkerSide]) -> None:
