@@ -1,9 +1,12 @@
 """`p2pkv bench transfer`: two engine processes on this host push KV-shaped transfers over each transport, next to
 a baseline measured in the same run: a plain socket stream between two processes for `tcp`, a single-process
-memcpy for `shm`. Prints GB/s and ratios per size, the latency of a 64 KiB transfer, and writes a PNG plot."""
+memcpy for `shm`. Prints GB/s and ratios per size, the latency of a 64 KiB transfer, and writes a PNG plot. For
+`shm` it also measures the kernel's cross-process copy of the same bytes with no engine around it (`kernel`), the
+most that transport could move."""
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing as mp
 import socket
 import statistics
@@ -15,11 +18,21 @@ from pathlib import Path
 import numpy as np
 
 from p2pkv.bench import transfer_gpu
-from p2pkv.bench.transfer_peer import WINDOW, Shape, engine_for, kv_buffer, offer_run, push_run, stream_run
+from p2pkv.bench.transfer_peer import (
+    WINDOW,
+    Shape,
+    engine_for,
+    hold_run,
+    kv_buffer,
+    offer_run,
+    push_run,
+    stream_run,
+)
 from p2pkv.engine import TransferEngine
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.store import StageState
 from p2pkv.params import Address
+from p2pkv.transport import cma
 from p2pkv.transport.tcp import tune_socket
 
 SIZES = tuple(1 << k for k in range(16, 29, 2))  # 64 KiB .. 256 MiB
@@ -35,6 +48,7 @@ class Row:
     nbytes: int
     transport_gbps: dict[str, float] = field(default_factory=dict)
     baseline_gbps: dict[str, float] = field(default_factory=dict)
+    kernel_gbps: float = 0.0  # shm's ceiling: process_vm_readv of the same bytes from another process, no engine
 
     def ratio(self, transport: str) -> float:
         return self.transport_gbps[transport] / self.baseline_gbps[transport]
@@ -158,6 +172,34 @@ def socket_gbps(nbytes: int, budget_bytes: int) -> float:
     return count * nbytes / (ended - started) / 1e9
 
 
+def kernel_gbps(shape: Shape, budget_bytes: int) -> float:
+    """The kernel's cross-process copy alone, what the shm transport is built on: `process_vm_readv` of the same
+    KV-shaped bytes from a child process into memory mapped as the engine's staging pool maps it."""
+    count = _count(shape.nbytes, budget_bytes)
+    parent, child = _SPAWN.Pipe()
+    proc = _SPAWN.Process(target=hold_run, args=(child, shape), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(60):
+            raise RuntimeError("the holding process did not start")
+        pid, ranges = parent.recv()
+        dest = mmap.mmap(-1, shape.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            dest.madvise(mmap.MADV_HUGEPAGE)
+        views = [memoryview(dest)]
+        cma.read_remote_scattered(pid, views, ranges)  # faults the destination in, as the warm-up transfers do
+        started = time.perf_counter()
+        for _ in range(count):
+            cma.read_remote_scattered(pid, views, ranges)
+        elapsed = time.perf_counter() - started
+        views[0].release()
+        dest.close()
+        parent.send("done")
+        return count * shape.nbytes / elapsed / 1e9
+    finally:
+        proc.join(30)
+
+
 def memcpy_gbps(nbytes: int, budget_bytes: int) -> float:
     count = _count(nbytes, budget_bytes)
     src = np.random.default_rng(0).integers(0, 256, nbytes, np.uint8)
@@ -183,6 +225,8 @@ def run(sizes: Sequence[int], transports: Sequence[str], budget_bytes: int,
                                                 for _ in range(repeats))
             row.baseline_gbps[transport] = max(baselines[transport](shape.nbytes, budget_bytes)
                                                for _ in range(repeats))
+        if "shm" in transports:
+            row.kernel_gbps = max(kernel_gbps(shape, budget_bytes) for _ in range(repeats))
         rows.append(row)
     latencies = {f"a 64 KiB transfer over {t}": latency_ms(Shape.of(LATENCY_BYTES), t) for t in transports}
     latencies.update({f"a 1 MiB pull (GET) over {t}": pull_latency_ms(Shape.of(PULL_BYTES), t) for t in transports})
@@ -206,6 +250,9 @@ def write_plot(rows: Sequence[Row], transports: Sequence[str], path: Path) -> No
         line = ax.plot(xs, [r.transport_gbps[transport] for r in rows], marker="o", label=f"p2pkv {transport}")
         ax.plot(xs, [r.baseline_gbps[transport] for r in rows], linestyle="--", color=line[0].get_color(),
                 label=f"baseline: {names[transport]}")
+        if transport == "shm":
+            ax.plot(xs, [r.kernel_gbps for r in rows], linestyle=":", color=line[0].get_color(),
+                    label="process_vm_readv alone (shm's ceiling)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [_size(x) for x in xs], rotation=30)
     ax.set_xlabel("transfer size (8 layers of KV blocks)")
@@ -223,6 +270,8 @@ def main(sizes: Sequence[int], transports: Sequence[str], budget_bytes: int, plo
     header = f"{'size':>9}"
     for t in transports:
         header += f"{t + ' GB/s':>12}{'baseline':>10}{'ratio':>8}"
+    if "shm" in transports:
+        header += f"{'kernel':>10}{'ceiling':>9}{'shm/kernel':>12}"
     print(header)
     failed: list[str] = []
     for row in rows:
@@ -232,9 +281,15 @@ def main(sizes: Sequence[int], transports: Sequence[str], budget_bytes: int, plo
             line += f"{row.transport_gbps[t]:>12.2f}{row.baseline_gbps[t]:>10.2f}{ratio:>8.2f}"
             if row.nbytes >= TARGET_FROM and ratio < TARGET:
                 failed.append(f"{t} at {_size(row.nbytes)}: {ratio:.2f}")
+        if "shm" in transports:
+            ceiling = row.kernel_gbps / row.baseline_gbps["shm"]
+            line += f"{row.kernel_gbps:>10.2f}{ceiling:>9.2f}{row.transport_gbps['shm'] / row.kernel_gbps:>12.2f}"
         print(line)
     print("baselines: tcp = a plain socket stream between two processes; shm = a single-process memcpy; "
           f"each figure is the best of {repeats} runs")
+    if "shm" in transports:
+        print("kernel = process_vm_readv of the same bytes from another process, no engine (what shm copies with); "
+              "ceiling = kernel / memcpy, the most shm could reach against its baseline")
     for what, ms in latencies.items():
         print(f"latency of {what}: {ms:.3f} ms (median)")
     write_plot(rows, transports, Path(plot))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.sender import OutState
 from p2pkv.params import Address
 from p2pkv.protocol import LayoutDigest
+from p2pkv.transport import cma
 from p2pkv.transport.tcp import tune_socket
 
 WINDOW = 8  # transfers in flight at once in a throughput run: a prefill batch of 8 requests pushing together
@@ -116,6 +118,14 @@ def offer_run(pipe: Connection, shape: Shape, transport: str, tids: list[str]) -
         pipe.poll(300)
     finally:
         engine.close()
+
+
+def hold_run(pipe: Connection, shape: Shape) -> None:
+    """Child process: the kernel-copy reference's source; KV-like bytes for another process to read, until told."""
+    cma.allow_readers()
+    data = kv_like(shape)
+    pipe.send((os.getpid(), [(int(data[layer].ctypes.data), data[layer].nbytes) for layer in range(shape.layers)]))
+    pipe.poll(300)
 
 
 def stream_run(pipe: Connection, port: int, nbytes: int, count: int) -> None:

@@ -116,11 +116,12 @@ class ShmConnection:
         self._left -= nbytes
         if self._left == 0 and self._frame is not None:
             frame, self._frame = self._frame, None
-            # While more frames wait in the input buffer, confirmations collect and go out together; the last
-            # one (nothing more to read) goes at once, so a peer waiting for it is never left waiting.
+            # At once, with the transfer's verdict if it is queued: the sender finishes the transfer and pushes the
+            # next one while we copy the frames already here. (Holding confirmations back while more frames were
+            # buffered, to send them together, stalled the sender's window: 3.1 to 3.5 GB/s at 1 MiB, against 4.5
+            # to 5.3 flushed at once.)
             self._inner.queue_frame(PayloadCopied(frame.transfer_id, frame.layer, frame.layers))
-            if not self._inner.buffered:
-                self._inner.flush(deadline)
+            self._inner.flush(deadline)
 
     def recv_payload_into(self, view: memoryview, deadline: float) -> None:
         self.recv_payload_into_all((view,), deadline)

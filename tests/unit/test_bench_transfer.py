@@ -26,6 +26,7 @@ def test_bench_transfer_measures_each_transport_and_plots(tmp_path: Path, capsys
     for row in rows:
         for t in ("tcp", "shm"):
             assert row.transport_gbps[t] > 0 and row.baseline_gbps[t] > 0
+        assert row.kernel_gbps > 0  # shm's ceiling, the kernel's copy alone
     assert set(latencies) == {f"a 64 KiB transfer over {t}" for t in ("tcp", "shm")} | {
         f"a 1 MiB pull (GET) over {t}" for t in ("tcp", "shm")}
     assert all(ms > 0 for ms in latencies.values())
@@ -34,6 +35,7 @@ def test_bench_transfer_measures_each_transport_and_plots(tmp_path: Path, capsys
     assert plot.read_bytes().startswith(b"\x89PNG")
     out = capsys.readouterr().out
     assert "shm GB/s" in out and "latency of a 64 KiB transfer over shm" in out
+    assert "shm/kernel" in out and "kernel = process_vm_readv" in out
     assert "latency of a 1 MiB pull (GET) over shm" in out
     if not torch.cuda.is_available():
         assert "cuda_ipc, nccl: no CUDA device here, not measured" in out
