@@ -6,7 +6,8 @@ calls. The engine uses it through `p2pkv.pipes.NcclPipes` (GET pulls between GPU
 other's memory); `scripts/gpu_check.sh` checks it with a one-rank send to itself (NCCL refuses two ranks on one
 GPU), and the tests run the same engine protocol over gloo.
 
-- the unique id travels as 128 bytes (`unique_id`, `from_bytes`), over the control plane;
+- the unique id travels as 128 bytes (`unique_id`), over the control plane; CuPy takes it back as bytes from version
+  14 on, as a tuple of signed chars before (`communicator` passes whichever form the installed CuPy accepts);
 - `exchange` issues every send and receive of a request in one `groupStart`/`groupEnd`, on the pipe's stream after
   the work queued on the compute stream, and returns a marker (a CUDA event): no host-side stream synchronize;
 - `nccl_num_channels` goes to NCCL as NCCL_MIN_NCHANNELS/NCCL_MAX_NCHANNELS before the communicator is made;
@@ -55,6 +56,15 @@ def unique_id() -> bytes:
     return to_bytes(_nccl().get_unique_id())
 
 
+def communicator(nccl: Any, nranks: int, uid: bytes, rank: int) -> Any:
+    """`ncclCommInitRank` through CuPy, which takes the id as bytes from CuPy 14 on (and `get_unique_id` returns
+    bytes), as a tuple of signed chars before. A wrong form is refused with TypeError before NCCL is called."""
+    try:
+        return nccl.NcclCommunicator(nranks, uid, rank)
+    except TypeError:
+        return nccl.NcclCommunicator(nranks, from_bytes(uid), rank)
+
+
 class NcclPipe:
     def __init__(self, nranks: int, uid: bytes, rank: int, device: torch.device, channels: int) -> None:
         nccl = _nccl()
@@ -62,7 +72,7 @@ class NcclPipe:
             os.environ[key] = str(channels)  # read by NCCL when the communicator is made
         self._device = device
         with torch.cuda.device(device):
-            self._comm = nccl.NcclCommunicator(nranks, from_bytes(uid), rank)
+            self._comm = communicator(nccl, nranks, uid, rank)
             self._stream = torch.cuda.Stream(device)
         self._closed = False
 
