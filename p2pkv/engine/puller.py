@@ -154,7 +154,7 @@ class Puller:
                 result = PullResult(PullState.FAILED, f"internal error: {exc!r}")
             ms = (time.monotonic() - started) * 1000
             outcome = "ok" if result.state is PullState.DONE else "failed"
-            self._metrics.transfers.labels("pull", outcome).inc()
+            self._metrics.of(self._metrics.transfers, "pull", outcome).inc()
             heads = f" heads={job.part.heads[0]}-{job.part.heads[1]}" if job.part is not None else ""
             if job.part is not None and job.part.layers is not None:
                 heads += f" layers={job.part.layers[0]}-{job.part.layers[1]}"
@@ -361,7 +361,7 @@ class Puller:
         return receive, pipe.transport
 
     def _count(self, transport: str, nbytes: int) -> None:
-        self._metrics.bytes_received.labels(transport).inc(nbytes)
+        self._metrics.of(self._metrics.bytes_received, transport).inc(nbytes)
         self._metrics.add("bytes_received", nbytes)
 
     @staticmethod

@@ -246,21 +246,26 @@ class Sender:
                 self._abort(peer, transfer_id, str(exc))
             return
         by_reference = isinstance(conn, ShmConnection) and conn.sends_by_reference
-        total = 0
+        total, name = 0, conn.name
         with self._lock:
             for notice in notices:
                 if (item := self._sending.get(notice.transfer_id)) is not None:
-                    item.transport = conn.name
+                    item.transport = name
                     self._finish_locked(item, OutState.REFUSED, PULL_INSTEAD)
+            sent: dict[str, Outgoing] = {}  # each transfer checked once, after all its layers here are counted
             for job, item in live:
-                nbytes = sum(v.nbytes for v in job.views)
+                nbytes = 0
+                for view in job.views:
+                    nbytes += view.nbytes
                 total += nbytes
-                item.transport = conn.name
-                item.by_reference = by_reference
                 item.nbytes += nbytes
                 item.layers_sent.add(job.layer)
+                sent[job.transfer_id] = item
+            for item in sent.values():
+                item.transport = name
+                item.by_reference = by_reference
                 self._maybe_done_locked(item)
-        self._metrics.bytes_sent.labels(conn.name).inc(total)
+        self._metrics.of(self._metrics.bytes_sent, name).inc(total)
         self._metrics.add("bytes_sent", total)
 
     def _hand_over(self, conn: Connection, live: list[tuple[PushJob, Outgoing]]
@@ -367,8 +372,8 @@ class Sender:
         outcome = {OutState.DONE: "ok", OutState.REFUSED: "refused"}.get(state, "failed")
         if reason == PULL_INSTEAD:
             outcome = "pull_instead"
-        self._metrics.transfers.labels("send", outcome).inc()
-        self._metrics.transfer_seconds.labels("send").observe(ms / 1000)
+        self._metrics.of(self._metrics.transfers, "send", outcome).inc()
+        self._metrics.of(self._metrics.transfer_seconds, "send").observe(ms / 1000)
         log.info("transfer %s send %s peer=%s bytes=%d ms=%.1f transport=%s%s", item.transfer_id, outcome,
                  item.peer, item.nbytes, ms, item.transport, f" reason={reason}" if reason else "")
 
