@@ -84,14 +84,17 @@ class NcclPipe:
                 raise P2pkvError("NCCL pieces must be contiguous uint8 tensors on the pipe's device")
         self._stream.wait_stream(torch.cuda.current_stream(self._device))
         stream = self._stream.cuda_stream
-        nccl.groupStart()
-        try:
-            for t, peer in sends:
-                self._comm.send(t.data_ptr(), t.numel(), nccl.NCCL_UINT8, peer, stream)
-            for t, peer in recvs:
-                self._comm.recv(t.data_ptr(), t.numel(), nccl.NCCL_UINT8, peer, stream)
-        finally:
-            nccl.groupEnd()
+        # The engine's threads call this, and a thread's current device is GPU 0 until it is set: the calls are
+        # made on the communicator's device, as its creation was.
+        with torch.cuda.device(self._device):
+            nccl.groupStart()
+            try:
+                for t, peer in sends:
+                    self._comm.send(t.data_ptr(), t.numel(), nccl.NCCL_UINT8, peer, stream)
+                for t, peer in recvs:
+                    self._comm.recv(t.data_ptr(), t.numel(), nccl.NCCL_UINT8, peer, stream)
+            finally:
+                nccl.groupEnd()
         for t, _ in (*sends, *recvs):
             t.record_stream(self._stream)  # the caching allocator keeps their memory until the stream is past
         event = torch.cuda.Event()
