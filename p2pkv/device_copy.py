@@ -91,6 +91,18 @@ class HostCopier:
         return done
 
 
+def event_marker(event: torch.cuda.Event, device: torch.device) -> Marker:
+    """A marker for a recorded CUDA event, queried with its device current: the engine's threads wait on markers,
+    and a thread's current device is GPU 0 until it is set (a query there could make a CUDA context on GPU 0 for a
+    worker on another GPU)."""
+
+    def query() -> bool:
+        with torch.cuda.device(device):
+            return bool(event.query())
+
+    return query
+
+
 class CudaCopier:
     """One copy stream per worker, ordered after the compute stream; markers are CUDA events (no host sync)."""
 
@@ -107,13 +119,11 @@ class CudaCopier:
     def mark(self) -> Marker:
         event = torch.cuda.Event()
         event.record(self._stream)
-        query: Marker = event.query
-        return query
+        return event_marker(event, self._device)
 
     def mark_compute(self) -> Marker:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self._device))
-        query: Marker = event.query
-        return query
+        return event_marker(event, self._device)
 
 

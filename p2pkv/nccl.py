@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from p2pkv.device_copy import Marker
+from p2pkv.device_copy import Marker, event_marker
 from p2pkv.errors import P2pkvError
 
 UNIQUE_ID_BYTES = 128
@@ -99,8 +99,7 @@ class NcclPipe:
             t.record_stream(self._stream)  # the caching allocator keeps their memory until the stream is past
         event = torch.cuda.Event()
         event.record(self._stream)
-        query: Marker = event.query
-        return query
+        return event_marker(event, self._device)
 
     def close(self, abort: bool = False) -> None:
         """`abort` where operations may still be pending (a transfer failed part-way): destroy would wait for them."""

@@ -105,8 +105,13 @@ class DeviceKv:
         return self._copier.mark_compute()
 
     def buffer(self, num_blocks: int) -> HostBuffer:
-        """A host buffer for `num_blocks` blocks of every layer."""
-        return HostBuffer(max(1, self.num_layers * num_blocks * self.block_bytes), self.pool, self.on_gpu)
+        """A host buffer for `num_blocks` blocks of every layer (pinned memory is allocated with this cache's device
+        current: the engine's threads call this, and theirs is GPU 0 until it is set)."""
+        nbytes = max(1, self.num_layers * num_blocks * self.block_bytes)
+        if not self.on_gpu:
+            return HostBuffer(nbytes, self.pool, False)
+        with torch.cuda.device(self.storages[0].device):
+            return HostBuffer(nbytes, self.pool, True)
 
     def blocks_2d(self, layer: int) -> torch.Tensor:
         """A dense layer as [blocks, block_bytes] rows (rows may be strided)."""

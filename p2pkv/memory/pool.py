@@ -25,26 +25,45 @@ PIN_SEGMENT = 1 << 30
 Pin = Callable[[memoryview, int, int], None]  # pin bytes start..end of the mapping; raises when it cannot
 
 
-def cuda_pin(memory: memoryview, start: int, end: int) -> None:
-    """Page-lock and register with CUDA a span of the mapping (torch's binding of cudaHostRegister)."""
+def cuda_pin(memory: memoryview, start: int, end: int, device: int | None = None) -> None:
+    """Page-lock and register with CUDA a span of the mapping (torch's binding of cudaHostRegister), with `device`
+    current: the engine's threads pin as they allocate, and a thread's current device is GPU 0 until it is set,
+    where a worker on another GPU would otherwise make a CUDA context of its own."""
+    import contextlib
     import ctypes
 
     import torch
 
     address = ctypes.addressof(ctypes.c_char.from_buffer(memory, start))
-    err = torch.cuda.cudart().cudaHostRegister(address, end - start, 1)  # 1: portable, pinned for every device
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        err = torch.cuda.cudart().cudaHostRegister(address, end - start, 1)  # 1: portable, pinned for every device
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {end - start} bytes failed: {err}")
 
 
-def _default_pin(pinned: bool | None) -> Pin | None:
+def _current_device() -> int | None:
+    """The CUDA device current where the pool is made (a GPU worker's own), once CUDA is up in this process."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    device: int = torch.cuda.current_device()
+    return device
+
+
+def _default_pin(pinned: bool | None, device: int | None) -> Pin | None:
     if pinned is False:
         return None
     try:
         import torch
     except ImportError:
         return None
-    return cuda_pin if torch.cuda.is_available() else None
+    if not torch.cuda.is_available():
+        return None
+
+    def pin(memory: memoryview, start: int, end: int) -> None:
+        cuda_pin(memory, start, end, device)
+
+    return pin
 
 
 @dataclass(frozen=True)
@@ -62,6 +81,7 @@ class HostPool:
         self._min_block = min_block
         self._pinned = pinned
         self._pin = pin
+        self._device = _current_device() if pin is None and pinned is not False else None
         self._segment = segment
         self._lock = threading.Lock()
         self._grow_lock = threading.Lock()
@@ -102,7 +122,7 @@ class HostPool:
                     return None
                 self._allocator = BuddyAllocator(self._capacity, self._min_block)
                 if self._pin is None:
-                    self._pin = _default_pin(self._pinned)
+                    self._pin = _default_pin(self._pinned, self._device)
                 log.info("host pool of %d bytes mapped (pinned as used: %s)", self._capacity, self._pin is not None)
             return self._allocator, self._memory
 
