@@ -69,8 +69,12 @@ def allow_readers() -> None:
 
 
 def address_of(view: memoryview) -> int:
-    """Address of the first byte of a contiguous buffer (read-only ones too)."""
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+    """Address of the first byte of a contiguous buffer (read-only ones too: through numpy, about 7x slower)."""
+    if not view.nbytes:
+        return 0
+    if not view.readonly:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 def read_remote(pid: int, local: memoryview, remote: Sequence[tuple[int, int]]) -> None:
