@@ -36,7 +36,7 @@ class BlockAccess(Protocol):
 
     def runs(self, block_ids: Sequence[int]) -> list[list[Run]] | None:
         """Per layer, where these blocks (of the heads this access holds) lie in the cache's storages, for a pull
-        by reference of a slice to copy into; None where pulls carry bytes only."""
+        of a slice by reference or by pipe to land in; None where pulls carry bytes only."""
 
     def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:
         """Pushed bytes (payload order) into the blocks; returns once they are there."""

@@ -194,9 +194,9 @@ def kernel_gbps(shape: Shape, budget_bytes: int) -> float:
         elapsed = time.perf_counter() - started
         views[0].release()
         dest.close()
-        parent.send("done")
         return count * shape.nbytes / elapsed / 1e9
     finally:
+        parent.send("done")  # the holder stops now, also after a failed read
         proc.join(30)
 
 

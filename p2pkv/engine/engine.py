@@ -191,7 +191,8 @@ class TransferEngine:
         """Hold blocks for a decode engine to pull, until it does or the lease runs out; `ranges`: where they lie
         in the exported cache, for a puller that copies them itself (cuda_ipc); `slicer`: some heads of them, for
         decode ranks of another tensor-parallel size (each pulls its heads; served once all have); `slice_ranges`:
-        where such slices lie in the exported cache, for pulls of them by reference."""
+        where such slices lie in our storages (and the first of their layers), for pulls of them by reference or by
+        pipe."""
         self.offers.offer(transfer_id, total_blocks, source, lease_s, ranges, slicer, slice_ranges)
 
     def offer_state(self, transfer_id: str) -> OfferState | None:
