@@ -143,7 +143,7 @@ class DeviceKv:
                     at += n
             marker = self._copier.mark()
         if self.metrics is not None:
-            self.metrics.device_copy_bytes.labels("to_host" if to_host else "to_device").inc(at)
+            self.metrics.of(self.metrics.device_copy_bytes, "to_host" if to_host else "to_device").inc(at)
         return marker
 
     def copy_out(self, layer: int, block_ids: Sequence[int], dst: torch.Tensor) -> Marker:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -31,6 +32,16 @@ class EngineMetrics:
                                           registry=r)
         self._lock = threading.Lock()
         self._totals: dict[str, float] = {}
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def of(self, metric: Counter | Gauge | Histogram, *labels: str) -> Any:
+        """The series of `metric` for these label values, looked up once: prometheus_client's `labels` checks its
+        arguments and takes a lock on every call, and the engine's threads count every transfer."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:  # two threads may both get here: `labels` gives both the same series
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def add(self, name: str, amount: float) -> None:
         """Plain totals for tests and logs, next to the Prometheus series."""

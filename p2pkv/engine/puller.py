@@ -154,7 +154,7 @@ class Puller:
                 result = PullResult(PullState.FAILED, f"internal error: {exc!r}")
             ms = (time.monotonic() - started) * 1000
             outcome = "ok" if result.state is PullState.DONE else "failed"
-            self._metrics.transfers.labels("pull", outcome).inc()
+            self._metrics.of(self._metrics.transfers, "pull", outcome).inc()
             heads = f" heads={job.part.heads[0]}-{job.part.heads[1]}" if job.part is not None else ""
             if job.part is not None and job.part.layers is not None:
                 heads += f" layers={job.part.layers[0]}-{job.part.layers[1]}"
@@ -238,16 +238,17 @@ class Puller:
             raise TransferError("deadline passed before the pull started")
         by_reference, pipe_runs = False, []
         part = job.part
-        # Whole blocks, or a slice (this rank's heads of some layers), where they lie in our storages.
-        placed = job.device_blocks is not None if part is None else part.runs is not None
-        if placed and (self._device is not None or self._maker is not None):
+        if part is None and job.device_blocks is not None and (self._device is not None
+                                                               or self._maker is not None):
             conn = self._links.open(job.peer, job.deadline)
             by_reference = self._device is not None and self._remote(job.peer, conn) is not None
             if not by_reference and self._maker is not None and self._pipe(job.peer, conn, job.deadline):
-                if part is not None and part.runs is not None:
-                    pipe_runs = part.runs
-                elif job.device_blocks is not None:
-                    pipe_runs = self._local_runs(job.device_blocks)
+                pipe_runs = self._local_runs(job.device_blocks)
+        elif part is not None and part.runs is not None and (self._device is not None or self._maker is not None):
+            conn = self._links.open(job.peer, job.deadline)
+            by_reference = self._device is not None and self._remote(job.peer, conn) is not None
+            if not by_reference and self._maker is not None and self._pipe(job.peer, conn, job.deadline):
+                pipe_runs = part.runs  # this rank's heads of the slice's layers, where they lie in our storages
         request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, by_reference, pipe_runs)
         if part is not None:
             request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, by_reference, pipe_runs,
@@ -360,7 +361,7 @@ class Puller:
         return receive, pipe.transport
 
     def _count(self, transport: str, nbytes: int) -> None:
-        self._metrics.bytes_received.labels(transport).inc(nbytes)
+        self._metrics.of(self._metrics.bytes_received, transport).inc(nbytes)
         self._metrics.add("bytes_received", nbytes)
 
     @staticmethod

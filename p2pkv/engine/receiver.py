@@ -184,7 +184,7 @@ class Receiver:
             return
         conn.recv_payload_into(view, deadline)
         self._store.finish_chunk(push.transfer_id, push.num_blocks * push.layers)
-        self._metrics.bytes_received.labels(conn.name).inc(payload_len)
+        self._metrics.of(self._metrics.bytes_received, conn.name).inc(payload_len)
         self._metrics.add("bytes_received", payload_len)
 
     def _refuse_push(self, conn: Connection, push: PushBlocks, payload_len: int, refused: set[str],
@@ -246,7 +246,7 @@ class Receiver:
             # TCP: sent bytes sit in the socket's buffers. shm: the puller has copied every layer, or it is gone
             # (then it reports load errors and recomputes). Either way the blocks are free to go.
             self._offers.finish(claim)
-            self._metrics.bytes_sent.labels(transport).inc(nbytes)
+            self._metrics.of(self._metrics.bytes_sent, transport).inc(nbytes)
             self._metrics.add("bytes_sent", nbytes)
             log.info("transfer %s served peer=%s bytes=%d ms=%.1f transport=%s", pull.transfer_id, conn.peer,
                      nbytes, (time.monotonic() - started) * 1000, transport)

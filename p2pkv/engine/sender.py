@@ -254,7 +254,9 @@ class Sender:
                     self._finish_locked(item, OutState.REFUSED, PULL_INSTEAD)
             sent: dict[str, Outgoing] = {}  # each transfer checked once, after all its layers here are counted
             for job, item in live:
-                nbytes = sum(v.nbytes for v in job.views)
+                nbytes = 0
+                for view in job.views:
+                    nbytes += view.nbytes
                 total += nbytes
                 item.nbytes += nbytes
                 item.layers_sent.add(job.layer)
@@ -263,7 +265,7 @@ class Sender:
                 item.transport = name
                 item.by_reference = by_reference
                 self._maybe_done_locked(item)
-        self._metrics.bytes_sent.labels(name).inc(total)
+        self._metrics.of(self._metrics.bytes_sent, name).inc(total)
         self._metrics.add("bytes_sent", total)
 
     def _hand_over(self, conn: Connection, live: list[tuple[PushJob, Outgoing]]
@@ -370,8 +372,8 @@ class Sender:
         outcome = {OutState.DONE: "ok", OutState.REFUSED: "refused"}.get(state, "failed")
         if reason == PULL_INSTEAD:
             outcome = "pull_instead"
-        self._metrics.transfers.labels("send", outcome).inc()
-        self._metrics.transfer_seconds.labels("send").observe(ms / 1000)
+        self._metrics.of(self._metrics.transfers, "send", outcome).inc()
+        self._metrics.of(self._metrics.transfer_seconds, "send").observe(ms / 1000)
         log.info("transfer %s send %s peer=%s bytes=%d ms=%.1f transport=%s%s", item.transfer_id, outcome,
                  item.peer, item.nbytes, ms, item.transport, f" reason={reason}" if reason else "")
 
