@@ -69,7 +69,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _die_with_parent() -> None:
-    os.setsid()
+    # A process group of its own (stopped as one), but the launcher's session: a new session would give each
+    # instance a scheduling autogroup of its own, and the kernel then shares each core between those groups as
+    # wholes. vLLM's CPU workers are pinned to cores and spin between steps; with the instances in separate groups,
+    # engine I/O threads on those cores were measured waiting 1 to 30 s to run (pulls failed at their deadline).
+    os.setpgid(0, 0)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
