@@ -8,8 +8,10 @@ import asyncio
 import random
 import tempfile
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -79,13 +81,25 @@ async def _drive(proxy: str, model: str, requests: int, concurrency: int, mark: 
                     resp = await client.post(f"{proxy}/v1/completions", json=body)
                     if resp.status_code != 200 or not resp.json().get("choices"):
                         result.failures += 1
-                except httpx.HTTPError:
+                except (httpx.HTTPError, ValueError):  # ValueError: a body that is not JSON
                     result.failures += 1
             done += 1
             if done == mark:
                 on_mark.set()
 
         await asyncio.gather(*(one(i) for i in range(requests)))
+
+
+async def _noting_mark(drive: Coroutine[Any, Any, None], marked: asyncio.Event, at_mark: Callable[[], None]) -> None:
+    """Run `drive`, calling `at_mark` once `marked` is set; return (or raise) when `drive` ends, also when it ends
+    without reaching the mark (then `at_mark` is not called)."""
+    task = asyncio.ensure_future(drive)
+    seen = asyncio.ensure_future(marked.wait())
+    await asyncio.wait({task, seen}, return_when=asyncio.FIRST_COMPLETED)
+    seen.cancel()
+    if marked.is_set():
+        at_mark()
+    await task
 
 
 def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_type: str = "PUT_ASYNC",
@@ -104,16 +118,13 @@ def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_ty
         mark = max(1, requests // 2)
         marked = asyncio.Event()
 
-        async def main() -> None:
-            task = asyncio.create_task(_drive(f"http://127.0.0.1:{proxy_port}", model, requests, concurrency,
-                                              mark, marked, result))
-            await marked.wait()
+        def at_mark() -> None:
             result.rss_mark_mb = {**tree_rss_mb(prefill), **tree_rss_mb(decode)}
             print(f"[soak] {mark} requests done; resident memory noted", flush=True)
-            await task
 
         started = time.monotonic()
-        asyncio.run(main())
+        asyncio.run(_noting_mark(_drive(f"http://127.0.0.1:{proxy_port}", model, requests, concurrency, mark,
+                                        marked, result), marked, at_mark))
         result.seconds = time.monotonic() - started
         time.sleep(1.0)  # let the last transfers' bookkeeping settle
         result.rss_end_mb = {**tree_rss_mb(prefill), **tree_rss_mb(decode)}

@@ -48,6 +48,13 @@ def _bench_pool(args: argparse.Namespace) -> int:
     return bench_pool(args.capacity, args.pairs)
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _bench_soak(args: argparse.Namespace) -> int:
     from p2pkv.bench.soak import main as bench_soak
 
@@ -133,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     pool.set_defaults(func=_bench_pool)
     soak = bench.add_parser("soak", help="many requests through a local 1P1D cluster: failures, leaks, memory")
     soak.add_argument("--model", default=None, help="model directory (default: the tiny model)")
-    soak.add_argument("--requests", type=int, default=1000)
-    soak.add_argument("--concurrency", type=int, default=16)
+    soak.add_argument("--requests", type=_at_least_one, default=1000)
+    soak.add_argument("--concurrency", type=_at_least_one, default=16)
     soak.add_argument("--send-type", default="PUT_ASYNC", choices=["PUT", "PUT_ASYNC", "GET"])
     soak.add_argument("--transport", default="auto", choices=[t.value for t in Transport],
                       help="the instances' transport key")

@@ -1,0 +1,75 @@
+"""The soak benchmark's driver, against a stub HTTP server (its own logic only; the benchmark itself runs a real
+cluster): failures are counted, whatever the body, and the memory mark is taken while requests still run, or not
+at all when the run ends before it, without hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from p2pkv.bench.soak import SoakResult, _drive, _noting_mark
+
+
+class _Stub(BaseHTTPRequestHandler):
+    """Answers a completion whose prompt starts with an even number, and garbage (not JSON) to the others."""
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        number = int(body["prompt"].split()[0])
+        reply = json.dumps({"choices": [{"text": "x"}]}).encode() if number % 2 == 0 else b"<html>oops"
+        self.send_response(200)
+        self.send_header("content-length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def stub() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        thread.join(5)
+
+
+def test_drive_counts_bodies_that_are_not_json_as_failures_and_reaches_the_mark(stub: str) -> None:
+    result = SoakResult(10, 0, 0.0)
+    marked = asyncio.Event()
+    asyncio.run(asyncio.wait_for(_drive(stub, "m", 10, 3, 5, marked, result), 30))
+    assert result.failures == 5
+    assert marked.is_set()
+
+
+def test_the_mark_is_taken_while_the_run_goes_on() -> None:
+    marked, noted = asyncio.Event(), asyncio.Event()
+
+    async def drive() -> None:
+        marked.set()
+        await noted.wait()  # the rest of the run needs the mark to have been taken
+
+    asyncio.run(asyncio.wait_for(_noting_mark(drive(), marked, noted.set), 5))
+    assert noted.is_set()
+
+
+def test_a_run_that_fails_before_the_mark_ends_without_it() -> None:
+    marked = asyncio.Event()
+    taken: list[bool] = []
+
+    async def drive() -> None:
+        await asyncio.sleep(0.01)
+        raise RuntimeError("the client broke")
+
+    with pytest.raises(RuntimeError, match="the client broke"):
+        asyncio.run(asyncio.wait_for(_noting_mark(drive(), marked, lambda: taken.append(True)), 5))
+    assert not taken
