@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--base-port", type=int, default=0, help="first vLLM port (default: free ones)")
     up.add_argument("--dtype", default="float32")
     up.add_argument("--kv-cache-gb", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE for CPU builds")
-    up.add_argument("--send-type", default="PUT_ASYNC", choices=["PUT", "PUT_ASYNC"])
+    up.add_argument("--send-type", default="PUT_ASYNC", choices=["PUT", "PUT_ASYNC", "GET"])
     up.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                     help="what vLLM does with a request whose KV did not arrive")
     up.add_argument("--extra-config", default="{}", metavar="JSON",

@@ -167,6 +167,11 @@ class TransferEngine:
         assert self._sender is not None, "engine not started"
         return self._sender.pulls_instead(peer)
 
+    def peer_reads_in_place(self, peer: Address) -> bool:
+        """The link to `peer` is up and the peer reads our payloads from our memory (shm): a push costs us a frame."""
+        assert self._sender is not None, "engine not started"
+        return self._sender.peer_reads_in_place(peer)
+
     def wait_sent(self, deadline: float) -> bool:
         assert self._sender is not None, "engine not started"
         return self._sender.wait_idle(deadline)

@@ -298,6 +298,11 @@ class Sender:
         conn = self._links.get(peer)
         return conn is not None and conn.pull_instead
 
+    def peer_reads_in_place(self, peer: Address) -> bool:
+        """The link to `peer` is up and the peer copies our payloads out of our memory itself (shm; no I/O)."""
+        conn = self._links.get(peer)
+        return isinstance(conn, ShmConnection) and conn.sends_by_reference
+
     def _await_ready(self, peer: Address, live: list[tuple[PushJob, Outgoing]]) -> list[tuple[PushJob, Outgoing]]:
         """Wait for the device-to-host copies of staged layers; a copy that misses its deadline fails its transfer."""
         failed: dict[str, str] = {}

@@ -247,8 +247,9 @@ class Router:
         except asyncio.CancelledError:  # the client went away
             state.in_flight -= 1
             raise
-        self.metrics.ttft_seconds.observe(time.monotonic() - started)
         if upstream.status_code != 200 or not body.get("stream"):
+            # The whole answer comes at once (vLLM sends a plain answer's headers with it): its first token is here.
+            self.metrics.ttft_seconds.observe(time.monotonic() - started)
             try:
                 content = await upstream.aread()
             except httpx.HTTPError as exc:
@@ -266,8 +267,12 @@ class Router:
 
         async def chunks() -> AsyncIterator[bytes]:
             # Cancelled when the client goes away, which closes the upstream request too.
+            first = True
             try:
                 async for chunk in upstream.aiter_raw():
+                    if first:  # a stream's headers come before its first token (vLLM sends them at once)
+                        first = False
+                        self.metrics.ttft_seconds.observe(time.monotonic() - started)
                     yield chunk
                 self.metrics.requests.labels("ok").inc()
             finally:

@@ -18,7 +18,8 @@ class ProxyMetrics:
         self.decode_seconds = Histogram("p2pkv_proxy_decode_seconds", "Decode request latency (to the end)",
                                         registry=r)
         self.ttft_seconds = Histogram("p2pkv_proxy_time_to_first_token_seconds",
-                                      "From the client's request to the first decode bytes", registry=r)
+                                      "From the client's request to the decode answer's first body bytes (a "
+                                      "stream's first token)", registry=r)
         self.retries = Counter("p2pkv_proxy_prefill_retries", "Prefill attempts retried on another instance",
                                registry=r)
         self.decode_resends = Counter("p2pkv_proxy_decode_resends",

@@ -31,9 +31,9 @@ def stub_prefill(seen: list[dict[str, Any]], fail: bool = False) -> FastAPI:
     return app
 
 
-def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0) -> FastAPI:
+def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0, first_token_s: float = 0.0) -> FastAPI:
     """A decode backend; its probe answer says `tp_size` and `pp_size` when given (a p2pkv connector older than
-    that does not)."""
+    that does not). A stream's headers go out at once and its first chunk `first_token_s` later, as vLLM's do."""
     app = FastAPI()
 
     @app.get("/health")
@@ -59,6 +59,7 @@ def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0) 
         seen.append(body)
         if body.get("stream"):
             async def events() -> AsyncIterator[bytes]:
+                await asyncio.sleep(first_token_s)
                 for word in ("a", "b", "c"):
                     yield f"data: {json.dumps({'choices': [{'text': word}]})}\n\n".encode()
                 yield b"data: [DONE]\n\n"

@@ -223,6 +223,32 @@ def test_streaming_passes_chunks_as_they_come_and_keeps_usage(backends: Any) -> 
     assert not obs.cancelled.is_set()
 
 
+def ttft(proxy: str) -> tuple[float, float]:
+    """The proxy's time-to-first-token histogram: (count, sum)."""
+    found = {}
+    for line in httpx.get(f"http://{proxy}/metrics").text.splitlines():
+        for part in ("count", "sum"):
+            if line.startswith(f"p2pkv_proxy_time_to_first_token_seconds_{part} "):
+                found[part] = float(line.split()[1])
+    return found["count"], found["sum"]
+
+
+def test_time_to_first_token_is_taken_at_the_first_token_not_the_headers(backends: Any) -> None:
+    # The decode stub sends a stream's headers at once and its first token 0.3 s later, as vLLM does.
+    p, _, _, _ = backends
+    with serve(stub_decode([], first_token_s=0.3)) as slow, serve(proxy_for(p, slow)) as proxy:
+        body = {"prompt": "hi", "max_tokens": 3, "stream": True}
+        started = time.monotonic()
+        with httpx.stream("POST", f"http://{proxy}/v1/completions", json=body, timeout=10) as resp:
+            texts = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        elapsed = time.monotonic() - started
+        assert texts[-1] == "data: [DONE]"
+        count, total = ttft(proxy)
+        assert count == 1 and 0.3 <= total <= elapsed
+        httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=10)
+        assert ttft(proxy)[0] == 2  # a plain answer counts too, once it has come
+
+
 def test_a_client_leaving_a_stream_cancels_the_decode_request(backends: Any) -> None:
     p, _, _, _ = backends
     obs = Observed()

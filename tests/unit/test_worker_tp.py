@@ -44,9 +44,10 @@ def halves(stage: int, pp: int) -> range:
 
 
 def worker(role: str, port: int, rank: int, tp: int, total: int, kv: dict[str, torch.Tensor],
-           pp_rank: int = 0, pp_size: int = 2) -> WorkerSide:
+           pp_rank: int = 0, pp_size: int = 2, transport: str = "auto") -> WorkerSide:
     """With gloo pipes asked for (the `piped` mode), the transport is nccl's: pulls by pipe, no export."""
-    extra: dict[str, object] = {"kv_host": "127.0.0.1", "transfer_timeout_s": 10, "metrics_port": 0}
+    extra: dict[str, object] = {"kv_host": "127.0.0.1", "transfer_timeout_s": 10, "metrics_port": 0,
+                                "transport": transport}
     if os.environ.get(PIPE_ENV) == "gloo":
         extra["transport"] = "nccl"
     config = parse_connector_config(role, port, "recompute", extra)
@@ -202,6 +203,55 @@ def test_pipeline_stages_push_to_the_same_stage(sides: list[WorkerSide]) -> None
     for s in range(2):
         for name in d_kv[s]:
             assert torch.equal(d_kv[s][name][list(dst)], p_kv[s][name][list(src)])
+
+
+def push_once(prefill: WorkerSide, decode: WorkerSide, names: list[str], tid: str, p_port: int, d_port: int,
+              first: Callable[[], None]) -> None:
+    """Push blocks (1, 3) to (4, 0) as a forward pass does, layer (`names`) by layer, then `wait_for_save`; `first`
+    runs after the first layer's hook. The decode side loads them (both sides step on, as vLLM's do: a push left
+    for a pull is offered in the prefill side's `get_finished`)."""
+    src, dst = (1, 3), (4, 0)
+    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", tid, 0, dst, fallback_from=Address("127.0.0.1", p_port))]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", tid, Address("127.0.0.1", d_port), src)]))
+    prefill.save_layer(names[0])
+    first()
+    for name in names[1:]:
+        prefill.save_layer(name)
+    prefill.wait_for_save()
+    deadline = time.monotonic() + 10
+    loaded: set[str] = set()
+    while "d-req" not in loaded and time.monotonic() < deadline:
+        prefill.get_finished(set())
+        loaded |= decode.get_finished(set())[1] or set()
+        time.sleep(0.01)
+    assert "d-req" in loaded and decode.take_load_errors() == set()
+    settle(prefill, "p-req", sending=True)
+
+
+@pytest.mark.parametrize("case", ["host-cache-shm", "host-cache-tcp", "staged"])
+def test_host_kv_read_in_place_is_pushed_when_the_forward_ends(sides: list[WorkerSide], case: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # With KV in host memory and a peer on this host reading it in place (shm), the transfer's threads would share
+    # the cores and the GIL with the forward: nothing goes out per layer, every layer at `wait_for_save`. Over tcp
+    # (a peer on another host: the wire is worth overlapping) and with KV handled as a GPU's (staged: the device
+    # copy is), each layer goes as it is done.
+    if case == "staged":
+        monkeypatch.setenv(STAGE_ENV, "1")
+    p_port, d_port = free_ports(2, run=1)
+    p_kv, d_kv = caches(HEADS, 90, 0, MODEL_LAYERS), caches(HEADS, 91, 0, MODEL_LAYERS)
+    transport = "tcp" if case == "host-cache-tcp" else "auto"
+    prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, 0, 1, transport)
+    decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, 0, 1, transport)
+    sides += [prefill, decode]
+    push_once(prefill, decode, list(p_kv), "tid7", p_port, d_port, lambda: None)  # the link is up from here on
+    d_kv[next(iter(d_kv))].zero_()
+    seen: list[bool] = []
+    push_once(prefill, decode, list(p_kv), "tid8", p_port, d_port,
+              lambda: seen.append(prefill.engine.outgoing("tid8") is not None))
+    assert seen == [case != "host-cache-shm"]
+    assert prefill.engine.peer_reads_in_place(Address("127.0.0.1", d_port)) == (case != "host-cache-tcp")
+    for name in d_kv:
+        assert torch.equal(d_kv[name][[4, 0]], p_kv[name][[1, 3]])
 
 
 def test_a_decode_stage_gathers_its_layers_from_two_prefill_stages(sides: list[WorkerSide], mode: str) -> None:
