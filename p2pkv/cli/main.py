@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from p2pkv.config import Transport
+from p2pkv.config import SendType, Transport
 from p2pkv.errors import P2pkvError
 
 
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--base-port", type=int, default=0, help="first vLLM port (default: free ones)")
     up.add_argument("--dtype", default="float32")
     up.add_argument("--kv-cache-gb", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE for CPU builds")
-    up.add_argument("--send-type", default="PUT_ASYNC", choices=["PUT", "PUT_ASYNC", "GET"])
+    up.add_argument("--send-type", default=SendType.PUT_ASYNC.value, choices=[t.value for t in SendType])
     up.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                     help="what vLLM does with a request whose KV did not arrive")
     up.add_argument("--extra-config", default="{}", metavar="JSON",
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--model", default=None, help="model directory (default: the tiny model)")
     soak.add_argument("--requests", type=_at_least_one, default=1000)
     soak.add_argument("--concurrency", type=_at_least_one, default=16)
-    soak.add_argument("--send-type", default="PUT_ASYNC", choices=["PUT", "PUT_ASYNC", "GET"])
+    soak.add_argument("--send-type", default=SendType.PUT_ASYNC.value, choices=[t.value for t in SendType])
     soak.add_argument("--transport", default="auto", choices=[t.value for t in Transport],
                       help="the instances' transport key")
     soak.set_defaults(func=_bench_soak)

@@ -78,9 +78,9 @@ class WorkerSide:
         self._specs: dict[str, SaveSpec] = {}
         self._finished: set[str] = set()
         self._loading: Loads | None = None
-        # Push each layer as the forward computes it (KV behind a device copy, which then overlaps the compute), or,
-        # KV in host memory read by a peer on this host, every layer at once when the forward ends (`save_layer`).
-        self._layerwise = False
+        # KV behind a device copy (a GPU's): every layer is pushed as the forward computes it, whatever the link,
+        # so that the copy overlaps the compute (see `save_layer` for host KV).
+        self._staged = False
 
     @property
     def engine(self) -> TransferEngine:
@@ -97,7 +97,7 @@ class WorkerSide:
             # KV the engine cannot address in place (a GPU's): through host buffers, and pulls by reference.
             device = DeviceKv(tensors, self._block_size, kernel, extra.transfer_timeout_s, self._at.total_heads)
             self._blocks, access = TransferBuffers(device), CacheAccess(device)
-            self._layerwise = True
+            self._staged = True
             pipes = make_pipes(device, extra.kv_host, extra.nccl_num_channels)
         else:
             self._blocks = InPlaceBlocks(KvBlocks.from_tensors(tensors, self._block_size, kernel,
@@ -140,7 +140,7 @@ class WorkerSide:
         if layer is None or not self._meta.saves:
             return
         for spec in self._meta.saves:
-            if self._layerwise or spec.peer is None or not self.engine.peer_reads_in_place(
+            if self._staged or spec.peer is None or not self.engine.peer_reads_in_place(
                     spec.peer.offset(self._at.slot)):
                 self._push(spec, layer)
 
