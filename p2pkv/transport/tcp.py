@@ -22,6 +22,7 @@ _READ_BUFFER = 64 << 10
 _MAX_IOV = 512
 _MAX_QUEUED = 64
 _MAX_QUEUE_S = 0.002
+_QUICKACK = getattr(socket, "TCP_QUICKACK", None)  # Linux
 
 
 def _remaining(deadline: float) -> float:
@@ -109,6 +110,18 @@ class TcpConnection:
     def flush(self, deadline: float) -> None:
         if self._outbox:
             self.send_buffers([], deadline)
+            self._ack_promptly()
+
+    def _ack_promptly(self) -> None:
+        """Have the kernel ACK what arrives at once. Small replies on a stream that mostly flows the other way (a
+        verdict per pushed transfer, a pull request per payload) put Linux's TCP into its interactive mode, which
+        delays the ACKs that open the sender's window; pushes of 1 MiB ran about 15% slower on loopback."""
+        if _QUICKACK is None:
+            return
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
+        except OSError:  # closed meanwhile: the next call reports it
+            pass
 
     def send_buffers(self, buffers: Sequence[memoryview | bytes], deadline: float) -> None:
         """Queued frames, then `buffers`, in order, with `sendmsg` (partial writes resumed after a poll)."""
@@ -205,10 +218,12 @@ class TcpConnection:
 
     def recv_payload_into(self, view: memoryview, deadline: float) -> None:
         self.recv_exact_into(view, deadline)
+        self._ack_promptly()
 
     def recv_payload_into_all(self, views: Sequence[memoryview], deadline: float) -> None:
         for view in views:
             self.recv_exact_into(view, deadline)
+        self._ack_promptly()
 
     def discard_payload(self, nbytes: int, deadline: float) -> None:
         scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
