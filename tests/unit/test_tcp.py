@@ -165,6 +165,13 @@ def test_the_receiving_side_asks_for_prompt_acks_after_each_payload_and_after_it
         assert ack is not None and ack[0] == PushAck("t", True)
         receiver.flush(soon())  # nothing queued: nothing sent, nothing asked
         assert counted.quick_acks == after_payload + 1
+        sender.send_frame(PushBlocks("u", 0, 0, 1, 1, 1), (memoryview(payload.data),), soon())  # a pull's answer
+        got = receiver.recv_frame(5, soon())
+        assert got is not None and got[1] == payload.size
+        halves = np.empty(payload.size, np.uint8)
+        before = counted.quick_acks
+        receiver.recv_payload_into_all([memoryview(halves[:1000].data), memoryview(halves[1000:].data)], soon())
+        assert np.array_equal(halves, payload) and counted.quick_acks >= before + 1
     finally:
         sender.close()
         receiver.close()
