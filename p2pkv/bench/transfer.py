@@ -32,7 +32,7 @@ from p2pkv.engine import TransferEngine
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.store import StageState
 from p2pkv.params import Address
-from p2pkv.transport import cma
+from p2pkv.transport.split_read import SplitReader
 from p2pkv.transport.tcp import tune_socket
 
 SIZES = tuple(1 << k for k in range(16, 29, 2))  # 64 KiB .. 256 MiB
@@ -173,29 +173,34 @@ def socket_gbps(nbytes: int, budget_bytes: int) -> float:
 
 
 def kernel_gbps(shape: Shape, budget_bytes: int) -> float:
-    """The kernel's cross-process copy alone, what the shm transport is built on: `process_vm_readv` of the same
-    KV-shaped bytes from a child process into memory mapped as the engine's staging pool maps it."""
+    """The kernel's cross-process copy alone, as the shm transport makes it (`SplitReader`: `process_vm_readv`,
+    on two threads from 8 MiB), of the same KV-shaped bytes from a child process into memory mapped as the
+    engine's staging pool maps it."""
     count = _count(shape.nbytes, budget_bytes)
     parent, child = _SPAWN.Pipe()
     proc = _SPAWN.Process(target=hold_run, args=(child, shape), daemon=True)
     proc.start()
+    reader: SplitReader | None = None
     try:
         if not parent.poll(60):
             raise RuntimeError("the holding process did not start")
         pid, ranges = parent.recv()
+        reader = SplitReader(pid)
         dest = mmap.mmap(-1, shape.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             dest.madvise(mmap.MADV_HUGEPAGE)
         views = [memoryview(dest)]
-        cma.read_remote_scattered(pid, views, ranges)  # faults the destination in, as the warm-up transfers do
+        reader.read(views, ranges)  # faults the destination in, as the warm-up transfers do
         started = time.perf_counter()
         for _ in range(count):
-            cma.read_remote_scattered(pid, views, ranges)
+            reader.read(views, ranges)
         elapsed = time.perf_counter() - started
         views[0].release()
         dest.close()
         return count * shape.nbytes / elapsed / 1e9
     finally:
+        if reader is not None:
+            reader.close()
         parent.send("done")  # the holder stops now, also after a failed read
         proc.join(30)
 
@@ -288,8 +293,8 @@ def main(sizes: Sequence[int], transports: Sequence[str], budget_bytes: int, plo
     print("baselines: tcp = a plain socket stream between two processes; shm = a single-process memcpy; "
           f"each figure is the best of {repeats} runs")
     if "shm" in transports:
-        print("kernel = process_vm_readv of the same bytes from another process, no engine (what shm copies with); "
-              "ceiling = kernel / memcpy, the most shm could reach against its baseline")
+        print("kernel = process_vm_readv of the same bytes from another process, no engine, as shm copies them (on two "
+              "threads from 8 MiB); ceiling = kernel / memcpy, the most shm could reach against its baseline")
     for what, ms in latencies.items():
         print(f"latency of {what}: {ms:.3f} ms (median)")
     write_plot(rows, transports, Path(plot))

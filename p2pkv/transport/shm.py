@@ -3,8 +3,9 @@
 After a handshake in which both sides proved they can read each other (`p2pkv.transport.cma`), a payload is not
 written to the socket: the frame is followed by a descriptor, the list of (address, length) ranges of the payload
 in the sender's memory, and the reader copies it with one `process_vm_readv` into its destination (a staging
-buffer, or the decode instance's KV blocks when it pulls). The reader then sends `PayloadCopied`; until it
-arrives, the sender keeps that memory unchanged (its transfer is not done).
+buffer, or the decode instance's KV blocks when it pulls); payloads of 8 MiB and up are copied half by the reading
+thread and half by a helper thread the connection owns (`p2pkv.transport.split_read`). The reader then sends
+`PayloadCopied`; until it arrives, the sender keeps that memory unchanged (its transfer is not done).
 
 Each direction is agreed on its own: `sends_by_reference` (the peer reads my payloads) and `reads_by_reference`
 (I read the peer's). A direction that could not be set up carries payload bytes on the socket, as TCP does.
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from p2pkv.errors import ProtocolError, TransferError
 from p2pkv.protocol import CmaStatus, DeviceExport, Message, PayloadCopied, PushBlocks, encode_frame
 from p2pkv.transport import cma
+from p2pkv.transport.split_read import SplitReader
 from p2pkv.transport.tcp import TcpConnection
 
 MAX_RANGES = 1 << 16
@@ -46,6 +48,7 @@ class ShmConnection:
         self.sends_by_reference = sends_by_reference
         self.reads_by_reference = reads_by_reference
         self._secret = inner.secret
+        self._reader = SplitReader(peer_pid)  # no thread until a large payload is read
         # The payload being read: its frame, and the peer's ranges not yet copied.
         self._frame: PushBlocks | None = None
         self._ranges: list[tuple[int, int]] = []
@@ -132,7 +135,7 @@ class ShmConnection:
             return
         views = [v.cast("B") if v.format != "B" else v for v in views]
         total = sum(v.nbytes for v in views)
-        cma.read_remote_scattered(self.peer_pid, views, self._take(total))
+        self._reader.read(views, self._take(total))
         self._consumed(total, deadline)
 
     def discard_payload(self, nbytes: int, deadline: float) -> None:
@@ -147,4 +150,5 @@ class ShmConnection:
         return self._inner.is_alive()
 
     def close(self) -> None:
+        self._reader.close()
         self._inner.close()

@@ -18,6 +18,7 @@ import pytest
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.store import StageState
 from p2pkv.protocol import LayoutDigest, PushBlocks, encode_frame
+from p2pkv.transport.split_read import SPLIT_FROM
 from tests.helpers.peer import TRANSPORT_ENV, engine_config, layout, payload
 
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "peer.py"
@@ -77,6 +78,32 @@ def test_push_lands_exact_bytes(receiver: TransferEngine, transport: str) -> Non
     assert receiver.store.bytes_in_use == 0
     assert receiver.metrics.totals()["bytes_received"] == LAYERS * BLOCKS * BLOCK_BYTES
     assert received_over(receiver, transport) == LAYERS * BLOCKS * BLOCK_BYTES
+
+
+def test_a_large_push_lands_exact_bytes_and_shm_copies_it_on_two_threads(transport: str) -> None:
+    layers, blocks, block_bytes = 2, 3, 4 << 20  # 12 MiB a layer: every frame is at least SPLIT_FROM
+    assert blocks * block_bytes >= SPLIT_FROM
+    settings = EngineSettings.from_config(engine_config(kv_host="127.0.0.1", transfer_timeout_s=10), 0, 0)
+    receiver = TransferEngine(settings, layout(layers, block_bytes))
+    receiver.start()
+    peer = Peer(layers=layers, block_bytes=block_bytes, blocks=blocks)
+    try:
+        result = peer.push(receiver.address, "big", seed=5)
+        assert result["state"] == "done", result
+        assert wait_state(receiver, "big") is StageState.COMPLETE
+        item = receiver.take_staged("big")
+        assert item is not None
+        expected = payload(5, layers, blocks, block_bytes)
+        for layer in range(layers):
+            assert bytes(item.layer_view(layer)) == expected[layer].tobytes()
+        receiver.release_staged(item)
+        # The link is still open: over shm its reader shared the copy with a helper thread; tcp has none.
+        helpers = [name for name in p2pkv_threads() if name.startswith("p2pkv-copy-")]
+        assert len(helpers) == (1 if transport == "shm" else 0), helpers
+    finally:
+        peer.close()
+        receiver.close()
+    assert p2pkv_threads() == [], "engine threads outlived close()"
 
 
 def test_layout_mismatch_is_refused_with_the_difference(receiver: TransferEngine) -> None:
@@ -144,14 +171,16 @@ def test_sender_killed_mid_transfer_fails_the_transfer_promptly() -> None:
 class Peer:
     """A long-lived sending engine in another process, driven line by line."""
 
-    def __init__(self, secret: str = "") -> None:
+    def __init__(self, secret: str = "", layers: int = LAYERS, block_bytes: int = BLOCK_BYTES,
+                 blocks: int = BLOCKS) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([sys.executable, str(HELPER), "serve", str(LAYERS), str(BLOCK_BYTES), secret],
+        self.proc = subprocess.Popen([sys.executable, str(HELPER), "serve", str(layers), str(block_bytes), secret],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.blocks = blocks
 
     def push(self, address: str, tid: str, seed: int = 1) -> dict[str, object]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"push {address} {tid} {seed} {BLOCKS}\n")
+        self.proc.stdin.write(f"push {address} {tid} {seed} {self.blocks}\n")
         self.proc.stdin.flush()
         result: dict[str, object] = json.loads(self.proc.stdout.readline())
         return result

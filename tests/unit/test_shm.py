@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from p2pkv.errors import TransferError
 from p2pkv.params import Address
 from p2pkv.protocol import CmaOffer
 from p2pkv.transport import cma
+from p2pkv.transport.split_read import SplitReader, split_views
 from tests.helpers.peer import layout
 
 pytestmark = pytest.mark.skipif(not cma.available(), reason="cross-memory attach needs Linux")
@@ -59,6 +62,81 @@ def test_read_remote_reports_errors() -> None:
     gone.wait()
     with pytest.raises(TransferError, match="No such process"):
         cma.read_remote(gone.pid, memoryview(bytearray(8)), [(cma.token()[0], 8)])
+
+
+def _copy_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("p2pkv-copy-")]
+
+
+def test_split_reader_shares_large_reads_with_its_helper_and_keeps_the_bytes_in_order() -> None:
+    src = np.random.default_rng(5).integers(0, 256, (1 << 20) + 12345, dtype=np.uint8)
+    base = cma.address_of(src.data)
+    # Remote ranges in a shuffled order, local buffers cut elsewhere: the halves split both lists mid-piece.
+    cuts = sorted(set(np.random.default_rng(6).integers(1, src.size, 40).tolist()))
+    pieces = list(zip([0, *cuts], [*cuts, src.size], strict=True))
+    order = np.random.default_rng(7).permutation(len(pieces))
+    remote = [(base + pieces[i][0], pieces[i][1] - pieces[i][0]) for i in order]
+    expected = b"".join(src[pieces[i][0] : pieces[i][1]].tobytes() for i in order)
+    sizes = [100_003, 0, 400_000, src.size - 500_003]
+    buffers = [bytearray(n) for n in sizes]
+    local = [memoryview(b) for b in buffers]
+    reader = SplitReader(os.getpid(), split_from=64 << 10)
+    try:
+        reader.read(local, remote)
+        assert b"".join(bytes(v) for v in local) == expected
+        assert reader.split_reads == 1
+        assert len(_copy_threads()) == 1
+        for view, buffer in zip(local, buffers, strict=True):  # nothing holds a view of the destination after the read
+            view.release()
+            buffer.extend(b"!")
+        small = memoryview(bytearray(32 << 10))
+        reader.read([small], [(base, small.nbytes)])  # below split_from: on the caller's thread alone
+        assert bytes(small) == src[: small.nbytes].tobytes()
+        assert reader.split_reads == 1
+    finally:
+        reader.close()
+    assert _copy_threads() == []
+    reader.read([small], [(base + 1, small.nbytes)])  # closed: reads still work, on the caller's thread
+    assert bytes(small) == src[1 : small.nbytes + 1].tobytes()
+    assert _copy_threads() == []
+
+
+def _failed_read(reader: SplitReader, buffer: bytearray, remote: list[tuple[int, int]]) -> str:
+    """Why the read into `buffer` failed ("" if it did not); the error is gone when this returns."""
+    try:
+        reader.read([memoryview(buffer)], remote)
+    except TransferError as exc:
+        return str(exc)
+    return ""
+
+
+def test_split_reader_reports_a_failed_half_on_the_callers_thread() -> None:
+    src = np.zeros(256 << 10, dtype=np.uint8)
+    base = cma.address_of(src.data)
+    reader = SplitReader(os.getpid(), split_from=64 << 10)
+    try:
+        half = src.size // 2
+        for remote in ([(base, half), (8, half)], [(8, half), (base, half)]):  # the helper's half, then the caller's
+            buffer = bytearray(src.size)
+            assert re.search(r"failed|could not be read", _failed_read(reader, buffer, remote))
+            buffer.extend(b"!")  # the failed read left no view of it behind
+        local = memoryview(bytearray(src.size))
+        reader.read([local], [(base, src.size)])  # the reader is still usable
+        assert reader.split_reads == 3
+        with pytest.raises(TransferError, match="hold"):
+            reader.read([local], [(base, src.size - 1)])
+    finally:
+        reader.close()
+    assert _copy_threads() == []
+
+
+def test_split_views_cuts_a_buffer_list_at_a_byte_count() -> None:
+    views = [memoryview(bytes(range(n, n + 3))) for n in (0, 10, 20)]
+    head, rest = split_views(views, 4)
+    assert [bytes(v) for v in head] == [bytes([0, 1, 2]), bytes([10])]
+    assert [bytes(v) for v in rest] == [bytes([11, 12]), bytes([20, 21, 22])]
+    assert split_views(views, 3) == (views[:1], views[1:])
+    assert split_views(views, 9)[1] == []
 
 
 def test_offers_prove_who_can_be_read() -> None:
