@@ -23,6 +23,7 @@ from p2pkv.errors import P2pkvError, TransferTimeout
 from p2pkv.protocol import DeviceExport, DeviceHome
 from p2pkv.staging import DeviceKv
 from p2pkv.transport import cma
+from p2pkv.transport.split_read import SplitReader
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class _HostRemote:
         self._pid = export.pid
         self._spans = [_span(h) for h in export.handles]
         self._local = [memoryview(s.numpy()) for s in kv.storages]
+        self._reader = SplitReader(self._pid)  # large runs on two threads, as shm payloads
         if self._spans and self._spans[0][1]:
             probe = bytearray(1)
             cma.read_remote(self._pid, memoryview(probe), [(self._spans[0][0], 1)])  # TransferError if unreadable
@@ -121,13 +123,14 @@ class _HostRemote:
             local = self._local[ours]
             _check_bounds(runs, local.nbytes, "our")
             views = [local[a : a + n] for a, n in runs]
-            cma.read_remote_scattered(self._pid, views, [(base + a, n) for a, n in ranges])
+            self._reader.read(views, [(base + a, n) for a, n in ranges])
             total += sum(n for _, n in ranges)
             if time.monotonic() > deadline:
                 raise TransferTimeout("copying from the peer's memory missed the deadline")
         return total
 
     def close(self) -> None:
+        self._reader.close()
         self._local.clear()
 
 

@@ -4,6 +4,7 @@ protocol, bookkeeping and range pairing a GPU cache uses, without a GPU."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -25,6 +26,8 @@ from p2pkv.params import Address
 from p2pkv.protocol import DeviceExport, DeviceHome
 from p2pkv.staging import DeviceKv, TransferBuffers
 from p2pkv.transport import cma
+from p2pkv.transport.split_read import SPLIT_FROM
+from tests.unit.test_gpu_layouts import views
 from tests.unit.test_staging import SIZES, caches
 
 pytestmark = pytest.mark.skipif(not cma.available(), reason="needs cross-memory attach (Linux)")
@@ -279,3 +282,19 @@ def test_a_transfer_begun_as_a_push_then_prepared_without_bytes_fails_rather_tha
     assert out is not None and out.state is OutState.FAILED and "link changed" in out.reason
     assert decode.engine.wait_staged("short", 10) is StageState.FAILED
     assert "sender aborted" in decode.engine.store.reason("short")
+
+
+def test_large_runs_of_a_host_cache_are_copied_on_two_threads() -> None:
+    big = {"L": 1, "B": 20, "H": 8, "N": 16, "C": 2048}  # 10 MiB of bfloat16: at least SPLIT_FROM
+    src = DeviceKv(views("LBHNC", torch.bfloat16, big, True), 16, "test", 5)
+    dst = DeviceKv(views("LBHNC", torch.bfloat16, big, False), 16, "test", 5)
+    nbytes = src.storages[0].numel()
+    assert nbytes >= SPLIT_FROM
+    remote = CacheAccess(dst).open(CacheAccess(src).export())
+    try:
+        assert remote.copy_runs([(0, 0, [(0, nbytes)], [(0, nbytes)])], time.monotonic() + 10) == nbytes
+        assert torch.equal(dst.storages[0], src.storages[0])
+        assert [t.name for t in threading.enumerate() if t.name.startswith("p2pkv-copy-")] != []
+    finally:
+        remote.close()
+    assert [t.name for t in threading.enumerate() if t.name.startswith("p2pkv-copy-")] == []
