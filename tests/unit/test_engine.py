@@ -64,17 +64,22 @@ def receiver() -> Iterator[TransferEngine]:
     assert p2pkv_threads() == [], "engine threads outlived close()"
 
 
+def take_and_check(receiver: TransferEngine, tid: str, seed: int, layers: int, blocks: int, block_bytes: int) -> None:
+    """The staged transfer completed with exactly the bytes the helper pushed for `seed`; released after."""
+    assert wait_state(receiver, tid) is StageState.COMPLETE
+    item = receiver.take_staged(tid)
+    assert item is not None
+    expected = payload(seed, layers, blocks, block_bytes)
+    for layer in range(layers):
+        assert bytes(item.layer_view(layer)) == expected[layer].tobytes()
+    receiver.release_staged(item)
+
+
 def test_push_lands_exact_bytes(receiver: TransferEngine, transport: str) -> None:
     result = run_helper("push", receiver.address, "t-1", "7", str(LAYERS), str(BLOCKS), str(BLOCK_BYTES))
     assert result["state"] == "done"
     assert result["bytes"] == LAYERS * BLOCKS * BLOCK_BYTES
-    assert wait_state(receiver, "t-1") is StageState.COMPLETE
-    item = receiver.take_staged("t-1")
-    assert item is not None
-    expected = payload(7, LAYERS, BLOCKS, BLOCK_BYTES)
-    for layer in range(LAYERS):
-        assert bytes(item.layer_view(layer)) == expected[layer].tobytes()
-    receiver.release_staged(item)
+    take_and_check(receiver, "t-1", 7, LAYERS, BLOCKS, BLOCK_BYTES)
     assert receiver.store.bytes_in_use == 0
     assert receiver.metrics.totals()["bytes_received"] == LAYERS * BLOCKS * BLOCK_BYTES
     assert received_over(receiver, transport) == LAYERS * BLOCKS * BLOCK_BYTES
@@ -90,13 +95,7 @@ def test_a_large_push_lands_exact_bytes_and_shm_copies_it_on_two_threads(transpo
     try:
         result = peer.push(receiver.address, "big", seed=5)
         assert result["state"] == "done", result
-        assert wait_state(receiver, "big") is StageState.COMPLETE
-        item = receiver.take_staged("big")
-        assert item is not None
-        expected = payload(5, layers, blocks, block_bytes)
-        for layer in range(layers):
-            assert bytes(item.layer_view(layer)) == expected[layer].tobytes()
-        receiver.release_staged(item)
+        take_and_check(receiver, "big", 5, layers, blocks, block_bytes)
         # The link is still open: over shm its reader shared the copy with a helper thread; tcp has none.
         helpers = [name for name in p2pkv_threads() if name.startswith("p2pkv-copy-")]
         assert len(helpers) == (1 if transport == "shm" else 0), helpers
