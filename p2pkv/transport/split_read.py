@@ -1,8 +1,8 @@
 """Large cross-memory reads on two threads: the caller copies the first half, an owned helper thread the second.
 
 The kernel's cross-process copy pins and copies the peer's pages one at a time, and one thread of it moved only
-0.38x to 0.70x of a memcpy of the same bytes at 8 to 256 MiB on the 2-core development machine; two threads, each
-on half of the bytes, moved 1.3 to 2x as much (`docs/benchmarks.md`, "Eleventh session"). Below `SPLIT_FROM` the
+0.35x to 0.78x of a memcpy of the same bytes at 8 to 256 MiB on the 2-core development machine; two threads, each
+on half of the bytes, moved 1.3x to 2.1x as much (`docs/benchmarks.md`, "Eleventh session"). Below `SPLIT_FROM` the
 hand-over to the helper costs more than it saves, so smaller reads stay on the caller's thread.
 """
 
@@ -66,6 +66,8 @@ class SplitReader:
         finally:
             finished = self._finished.wait(_HELPER_CAP_S)
         if not finished:
+            with self._lock:
+                self._closed = True  # its late finish must not be taken for a later read's: no more hand-overs
             raise TransferError(f"the helper's half of a {total}-byte read did not finish in {_HELPER_CAP_S:.0f} s")
         error, self._error = self._error, None
         if error is not None:
