@@ -43,6 +43,8 @@ class StagedTransfer:
     pooled: PoolBuffer | None = None  # from the spill pool
     heaped: PoolBuffer | None = None  # from the first tier (kv_buffer_size)
     transport: str = "tcp"
+    # The last chunk begun or finished, or when the transfer failed: what its expiry counts from.
+    touched: float = field(default_factory=time.monotonic)
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +103,7 @@ class ReceiveStore:
                 ack = PushAck(push.transfer_id, accepted, "" if accepted else item.reason)
             if item.state is not StageState.RECEIVING:
                 return None, ack
+            item.touched = time.monotonic()
             if (item.num_layers, item.total_blocks) != (push.num_layers, push.total_blocks):
                 self._fail_locked(item, "chunk disagrees with the transfer's shape")
                 return None, ack
@@ -150,6 +153,7 @@ class ReceiveStore:
             if item is None or item.state is not StageState.RECEIVING:
                 return
             item.blocks_received += num_blocks
+            item.touched = time.monotonic()
             if item.blocks_received == item.num_layers * item.total_blocks:
                 item.state = StageState.COMPLETE
                 self._settled.notify_all()
@@ -189,7 +193,7 @@ class ReceiveStore:
         if item.state is StageState.FAILED:
             return
         log.warning("transfer %s failed while receiving: %s", item.transfer_id, reason)
-        item.state, item.reason = StageState.FAILED, reason
+        item.state, item.reason, item.touched = StageState.FAILED, reason, time.monotonic()
         self._release_locked(item)
         self._settled.notify_all()
 
@@ -243,10 +247,12 @@ class ReceiveStore:
             self._release_locked(item)
 
     def expire(self) -> int:
-        """Drop staging nobody claimed within the expiry; returns how many were dropped."""
+        """Drop staging nobody claimed within the expiry; returns how many were dropped. The expiry counts from a
+        transfer's last chunk (or from when it completed or failed), not from its first: a long prefill pushing
+        layer by layer, or a slow link, keeps its staging for as long as chunks keep coming."""
         now = time.monotonic()
         with self._lock:
-            stale = [t for t, item in self._items.items() if now - item.created > self._expiry_s]
+            stale = [t for t, item in self._items.items() if now - item.touched > self._expiry_s]
             for tid in stale:
                 item = self._items.pop(tid)
                 if item.state is not StageState.FAILED:

@@ -73,3 +73,20 @@ def test_wait_returns_when_the_transfer_completes_or_at_its_deadline() -> None:
     later.join()
     s.fail("gone", "sender aborted")
     assert s.wait("gone", time.monotonic() + 10) is StageState.FAILED
+
+
+def test_expiry_counts_from_the_last_chunk_not_the_first() -> None:
+    s = ReceiveStore(1 << 20, 1.0, BLOCK, LAYERS, EngineMetrics())
+    assert land(s, PushBlocks("slow", 0, 0, BLOCKS, BLOCKS, LAYERS, 1), 1)
+    for layer in range(1, LAYERS):  # a long prefill: one layer every 0.4 s, 1.2 s from the first to the last
+        time.sleep(0.4)
+        assert s.expire() == 0
+        assert land(s, PushBlocks("slow", layer, 0, BLOCKS, BLOCKS, LAYERS, 1), layer + 1)
+    assert s.state("slow") is StageState.COMPLETE
+    time.sleep(0.4)
+    assert s.expire() == 0  # completed 0.4 s ago: nobody has had the expiry's time to claim it yet
+    s.refer("pulled", "pull it instead")  # a record with no bytes expires the same way
+    time.sleep(1.1)
+    assert s.expire() == 2
+    assert s.state("slow") is None and s.state("pulled") is None
+    assert s.bytes_in_use == 0
