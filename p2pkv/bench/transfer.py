@@ -257,7 +257,7 @@ def write_plot(rows: Sequence[Row], transports: Sequence[str], path: Path) -> No
                 label=f"baseline: {names[transport]}")
         if transport == "shm":
             ax.plot(xs, [r.kernel_gbps for r in rows], linestyle=":", color=line[0].get_color(),
-                    label="process_vm_readv alone (shm's ceiling)")
+                    label="process_vm_readv alone, as shm copies (its ceiling)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [_size(x) for x in xs], rotation=30)
     ax.set_xlabel("transfer size (8 layers of KV blocks)")
