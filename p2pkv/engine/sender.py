@@ -131,6 +131,10 @@ class Sender:
                 item = Outgoing(job.transfer_id, job.peer, job.num_layers, time.monotonic(), job.deadline)
                 self._transfers[job.transfer_id] = item
                 self._sending[job.transfer_id] = item
+            elif job.deadline > item.deadline:
+                # Layers are pushed as a forward pass computes them, each with its own deadline: a long pass must
+                # not fail the transfer at its first layer's while the last ones are still coming.
+                item.deadline = job.deadline
             self._pending += 1
             self._queue.append(job)
             wake, self._woken = not self._woken, True

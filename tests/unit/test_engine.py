@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 
 from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import StageState
+from p2pkv.params import Address
 from p2pkv.protocol import LayoutDigest, PushBlocks, encode_frame
 from p2pkv.transport.split_read import SPLIT_FROM
-from tests.helpers.peer import TRANSPORT_ENV, engine_config, layout, payload
+from tests.helpers.peer import TRANSPORT_ENV, engine_config, layout, payload, start_engine
 
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "peer.py"
 ROOT = Path(__file__).resolve().parents[2]
@@ -391,6 +393,25 @@ def test_staging_nobody_claims_expires() -> None:
         assert engine.store.bytes_in_use == 0
     finally:
         engine.close()
+
+
+def test_a_push_whose_layers_come_slowly_lives_until_its_last_layers_deadline(receiver: TransferEngine) -> None:
+    # A long forward pass on a CPU: each layer is pushed with its own deadline as it is computed, and the transfer
+    # must not fail at the first layer's while later layers are still on their way.
+    sender = start_engine(LAYERS, BLOCK_BYTES)
+    try:
+        peer = Address.parse(receiver.address)
+        data = payload(3, LAYERS, BLOCKS, BLOCK_BYTES)
+        for layer in range(LAYERS):
+            if layer:
+                time.sleep(0.6)  # past the previous layer's deadline
+                sender.housekeeping()
+            sender.push_layer("slow", peer, layer, BLOCKS, (data[layer].data,), time.monotonic() + 1.0)
+        out = sender.wait_outgoing("slow", 10)
+        assert out is not None and out.state is OutState.DONE, out
+        take_and_check(receiver, "slow", 3, LAYERS, BLOCKS, BLOCK_BYTES)
+    finally:
+        sender.close()
 
 
 def test_binding_a_public_address_without_a_secret_warns(caplog: pytest.LogCaptureFixture) -> None:
