@@ -52,7 +52,7 @@ class SplitReader:
         self._error: TransferError | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.split_reads = 0  # reads that were shared with the helper (for tests and benchmarks)
+        self.split_reads = 0  # reads that were shared with the helper (tests check it)
 
     def read(self, local: Sequence[memoryview], remote: Sequence[tuple[int, int]]) -> None:
         """Fill `local` in turn from the peer's `remote` ranges (their lengths must add up)."""

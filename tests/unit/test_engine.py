@@ -404,9 +404,9 @@ def test_a_push_whose_layers_come_slowly_lives_until_its_last_layers_deadline(re
         data = payload(3, LAYERS, BLOCKS, BLOCK_BYTES)
         for layer in range(LAYERS):
             if layer:
-                time.sleep(0.6)  # past the previous layer's deadline
+                time.sleep(1.2)  # the first layer's deadline passes at the second check, the others' never do
                 sender.housekeeping()
-            sender.push_layer("slow", peer, layer, BLOCKS, (data[layer].data,), time.monotonic() + 1.0)
+            sender.push_layer("slow", peer, layer, BLOCKS, (data[layer].data,), time.monotonic() + 2.0)
         out = sender.wait_outgoing("slow", 10)
         assert out is not None and out.state is OutState.DONE, out
         take_and_check(receiver, "slow", 3, LAYERS, BLOCKS, BLOCK_BYTES)
