@@ -67,6 +67,7 @@ class ExtraConfig:
     heartbeat_interval_s: float = 3.0
     auth_secret: str = ""
     max_frame_bytes: int = 1 << 20
+    integrity_check: bool = False
     test_fault_injection: bool = False
 
 
@@ -154,6 +155,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "heartbeat_interval_s": _as_float("heartbeat_interval_s", 0.0, 600.0, open_low=True),
     "auth_secret": _as_str("auth_secret"),
     "max_frame_bytes": _as_int("max_frame_bytes", 1024, 1 << 30),
+    "integrity_check": _as_bool("integrity_check"),
     "test_fault_injection": _as_bool("test_fault_injection"),
 }
 assert set(_PARSERS) == {f.name for f in fields(ExtraConfig)}

@@ -132,6 +132,7 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     device_kind: str = ""
     pipe_kind: str = ""
     home: DeviceHome | None = None
+    digests: bool = False  # integrity_check: payloads on this link, both ways, carry their digest
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):
@@ -147,6 +148,7 @@ class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):
     # The listener reaches the client's cache over a device path (opens its export, or shares a pipe kind): the
     # client should not push whole blocks through host memory, but send PullInstead and hold them for a pull.
     pull_instead: bool = False
+    digests: bool = False  # integrity_check on the listener: payloads on this link, both ways, carry their digest
 
 
 class PipeOpen(msgspec.Struct, tag="pipe_open", frozen=True):
@@ -182,6 +184,7 @@ class PushBlocks(msgspec.Struct, tag="push", frozen=True):
     total_blocks: int
     num_layers: int
     layers: int = 1
+    digest: int | None = None  # of the payload (`p2pkv.integrity`), when the link checks integrity
 
 
 class PushAck(msgspec.Struct, tag="push_ack", frozen=True):

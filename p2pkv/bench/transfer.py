@@ -76,11 +76,11 @@ def _collect(engine: TransferEngine, tids: Sequence[str], timeout_s: float) -> l
     return done
 
 
-def _push(shape: Shape, transport: str, count: int, sequential: bool, warmup: int = 3) -> tuple[list[float],
-                                                                                               list[float]]:
+def _push(shape: Shape, transport: str, count: int, sequential: bool, warmup: int = 3,
+          checks: bool = False) -> tuple[list[float], list[float]]:
     """Start and completion times of `count` transfers from a child process into this one, after `warmup`
-    transfers that are not timed (connection set-up, staging pages faulted in)."""
-    receiver = engine_for(shape, transport, max((2 * WINDOW + 4) * shape.nbytes, 64 << 20))
+    transfers that are not timed (connection set-up, staging pages faulted in); `checks`: integrity_check."""
+    receiver = engine_for(shape, transport, max((2 * WINDOW + 4) * shape.nbytes, 64 << 20), checks)
     parent, child = _SPAWN.Pipe()
     prefix = f"{transport}-{shape.nbytes}-{'seq' if sequential else 'par'}-"
     tids = [f"{prefix}{i}" for i in range(warmup + count)]
@@ -100,20 +100,20 @@ def _push(shape: Shape, transport: str, count: int, sequential: bool, warmup: in
         receiver.close()
 
 
-def transfer_gbps(shape: Shape, transport: str, budget_bytes: int) -> float:
+def transfer_gbps(shape: Shape, transport: str, budget_bytes: int, checks: bool = False) -> float:
     count = _count(shape.nbytes, budget_bytes)
-    started, done = _push(shape, transport, count, sequential=False)
+    started, done = _push(shape, transport, count, sequential=False, checks=checks)
     return count * shape.nbytes / (done[-1] - started[0]) / 1e9
 
 
-def latency_ms(shape: Shape, transport: str, count: int = 40) -> float:
-    started, done = _push(shape, transport, count, sequential=True)
+def latency_ms(shape: Shape, transport: str, count: int = 40, checks: bool = False) -> float:
+    started, done = _push(shape, transport, count, sequential=True, checks=checks)
     return statistics.median(d - s for s, d in zip(started, done, strict=True)) * 1000
 
 
-def pull_latency_ms(shape: Shape, transport: str, count: int = 40, warmup: int = 3) -> float:
+def pull_latency_ms(shape: Shape, transport: str, count: int = 40, warmup: int = 3, checks: bool = False) -> float:
     """Median time of one GET-mode pull, from the request to the last byte in place, one pull at a time."""
-    puller = engine_for(shape, transport, shape.nbytes)
+    puller = engine_for(shape, transport, shape.nbytes, checks)
     parent, child = _SPAWN.Pipe()
     tids = [f"pull-{transport}-{i}" for i in range(warmup + count)]
     proc = _SPAWN.Process(target=offer_run, args=(child, shape, transport, tids), daemon=True)
@@ -217,24 +217,27 @@ def memcpy_gbps(nbytes: int, budget_bytes: int) -> float:
 
 
 def run(sizes: Sequence[int], transports: Sequence[str], budget_bytes: int,
-        repeats: int = 1) -> tuple[list[Row], dict[str, float]]:
+        repeats: int = 1, checks: bool = False) -> tuple[list[Row], dict[str, float]]:
     """Each figure is the best of `repeats` runs, for the transports and their baselines alike (this host's
-    neighbours come and go; the best run is the one they disturbed least)."""
+    neighbours come and go; the best run is the one they disturbed least). `checks`: integrity_check on the
+    engines' links (the baselines are unchanged)."""
     baselines = {"tcp": socket_gbps, "shm": memcpy_gbps}
     rows = []
     for nbytes in sizes:
         shape = Shape.of(nbytes)
         row = Row(shape.nbytes)
         for transport in transports:
-            row.transport_gbps[transport] = max(transfer_gbps(shape, transport, budget_bytes)
+            row.transport_gbps[transport] = max(transfer_gbps(shape, transport, budget_bytes, checks)
                                                 for _ in range(repeats))
             row.baseline_gbps[transport] = max(baselines[transport](shape.nbytes, budget_bytes)
                                                for _ in range(repeats))
         if "shm" in transports:
             row.kernel_gbps = max(kernel_gbps(shape, budget_bytes) for _ in range(repeats))
         rows.append(row)
-    latencies = {f"a 64 KiB transfer over {t}": latency_ms(Shape.of(LATENCY_BYTES), t) for t in transports}
-    latencies.update({f"a 1 MiB pull (GET) over {t}": pull_latency_ms(Shape.of(PULL_BYTES), t) for t in transports})
+    latencies = {f"a 64 KiB transfer over {t}": latency_ms(Shape.of(LATENCY_BYTES), t, checks=checks)
+                 for t in transports}
+    latencies.update({f"a 1 MiB pull (GET) over {t}": pull_latency_ms(Shape.of(PULL_BYTES), t, checks=checks)
+                      for t in transports})
     return rows, latencies
 
 
@@ -270,8 +273,11 @@ def write_plot(rows: Sequence[Row], transports: Sequence[str], path: Path) -> No
     plt.close(fig)
 
 
-def main(sizes: Sequence[int], transports: Sequence[str], budget_bytes: int, plot: str, repeats: int = 3) -> int:
-    rows, latencies = run(sizes, transports, budget_bytes, repeats)
+def main(sizes: Sequence[int], transports: Sequence[str], budget_bytes: int, plot: str, repeats: int = 3,
+         checks: bool = False) -> int:
+    rows, latencies = run(sizes, transports, budget_bytes, repeats, checks)
+    if checks:
+        print("integrity_check on: every engine payload carries its digest, checked where it lands")
     header = f"{'size':>9}"
     for t in transports:
         header += f"{t + ' GB/s':>12}{'baseline':>10}{'ratio':>8}"

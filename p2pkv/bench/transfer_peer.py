@@ -62,9 +62,10 @@ def kv_like(shape: Shape) -> np.ndarray:
     return data
 
 
-def engine_for(shape: Shape, transport: str, buffer_bytes: int) -> TransferEngine:
+def engine_for(shape: Shape, transport: str, buffer_bytes: int, checks: bool = False) -> TransferEngine:
+    """`checks`: integrity_check, which the link then agrees with the peer (so the peer need not set it)."""
     extra = ExtraConfig(kv_host="127.0.0.1", transport=Transport(transport), kv_buffer_size=float(buffer_bytes),
-                        mem_pool_size_gb=0.0, transfer_timeout_s=120.0)
+                        mem_pool_size_gb=0.0, transfer_timeout_s=120.0, integrity_check=checks)
     engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), shape.layout())
     engine.start()
     return engine

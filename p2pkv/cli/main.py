@@ -66,7 +66,8 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     from p2pkv.bench.transfer import main as bench_transfer
 
     sizes = [int(s) for s in args.sizes] if args.sizes else SIZES
-    return bench_transfer(sizes, args.transports, int(args.budget_mb * (1 << 20)), args.plot, args.repeats)
+    return bench_transfer(sizes, args.transports, int(args.budget_mb * (1 << 20)), args.plot, args.repeats,
+                          args.integrity_check)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -154,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     btransfer.add_argument("--plot", default="bench-transfer.png", help="where the PNG plot goes")
     btransfer.add_argument("--repeats", type=int, default=3,
                            help="runs per figure, transports and baselines alike; the best one counts")
+    btransfer.add_argument("--integrity-check", action="store_true",
+                           help="the engines' links check payload digests (integrity_check); baselines unchanged")
     btransfer.set_defaults(func=_bench_transfer)
 
     bserve = bench.add_parser("serve", help="vLLM's serving benchmark: 1P1D through the proxy against colocated")

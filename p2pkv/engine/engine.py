@@ -43,6 +43,7 @@ class EngineSettings:
     pool_bytes: int = 0
     transport: Transport = Transport.AUTO
     pull_over_device: bool = True
+    integrity_check: bool = False
 
     @classmethod
     def from_config(cls, extra: ExtraConfig, port: int, metrics_port: int) -> EngineSettings:
@@ -59,6 +60,7 @@ class EngineSettings:
             pool_bytes=int(extra.mem_pool_size_gb * (1 << 30)),
             transport=extra.transport,
             pull_over_device=extra.pull_over_device,
+            integrity_check=extra.integrity_check,
         )
 
 
@@ -113,13 +115,18 @@ class TransferEngine:
         pipes = self.pipes if s.transport in (Transport.AUTO, Transport.NCCL) else None
         if s.transport is Transport.NCCL and pipes is None:
             log.warning("transport nccl: this worker cannot make NCCL pipes (no GPU KV, or no CuPy); using shm or tcp")
+        if s.integrity_check and (device is not None or pipes is not None):
+            log.warning("integrity_check: pulls that copy cache to cache (cuda_ipc, host_ipc, nccl) carry no "
+                        "digest; bytes sent as frames (tcp, shm, and pushes staged from a GPU) are checked")
         self._receiver = Receiver(listener, self.store, self.offers, self.layout, self.metrics, s.transfer_timeout_s,
-                                  offer, export, pipes, s.connect_timeout_s, self._pull_rule(device, pipes))
+                                  offer, export, pipes, s.connect_timeout_s, self._pull_rule(device, pipes),
+                                  s.integrity_check)
         self._receiver.start()
         hello = Hello(engine_id=self.engine_id, rank=self.rank, layout=self.layout, cma=offer,
                       device_kind=device.kind if device is not None else "",
                       pipe_kind=pipes.kind if pipes is not None else "",
-                      home=DeviceHome(export.kind, export.boot_id, export.device) if export is not None else None)
+                      home=DeviceHome(export.kind, export.boot_id, export.device) if export is not None else None,
+                      digests=s.integrity_check)
         require_shm = s.transport is Transport.SHM
         self._sender = Sender(self._connect, hello, self.metrics, require_shm)
         self._sender.start()

@@ -57,6 +57,7 @@ def client_handshake(conn: Connection, hello: Hello, deadline: float, require_sh
         conn.peer_device = reply.device
         conn.peer_pipe = reply.pipe_kind if reply.pipe_kind == hello.pipe_kind else ""
         conn.pull_instead = reply.pull_instead
+        conn.digests = hello.digests or reply.digests
         if hello.cma is None or not isinstance(conn, TcpConnection):
             return conn
         reason = why_unreadable(reply.cma)
@@ -68,6 +69,7 @@ def client_handshake(conn: Connection, hello: Hello, deadline: float, require_sh
         pid = reply.cma.pid if reply.cma is not None else 0
         shm = ShmConnection(conn, pid, sends_by_reference=reply.reads_you, reads_by_reference=not reason)
         shm.peer_device, shm.peer_pipe, shm.pull_instead = reply.device, conn.peer_pipe, reply.pull_instead
+        shm.digests = conn.digests
         return shm
     except P2pkvError:
         conn.close()
@@ -75,21 +77,23 @@ def client_handshake(conn: Connection, hello: Hello, deadline: float, require_sh
 
 
 def server_reply(conn: Connection, hello: Hello, offer: CmaOffer | None, deadline: float,
-                 device: DeviceExport | None = None, pipe_kind: str = "", pull_instead: bool = False) -> Connection:
+                 device: DeviceExport | None = None, pipe_kind: str = "", pull_instead: bool = False,
+                 digests: bool = False) -> Connection:
     """Accept a compatible client; with shm on both sides, answer with our offer and wrap the connection. Our
     device export goes to a client that can open that kind (cuda_ipc); a pipe is agreed when both make its kind.
-    `pull_instead`: ask the client to leave its pushes for us to pull over that device path."""
+    `pull_instead`: ask the client to leave its pushes for us to pull over that device path. `digests`: we check
+    integrity; the link does when either side asks."""
     export = device if device is not None and hello.device_kind == device.kind else None
     pipe = pipe_kind if pipe_kind and hello.pipe_kind == pipe_kind else ""
     if offer is None or hello.cma is None or not isinstance(conn, TcpConnection):
-        conn.send_frame(HelloReply(accepted=True, device=export, pipe_kind=pipe, pull_instead=pull_instead), (),
-                        deadline)
-        conn.peer_pipe = pipe
+        conn.send_frame(HelloReply(accepted=True, device=export, pipe_kind=pipe, pull_instead=pull_instead,
+                                   digests=digests), (), deadline)
+        conn.peer_pipe, conn.digests = pipe, digests or hello.digests
         return conn
     reason = why_unreadable(hello.cma)
     conn.send_frame(HelloReply(accepted=True, cma=offer, reads_you=not reason, device=export, pipe_kind=pipe,
-                               pull_instead=pull_instead), (), deadline)
+                               pull_instead=pull_instead, digests=digests), (), deadline)
     # The client answers our offer with a CmaStatus frame, which the shm connection consumes.
     shm = ShmConnection(conn, hello.cma.pid, sends_by_reference=False, reads_by_reference=not reason)
-    shm.peer_pipe = pipe
+    shm.peer_pipe, shm.digests = pipe, digests or hello.digests
     return shm

@@ -28,6 +28,8 @@ class EngineMetrics:
                                          "and host buffers (GPU KV)", ["direction"], registry=r)
         self.pipes = Counter("p2pkv_pipes", "Pipes (communicators with one peer each, nccl) set up",
                              ["kind", "outcome"], registry=r)
+        self.digests = Counter("p2pkv_digests", "Payloads checked against the sender's digest (integrity_check); "
+                               "a mismatch drops the transfer", ["direction", "outcome"], registry=r)
         self.transfer_seconds = Histogram("p2pkv_transfer_seconds", "Push time per transfer", ["direction"],
                                           registry=r)
         self._lock = threading.Lock()
@@ -42,6 +44,10 @@ class EngineMetrics:
         if child is None:  # two threads may both get here: `labels` gives both the same series
             child = self._children[key] = metric.labels(*labels)
         return child
+
+    def count_digest(self, direction: str, ok: bool) -> None:
+        self.of(self.digests, direction, "ok" if ok else "mismatch").inc()
+        self.add("digests_ok" if ok else "digest_mismatches", 1)
 
     def add(self, name: str, amount: float) -> None:
         """Plain totals for tests and logs, next to the Prometheus series."""

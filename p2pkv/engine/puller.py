@@ -17,6 +17,7 @@ from p2pkv.engine.offers import UNKNOWN_TRANSFER, ViewSource
 from p2pkv.engine.pipes import PipeSlot
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
+from p2pkv.integrity import DigestMismatch, check
 from p2pkv.params import Address
 from p2pkv.protocol import BlockRanges, Hello, Message, PayloadCopied, PipeOpen, PullReply, PullRequest, PushBlocks
 from p2pkv.transport.base import Connection
@@ -282,6 +283,8 @@ class Puller:
                     raise ProtocolError(f"unexpected frame while pulling layer {layer}: {message!r}")
                 views = [v for at in range(layer, layer + message.layers) for v in job.sink(at, 0, job.num_blocks)]
                 conn.recv_payload_into_all(views, job.deadline)
+                if conn.digests:
+                    self._check_digest(conn, message, views)
                 layer += message.layers
                 nbytes += payload_len
         except BaseException:
@@ -359,6 +362,19 @@ class Puller:
             return sum(n for _, _, n in pieces)
 
         return receive, pipe.transport
+
+    def _check_digest(self, conn: Connection, push: PushBlocks, views: list[memoryview]) -> None:
+        """Check pulled bytes against the frame's digest; a mismatch fails the pull (the load then fails and vLLM
+        recomputes the prompt)."""
+        if push.digest is None:
+            raise ProtocolError(f"a pull of transfer {push.transfer_id} brought no digest on a link that checks them")
+        try:
+            check(push.digest, views, f"transfer {push.transfer_id} layers {push.layer}-{push.layer + push.layers}")
+        except DigestMismatch as exc:
+            self._metrics.count_digest("pull", False)
+            log.error("%s (pulled from %s over %s)", exc, conn.peer, conn.name)
+            raise
+        self._metrics.count_digest("pull", True)
 
     def _count(self, transport: str, nbytes: int) -> None:
         self._metrics.of(self._metrics.bytes_received, transport).inc(nbytes)

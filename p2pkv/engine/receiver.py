@@ -16,6 +16,7 @@ from p2pkv.engine.pipes import PipeSlot
 from p2pkv.engine.store import HEADS_DIFFER, PULL_INSTEAD, ReceiveStore
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
+from p2pkv.integrity import DigestMismatch, check, digest
 from p2pkv.protocol import (
     BlockRanges,
     CmaOffer,
@@ -46,9 +47,12 @@ class Receiver:
     def __init__(self, listener: Listener, store: ReceiveStore, offers: OfferTable, layout: LayoutDigest,
                  metrics: EngineMetrics, frame_timeout_s: float, offer: CmaOffer | None = None,
                  device: DeviceExport | None = None, pipes: PipeMaker | None = None,
-                 pipe_setup_s: float = 5.0, pulls_over_device: Callable[[Hello], bool] | None = None) -> None:
+                 pipe_setup_s: float = 5.0, pulls_over_device: Callable[[Hello], bool] | None = None,
+                 digests: bool = False) -> None:
         """`pulls_over_device`: whether this worker would pull a client's blocks over a device path (opening its
-        export, or through a pipe) rather than take them pushed through host memory."""
+        export, or through a pipe) rather than take them pushed through host memory. `digests`: integrity_check
+        (payloads on every link carry their digest, checked where they land)."""
+        self._digests = digests
         self._listener = listener
         self._pulls_over_device = pulls_over_device
         self._offer = offer
@@ -115,7 +119,7 @@ class Receiver:
         sliced = self._layout.sliced_with(hello.layout)  # pulls slices over tcp or shm: no device path for them
         pull_instead = not sliced and self._pulls_over_device is not None and self._pulls_over_device(hello)
         served = server_reply(conn, hello, self._offer, deadline, self._device,
-                              self._maker.kind if self._maker is not None else "", pull_instead)
+                              self._maker.kind if self._maker is not None else "", pull_instead, self._digests)
         return served, sliced
 
     def _join_pipe(self, conn: Connection, ask: PipeOpen, slot: PipeSlot | None) -> PipeSlot:
@@ -183,9 +187,26 @@ class Receiver:
             conn.discard_payload(payload_len, deadline)
             return
         conn.recv_payload_into(view, deadline)
+        if conn.digests and not self._digest_matches(conn, push, view):
+            return
         self._store.finish_chunk(push.transfer_id, push.num_blocks * push.layers)
         self._metrics.of(self._metrics.bytes_received, conn.name).inc(payload_len)
         self._metrics.add("bytes_received", payload_len)
+
+    def _digest_matches(self, conn: Connection, push: PushBlocks, view: memoryview) -> bool:
+        """Check a landed payload against its frame's digest; a mismatch fails the transfer (its load then fails and
+        vLLM recomputes the prompt). The link agreed digests, so a frame without one is a protocol error."""
+        if push.digest is None:
+            raise ProtocolError(f"a push of transfer {push.transfer_id} carries no digest on a link that checks them")
+        try:
+            check(push.digest, (view,), f"transfer {push.transfer_id} layers {push.layer}-{push.layer + push.layers}")
+        except DigestMismatch as exc:
+            self._metrics.count_digest("receive", False)
+            log.error("%s (from %s over %s); the transfer is dropped", exc, conn.peer, conn.name)
+            self._store.fail(push.transfer_id, str(exc), create=False)
+            return False
+        self._metrics.count_digest("receive", True)
+        return True
 
     def _refuse_push(self, conn: Connection, push: PushBlocks, payload_len: int, refused: set[str],
                      deadline: float) -> None:
@@ -255,7 +276,8 @@ class Receiver:
         """The pulled blocks' bytes, every layer in one frame (they are whole layers of the puller's transfer)."""
         num_layers = self._layout.num_layers if pull.layers is None else pull.layers[1] - pull.layers[0]
         views = [v for layer in range(num_layers) for v in source(layer, pull.first_block, pull.num_blocks)]
-        push = PushBlocks(pull.transfer_id, 0, 0, pull.num_blocks, pull.num_blocks, num_layers, num_layers)
+        push = PushBlocks(pull.transfer_id, 0, 0, pull.num_blocks, pull.num_blocks, num_layers, num_layers,
+                          digest(views) if conn.digests else None)
         frames: list[tuple[Message, Sequence[memoryview]]] = [(PullReply(pull.transfer_id, True), ()),
                                                               (push, views)]
         conn.send_frames(frames, deadline)

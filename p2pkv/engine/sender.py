@@ -17,6 +17,7 @@ from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.store import PULL_INSTEAD
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError
+from p2pkv.integrity import digest
 from p2pkv.params import Address
 from p2pkv.protocol import Hello, Message, PayloadCopied, PullInstead, PushAbort, PushAck, PushBlocks
 from p2pkv.transport.base import Connection
@@ -78,8 +79,9 @@ class Outgoing:
         return self.acked and sent and (not self.by_reference or len(self.layers_copied) == self.num_layers)
 
 
-def _frames(jobs: list[PushJob]) -> list[tuple[PushBlocks, tuple[memoryview, ...]]]:
-    """One frame per run of consecutive layers of one transfer (whole layers lie back to back at the receiver)."""
+def _frames(jobs: list[PushJob], digests: bool = False) -> list[tuple[PushBlocks, tuple[memoryview, ...]]]:
+    """One frame per run of consecutive layers of one transfer (whole layers lie back to back at the receiver);
+    with `digests` (integrity_check on the link), each carries its payload's digest."""
     frames: list[tuple[PushBlocks, tuple[memoryview, ...]]] = []
     start = 0
     while start < len(jobs):
@@ -90,7 +92,7 @@ def _frames(jobs: list[PushJob]) -> list[tuple[PushBlocks, tuple[memoryview, ...
             end += 1
         views = tuple(v for job in jobs[start:end] for v in job.views)
         frames.append((PushBlocks(first.transfer_id, first.layer, 0, first.total_blocks, first.total_blocks,
-                                  first.num_layers, end - start), views))
+                                  first.num_layers, end - start, digest(views) if digests else None), views))
         start = end
     return frames
 
@@ -237,7 +239,7 @@ class Sender:
             live, notices = self._hand_over(conn, live)
             live = self._await_ready(peer, live)
             frames: list[tuple[Message, tuple[memoryview, ...]]] = [(n, ()) for n in notices]
-            frames += _frames([job for job, _ in live])
+            frames += _frames([job for job, _ in live], conn.digests)
             if not frames:
                 return
             conn = self._links.send(peer, frames, deadline)

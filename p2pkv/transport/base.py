@@ -16,6 +16,7 @@ class Connection(Protocol):
     peer_device: DeviceExport | None  # the peer's exported KV cache, when the handshake brought one (cuda_ipc)
     peer_pipe: str  # the pipe kind both sides can make (nccl), or empty
     pull_instead: bool  # client side: the listener pulls over a device path rather than take pushed blocks
+    digests: bool  # either side asked for integrity checks: every payload frame carries its digest
 
     def send_frame(self, message: Message, payload: Sequence[memoryview], deadline: float) -> None:
         """Send one message followed by the concatenation of `payload`."""

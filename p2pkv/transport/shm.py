@@ -39,6 +39,7 @@ class ShmConnection:
     peer_device: DeviceExport | None = None  # set by the handshake
     peer_pipe: str = ""  # set by the handshake
     pull_instead: bool = False  # set by the handshake
+    digests: bool = False  # set by the handshake: payloads both ways carry their digest (integrity_check)
 
     def __init__(self, inner: TcpConnection, peer_pid: int, sends_by_reference: bool,
                  reads_by_reference: bool) -> None:

@@ -48,6 +48,7 @@ class TcpConnection:
     peer_device: DeviceExport | None = None  # set by the handshake
     peer_pipe: str = ""  # set by the handshake
     pull_instead: bool = False  # set by the handshake
+    digests: bool = False  # set by the handshake: payloads both ways carry their digest (integrity_check)
 
     def __init__(self, sock: socket.socket, peer: str, secret: bytes, limits: FrameLimits) -> None:
         sock.setblocking(False)

@@ -28,6 +28,7 @@ from p2pkv.protocol import FrameLimits, Hello, LayoutDigest, PushBlocks, encode_
 from p2pkv.transport.tcp import TcpConnection
 
 TRANSPORT_ENV = "P2PKV_TEST_TRANSPORT"
+SCRIBBLE_ENV = "P2PKV_TEST_SCRIBBLE"  # a transfer id whose bytes the sender changes after taking their digest
 
 
 def engine_config(**keys: Any) -> ExtraConfig:
@@ -71,7 +72,26 @@ def push(peer: Address, transfer_id: str, seed: int, layers: int, blocks: int, b
         engine.close()
 
 
+def scribble_after_digest(transfer_id: str) -> None:
+    """Fault injection for the integrity tests: the first byte of each frame of `transfer_id` changes right after
+    the sender takes the frame's digest (a prefill block overwritten while its push is on the way)."""
+    from p2pkv.engine import sender
+
+    frames = sender._frames
+
+    def scribbled(jobs: list[sender.PushJob], digests: bool = False) -> list[tuple[PushBlocks, tuple[memoryview, ...]]]:
+        out = frames(jobs, digests)
+        for push, views in out:
+            if push.transfer_id == transfer_id:
+                views[0][0] ^= 0xFF
+        return out
+
+    sender._frames = scribbled
+
+
 def serve(layers: int, block_bytes: int, secret: str) -> None:
+    if os.environ.get(SCRIBBLE_ENV):
+        scribble_after_digest(os.environ[SCRIBBLE_ENV])
     engine = start_engine(layers, block_bytes, secret)
     try:
         for line in sys.stdin:

@@ -25,7 +25,8 @@ def tight(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     """1P1D started directly (not through `p2pkv up`, which would stop the rest when the prefill dies)."""
     work = tmp_path_factory.mktemp("tight")
     cluster = Cluster(model=tiny_model, log_dir=work)
-    extra = {"kv_buffer_size": 1, "mem_pool_size_gb": 0, "transfer_timeout_s": TIMEOUT_S}
+    # Pulls carry their digest, checked where they land (integrity_check).
+    extra = {"kv_buffer_size": 1, "mem_pool_size_gb": 0, "transfer_timeout_s": TIMEOUT_S, "integrity_check": True}
     p_http, p_kv, p_metrics, d_http, d_kv, d_metrics, proxy, f_http, f_kv = free_ports(9)
     cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv, {**extra, "metrics_port": p_metrics}))
     cluster.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_kv, {**extra, "metrics_port": d_metrics}))
@@ -50,6 +51,7 @@ def role(info: dict[str, Any], name: str) -> dict[str, str]:
 def test_refused_push_falls_back_to_get_and_the_request_succeeds(tight: dict[str, Any]) -> None:
     prefill, decode = role(tight, "kv_producer"), role(tight, "kv_consumer")
     pulls_before = metric(decode["metrics"], 'p2pkv_transfers_total{direction="pull",outcome="ok"}')
+    checked_before = metric(decode["metrics"], 'p2pkv_digests_total{direction="pull",outcome="ok"}')
     for i, length in enumerate((90, 300)):
         text = prompt(f"tight{i}", length)
         answer = greedy(tight["proxy"], tight["model"], text)
@@ -57,6 +59,7 @@ def test_refused_push_falls_back_to_get_and_the_request_succeeds(tight: dict[str
         assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
     assert metric(decode["metrics"], 'p2pkv_transfers_total{direction="pull",outcome="ok"}') - pulls_before == 2
+    assert metric(decode["metrics"], 'p2pkv_digests_total{direction="pull",outcome="ok"}') - checked_before == 2
     assert metric(prefill["metrics"], 'p2pkv_transfers_total{direction="send",outcome="refused"}') >= 2
     assert metric(decode["metrics"], "p2pkv_staging_bytes") == 0
 

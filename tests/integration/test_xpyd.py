@@ -25,9 +25,10 @@ def cluster_2p2d(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> I
     # The clean stop at the end also checks that `p2pkv up` still serves after losing a prefill instance.
     # This cluster moves KV over tcp (the 1P1D one uses shm, the default between instances of one host), and
     # through host buffers as a GPU cache does (P2PKV_STAGE_KV): the GPU path's logic, run on vLLM's CPU build.
+    # Every push carries its digest, checked where it lands (integrity_check).
     work = tmp_path_factory.mktemp("xpyd")
     up_args = ("--prefill", "2", "--decode", "2")
-    with up_with_colocated(tiny_model, work, {"transport": "tcp"}, [], up_args,
+    with up_with_colocated(tiny_model, work, {"transport": "tcp", "integrity_check": True}, [], up_args,
                            {STAGE_ENV: "1"}) as (proc, info, coloc):
         info.update(model=tiny_model, colocated=coloc, up=proc)
         yield info
@@ -49,6 +50,9 @@ def test_2p2d_serves_concurrent_requests_and_survives_a_dead_prefill(cluster_2p2
     decoders = [i for i in cluster_2p2d["instances"] if i["role"] == "kv_consumer"]
     assert sum(metric(d["metrics"], 'p2pkv_bytes_received_total{transport="tcp"}') for d in decoders) > 0
     assert all(metric(d["metrics"], 'p2pkv_bytes_received_total{transport="shm"}') == 0 for d in decoders)
+    assert sum(metric(d["metrics"], 'p2pkv_digests_total{direction="receive",outcome="ok"}') for d in decoders) > 0
+    assert sum(metric(d["metrics"], 'p2pkv_digests_total{direction="receive",outcome="mismatch"}')
+               for d in decoders) == 0
     # Every byte went through host buffers: copied out of the prefill caches, into the decode caches.
     producers = [i for i in cluster_2p2d["instances"] if i["role"] == "kv_producer"]
     copied_out = sum(metric(p["metrics"], 'p2pkv_device_copy_bytes_total{direction="to_host"}') for p in producers)

@@ -31,11 +31,12 @@ def test_bench_transfer_measures_each_transport_and_plots(tmp_path: Path, capsys
         f"a 1 MiB pull (GET) over {t}" for t in ("tcp", "shm")}
     assert all(ms > 0 for ms in latencies.values())
     plot = tmp_path / "transfer.png"
-    main([1 << 20], ["shm"], 4 << 20, str(plot), repeats=1)
+    main([1 << 20], ["shm"], 4 << 20, str(plot), repeats=1, checks=True)
     assert plot.read_bytes().startswith(b"\x89PNG")
     out = capsys.readouterr().out
     assert "shm GB/s" in out and "latency of a 64 KiB transfer over shm" in out
     assert "shm/kernel" in out and "kernel = process_vm_readv" in out
     assert "latency of a 1 MiB pull (GET) over shm" in out
+    assert "integrity_check on" in out
     if not torch.cuda.is_available():
         assert "cuda_ipc, nccl: no CUDA device here, not measured" in out
