@@ -28,13 +28,17 @@ from p2pkv.proxy.discovery import DiscoveryListener, start
 from p2pkv.proxy.instances import Instance, ProxyConfig
 from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.registry import InstanceState, Policy, Pool, static_pool
+from p2pkv.proxy.trace import RequestTrace
 
 log = logging.getLogger(__name__)
 _DROP_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
-def _error(status: int, message: str, kind: str = "proxy_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+def _error(status: int, message: str, kind: str = "proxy_error", trace: RequestTrace | None = None) -> JSONResponse:
+    if trace is not None:
+        trace.finish(status, kind)
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                        headers=trace.headers() if trace is not None else None)
 
 
 async def _client_gone(request: Request) -> None:
@@ -167,10 +171,22 @@ class Router:
             log.warning("decode instance %s did not report its KV address (%s); using GET", decode.instance.http, exc)
             target = KvTarget(None, 0, 0)
         transfer_id = uuid.uuid4().hex
+        trace = RequestTrace(transfer_id, str(decode.instance.http), started)
+        try:
+            return await self._route(body, path, headers, decode, target, trace)
+        except asyncio.CancelledError:  # the client went away (or the server is stopping)
+            trace.finish(499, "client_gone")
+            raise
+
+    async def _route(self, body: dict[str, Any], path: str, headers: dict[str, str], decode: InstanceState,
+                     target: KvTarget, trace: RequestTrace) -> Response:
+        transfer_id = trace.transfer_id
         params = PrefillParams(transfer_id, target.address, decode_tp=target.tp, decode_pp=target.pp)
-        outcome = await self._prefill(_prefill_body(body, params), path, headers)
+        outcome = await self._prefill(_prefill_body(body, params), path, headers, trace)
         if isinstance(outcome, Response):
             self.metrics.requests.labels("prefill_rejected").inc()
+            trace.finish(outcome.status_code, "prefill_rejected")
+            outcome.headers.update(trace.headers())
             return outcome
         if outcome is None:
             self.metrics.fallbacks.inc()
@@ -179,10 +195,10 @@ class Router:
             body.pop("kv_transfer_params", None)
         else:
             body["kv_transfer_params"] = outcome
-        return await self._decode(decode, f"{decode.instance.url}{path}", body, headers, started)
+        return await self._decode(decode, f"{decode.instance.url}{path}", body, headers, trace)
 
-    async def _prefill(self, body: dict[str, Any], path: str,
-                       headers: dict[str, str]) -> dict[str, Any] | Response | None:
+    async def _prefill(self, body: dict[str, Any], path: str, headers: dict[str, str],
+                       trace: RequestTrace) -> dict[str, Any] | Response | None:
         """The prefill's kv_transfer_params; a Response to pass on for a request the instance rejected (4xx);
         None when every attempt failed."""
         tried: set[Instance] = set()
@@ -191,6 +207,7 @@ class Router:
             if state is None:
                 return None
             tried.add(state.instance)
+            trace.prefill_tries = attempt + 1
             if attempt:
                 self.metrics.retries.inc()
             started = time.monotonic()
@@ -207,6 +224,7 @@ class Router:
                 return Response(answer.content, status_code=answer.status_code, media_type="application/json")
             params = answer.json().get("kv_transfer_params") if answer.status_code == 200 else None
             if isinstance(params, dict):
+                trace.prefilled(str(state.instance.http), started, attempt + 1)
                 return params
             state.failures += 1
             log.warning("prefill instance %s answered %d without kv_transfer_params", state.instance.http,
@@ -230,20 +248,21 @@ class Router:
                                       stream=True)
 
     async def _decode(self, state: InstanceState, url: str, body: dict[str, Any], headers: dict[str, str],
-                      started: float) -> Response:
+                      trace: RequestTrace) -> Response:
+        started = trace.started
         state.in_flight += 1
         try:
             upstream = await self._send_decode(state, url, body, headers)
         except httpx.TimeoutException as exc:
             state.in_flight -= 1
             self.metrics.requests.labels("decode_error").inc()
-            return _error(504, f"decode instance {state.instance.http} timed out: {exc!r}")
+            return _error(504, f"decode instance {state.instance.http} timed out: {exc!r}", trace=trace)
         except httpx.HTTPError as exc:
             state.in_flight -= 1
             state.failures += 1
             self.metrics.requests.labels("decode_error").inc()
             log.warning("decode instance %s failed: %r", state.instance.http, exc)
-            return _error(502, f"decode instance {state.instance.http} failed: {exc!r}")
+            return _error(502, f"decode instance {state.instance.http} failed: {exc!r}", trace=trace)
         except asyncio.CancelledError:  # the client went away
             state.in_flight -= 1
             raise
@@ -261,13 +280,16 @@ class Router:
             self.metrics.decode_seconds.observe(time.monotonic() - started)
             if not content:
                 self.metrics.requests.labels("decode_error").inc()
-                return _error(502, f"decode instance {state.instance.http} returned an empty answer")
-            self.metrics.requests.labels("ok" if upstream.status_code == 200 else "decode_error").inc()
-            return Response(content, status_code=upstream.status_code, media_type="application/json")
+                return _error(502, f"decode instance {state.instance.http} returned an empty answer", trace=trace)
+            outcome = "ok" if upstream.status_code == 200 else "decode_error"
+            self.metrics.requests.labels(outcome).inc()
+            trace.finish(upstream.status_code, outcome)
+            return Response(content, status_code=upstream.status_code, media_type="application/json",
+                            headers=trace.headers())
 
         async def chunks() -> AsyncIterator[bytes]:
             # Cancelled when the client goes away, which closes the upstream request too.
-            first = True
+            first, outcome = True, "broken_off"
             try:
                 async for chunk in upstream.aiter_raw():
                     if first:  # a stream's headers come before its first token (vLLM sends them at once)
@@ -275,12 +297,14 @@ class Router:
                         self.metrics.ttft_seconds.observe(time.monotonic() - started)
                     yield chunk
                 self.metrics.requests.labels("ok").inc()
+                outcome = "ok"
             finally:
                 await upstream.aclose()
                 state.in_flight -= 1
                 self.metrics.decode_seconds.observe(time.monotonic() - started)
+                trace.finish(200, outcome)
 
-        return StreamingResponse(chunks(), media_type="text/event-stream")
+        return StreamingResponse(chunks(), media_type="text/event-stream", headers=trace.headers())
 
 
 def create_app(config: ProxyConfig) -> FastAPI:

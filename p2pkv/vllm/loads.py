@@ -183,7 +183,10 @@ class Loads:
                     self._fail_load(load.spec, str(exc))
                 done.add(req_id)
             elif state is StageState.FAILED or now > load.deadline:
-                self._fail_load(load.spec, "transfer failed" if state is StageState.FAILED else "deadline passed")
+                if state is StageState.FAILED:  # the store's reason: the sender's abort, a lost link, a bad digest
+                    self._fail_load(load.spec, f"transfer failed: {self._engine.store.reason(load.spec.transfer_id)}")
+                else:
+                    self._fail_load(load.spec, "deadline passed")
                 item = self._engine.take_staged(load.spec.transfer_id)
                 if item is not None:
                     self._engine.release_staged(item)

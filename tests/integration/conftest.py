@@ -151,8 +151,10 @@ def up_with_colocated(model: str, work: Path, extra: dict[str, Any], vllm_args: 
 # each step: a rank's threads can wait seconds for a core. So in clusters of several ranks per instance the
 # deadline is the default (30 s), not 5 s; heartbeats go every 10 s (the proxy drops an instance after 3 missed);
 # and one request warms every instance up (its first forwards) before the checks: in one CI run a starved prefill
-# instance missed 9 s of heartbeats during the first requests and was dropped.
-MULTI_RANK_EXTRA = {"transfer_timeout_s": 30.0, "test_fault_injection": True, "heartbeat_interval_s": 10.0}
+# instance missed 9 s of heartbeats during the first requests and was dropped. Payloads carry digests
+# (integrity_check), so pulls of head and layer slices are checked where they land.
+MULTI_RANK_EXTRA = {"transfer_timeout_s": 30.0, "test_fault_injection": True, "heartbeat_interval_s": 10.0,
+                    "integrity_check": True}
 
 
 @contextmanager

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import math
 import random
+import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
+from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, TRANSFER_HEADER
 from tests.integration.conftest import (
     BLOCK_SIZE,
     TRANSFER_TIMEOUT_S,
@@ -121,6 +124,24 @@ def _stream_text(url: str, body: dict[str, Any]) -> tuple[str, dict[str, Any] | 
             for choice in event["choices"]:
                 text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
     return "".join(text), usage
+
+
+def test_a_request_is_traced_from_its_answer_into_every_log(up_cluster: UpCluster) -> None:
+    """The proxy's answer names the transfer; the proxy, the prefill and the decode instance each log it."""
+    body = {"model": up_cluster.model, "prompt": prompt("traced", 200), "max_tokens": 4, "temperature": 0}
+    resp = httpx.post(f"{up_cluster.proxy}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    tid = resp.headers[TRANSFER_HEADER]
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    assert (resp.headers[PREFILL_HEADER], resp.headers[DECODE_HEADER]) == (prefill["http"], decode["http"])
+    logs = Path(up_cluster.info["log_dir"])
+    wanted = {logs / "proxy.log": f"request transfer={tid} ",
+              logs / f"{prefill['name']}.log": f"transfer {tid} send ok",
+              logs / f"{decode['name']}.log": f"transfer {tid} landed"}
+    deadline = time.monotonic() + 10  # log lines may trail the answer by a moment
+    while (missing := [str(path) for path, line in wanted.items() if line not in path.read_text(errors="replace")]):
+        assert time.monotonic() < deadline, f"transfer {tid} is not in {missing}"
+        time.sleep(0.2)
 
 
 def test_chat_and_streaming_give_the_same_text(up_cluster: UpCluster) -> None:

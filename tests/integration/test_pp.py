@@ -30,6 +30,7 @@ from tests.integration.test_staged import served_like_colocated
 pytestmark = pytest.mark.vllm
 SHM = '{transport="shm"}'
 PULLS = 'p2pkv_transfers_total{direction="pull",outcome="ok"}'
+CHECKED = 'p2pkv_digests_total{{direction="{}",outcome="ok"}}'  # integrity_check: payloads whose digest matched
 
 
 @pytest.fixture(scope="module", params=[(2, 1, 2, 1), (2, 1, 1, 2)], ids=["pp2-pp2", "pp2tp1-pp1tp2"])
@@ -54,12 +55,13 @@ def _same_sizes(info: dict[str, Any]) -> bool:
 def test_each_stage_gets_its_own_layers_and_output_matches_colocated(pp_cluster: dict[str, Any]) -> None:
     prefill, decode = instance_of(pp_cluster, "kv_producer"), instance_of(pp_cluster, "kv_consumer")
     series = [(decode, "p2pkv_bytes_loaded_total"), (decode, "p2pkv_bytes_received_total" + SHM),
-              (prefill, "p2pkv_bytes_sent_total" + SHM), (decode, PULLS)]
+              (prefill, "p2pkv_bytes_sent_total" + SHM), (decode, PULLS), (decode, CHECKED.format("pull")),
+              (decode, CHECKED.format("receive"))]
     before = [per_rank(instance, name) for instance, name in series]
     lengths = [60, 129, 300, 700]
     expected = sum(served_like_colocated(pp_cluster, f"pp{i}", length) for i, length in enumerate(lengths))
-    loaded, received, sent, pulls = (_delta(per_rank(instance, name), b)
-                                     for (instance, name), b in zip(series, before, strict=True))
+    loaded, received, sent, pulls, pulls_checked, pushes_checked = (
+        _delta(per_rank(instance, name), b) for (instance, name), b in zip(series, before, strict=True))
     # The decode side's two ranks (two stages of two layers, or two ranks of half the heads) each got exactly its
     # half of every prompt's KV.
     assert loaded == [expected / 2, expected / 2]
@@ -68,11 +70,13 @@ def test_each_stage_gets_its_own_layers_and_output_matches_colocated(pp_cluster:
         pushed = sum(math.ceil(n / BLOCK_SIZE) for n in lengths) * kv_bytes_per_block_and_layer() * LAYERS
         assert received == sent == [pushed / 2, pushed / 2]
         assert pulls == [0, 0]
+        assert all(n >= len(lengths) for n in pushes_checked)  # each rank: one frame of a transfer or more
     else:
         # Pulled: each decode rank its heads of each prefill stage's layers, once per request and stage. Each
         # prefill stage sent its half of the layers.
         assert received == loaded and sent == [expected / 2, expected / 2]
         assert pulls == [2 * len(lengths), 2 * len(lengths)]
+        assert pulls_checked == pulls  # one frame per pull
 
 
 def _prefill_then_decode(info: dict[str, Any], text: str, params: PrefillParams,

@@ -6,7 +6,6 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -18,14 +17,6 @@ from p2pkv.errors import ConfigError
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from tests.helpers.servers import serve
 from tests.helpers.stubs import USAGE, Observed, stub_decode, stub_prefill, stub_slow
-
-
-@pytest.fixture
-def backends() -> Iterator[tuple[str, str, list[dict[str, Any]], list[dict[str, Any]]]]:
-    p_seen: list[dict[str, Any]] = []
-    d_seen: list[dict[str, Any]] = []
-    with serve(stub_prefill(p_seen)) as p, serve(stub_decode(d_seen)) as d:
-        yield p, d, p_seen, d_seen
 
 
 def proxy_for(prefill: str, decode: str) -> FastAPI:

@@ -1,0 +1,44 @@
+"""Per-request tracing in the proxy: response headers that name a request's transfer and the instances it went
+through, and one log line per request. The transfer id is the key every instance logs its side under (`transfer
+<id> send ...` on the prefill instance, `transfer <id> landed ...` or `... load failed` on the decode instance),
+so a slow or recomputed request can be followed from the client's answer into both instances' logs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("p2pkv.proxy.requests")
+
+TRANSFER_HEADER = "x-p2pkv-transfer-id"
+PREFILL_HEADER = "x-p2pkv-prefill"  # the prefill instance used, or "none" (the decode instance prefilled itself)
+PREFILL_MS_HEADER = "x-p2pkv-prefill-ms"  # its answer's time, as the proxy saw it (retries not counted)
+DECODE_HEADER = "x-p2pkv-decode"
+
+
+@dataclass
+class RequestTrace:
+    transfer_id: str
+    decode: str
+    started: float
+    prefill: str = ""
+    prefill_ms: float = 0.0
+    prefill_tries: int = 0
+    done: bool = False
+
+    def prefilled(self, instance: str, started: float, tries: int) -> None:
+        self.prefill, self.prefill_ms, self.prefill_tries = instance, (time.monotonic() - started) * 1000, tries
+
+    def headers(self) -> dict[str, str]:
+        return {TRANSFER_HEADER: self.transfer_id, PREFILL_HEADER: self.prefill or "none",
+                PREFILL_MS_HEADER: f"{self.prefill_ms:.1f}", DECODE_HEADER: self.decode}
+
+    def finish(self, status: int, outcome: str) -> None:
+        """Log the request's line, once."""
+        if self.done:
+            return
+        self.done = True
+        log.info("request transfer=%s prefill=%s prefill_ms=%.1f prefill_tries=%d decode=%s status=%d outcome=%s "
+                 "ms=%.1f", self.transfer_id, self.prefill or "none", self.prefill_ms, self.prefill_tries,
+                 self.decode, status, outcome, (time.monotonic() - self.started) * 1000)
