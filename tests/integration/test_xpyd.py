@@ -6,16 +6,20 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
 from p2pkv.staging import STAGE_ENV
-from tests.integration.conftest import metric, up_with_colocated
-from tests.integration.test_disagg import greedy, ids_and_logprobs, prompt
+from tests.helpers.relay import FlipRelay
+from tests.integration.conftest import complete, metric, up_with_colocated
+from tests.integration.test_disagg import MAX_TOKENS, greedy, ids_and_logprobs, prompt
 
 pytestmark = pytest.mark.vllm
 
@@ -43,16 +47,56 @@ def _run_batch(info: dict[str, Any], tags: list[str]) -> None:
         assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
 
 
+def _by_hand(info: dict[str, Any], text: str, kv_address: str) -> tuple[str, dict[str, Any]]:
+    """The proxy's two steps by hand, the prefill pushing to `kv_address`: the transfer id and the answer."""
+    prefill, decode = (next(i for i in info["instances"] if i["role"] == r) for r in ("kv_producer", "kv_consumer"))
+    params = PrefillParams(uuid.uuid4().hex, Address.parse(kv_address))
+    body = {"model": info["model"], "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
+    returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
+    assert isinstance(returned, DecodeParams)
+    body = {"model": info["model"], "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": returned.to_dict()}
+    return params.transfer_id, complete(f"http://{decode['http']}", body)
+
+
+def test_kv_damaged_on_the_wire_is_dropped_and_recomputed(cluster_2p2d: dict[str, Any]) -> None:
+    """integrity_check end to end: a relay between prefill0 and decode0 flips one byte of the first push's payload;
+    decode0 finds the digest wrong, drops the transfer and vLLM recomputes the prompt, so the answer is still the
+    colocated one. The next push through the relay lands whole."""
+    decode = next(i for i in cluster_2p2d["instances"] if i["role"] == "kv_consumer")
+    mismatch = 'p2pkv_digests_total{direction="receive",outcome="mismatch"}'
+    failed = 'p2pkv_transfers_total{direction="load",outcome="failed"}'
+    before = metric(decode["metrics"], mismatch), metric(decode["metrics"], failed)
+    relay = FlipRelay(decode["kv"], at=100_000, upstream=True)  # inside the first layer's 384 KiB
+    try:
+        for tag, damaged in (("wire-hit", True), ("wire-after", False)):
+            text = prompt(tag, 300)
+            tid, answer = _by_hand(cluster_2p2d, text, relay.address)
+            assert relay.flipped.is_set()
+            reference = greedy(cluster_2p2d["colocated"], cluster_2p2d["model"], text)
+            assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
+            # One damaged transfer, one load failed (then recomputed); the next one loaded all but the last token.
+            assert metric(decode["metrics"], mismatch) - before[0] == 1
+            assert metric(decode["metrics"], failed) - before[1] == 1
+            if not damaged:
+                assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 299, tid
+    finally:
+        relay.close()
+    log = (Path(cluster_2p2d["log_dir"]) / f"{decode['name']}.log").read_text(errors="replace")
+    assert "do not match the sender's digest" in log
+
+
 def test_2p2d_serves_concurrent_requests_and_survives_a_dead_prefill(cluster_2p2d: dict[str, Any]) -> None:
     assert sum(i["role"] == "kv_producer" for i in cluster_2p2d["instances"]) == 2
     assert sum(i["role"] == "kv_consumer" for i in cluster_2p2d["instances"]) == 2
-    _run_batch(cluster_2p2d, [f"x{i}" for i in range(64)])
     decoders = [i for i in cluster_2p2d["instances"] if i["role"] == "kv_consumer"]
+    mismatch = 'p2pkv_digests_total{direction="receive",outcome="mismatch"}'
+    mismatches = sum(metric(d["metrics"], mismatch) for d in decoders)  # the relay test's
+    _run_batch(cluster_2p2d, [f"x{i}" for i in range(64)])
     assert sum(metric(d["metrics"], 'p2pkv_bytes_received_total{transport="tcp"}') for d in decoders) > 0
     assert all(metric(d["metrics"], 'p2pkv_bytes_received_total{transport="shm"}') == 0 for d in decoders)
     assert sum(metric(d["metrics"], 'p2pkv_digests_total{direction="receive",outcome="ok"}') for d in decoders) > 0
-    assert sum(metric(d["metrics"], 'p2pkv_digests_total{direction="receive",outcome="mismatch"}')
-               for d in decoders) == 0
+    assert sum(metric(d["metrics"], mismatch) for d in decoders) == mismatches
     # Every byte went through host buffers: copied out of the prefill caches, into the decode caches.
     producers = [i for i in cluster_2p2d["instances"] if i["role"] == "kv_producer"]
     copied_out = sum(metric(p["metrics"], 'p2pkv_device_copy_bytes_total{direction="to_host"}') for p in producers)
