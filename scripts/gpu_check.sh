@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check in one command (under 5 minutes on one H200): a table of rows, exit status 1 if any fails.
 # On a machine without a CUDA device every row is skipped and the exit status is 0.
-# On a machine without msgspec (the lent GPU machine), run scripts/gpu_wheels.sh here first and carry `.whl`:
-# the wheels found there are installed into a scratch directory.
+# On a machine without msgspec, pyzmq or xxhash (the lent GPU machine), run scripts/gpu_wheels.sh here first and
+# carry `.whl`: the wheels found there are installed into a scratch directory.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -10,7 +10,7 @@ PYTHON="${PYTHON:-python3}"
 PYTHON="${P2PKV_GPU_PYTHON:-$PYTHON}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT"
-if ! "$PYTHON" -c "import msgspec" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+if ! "$PYTHON" -c "import msgspec, zmq, xxhash" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
   site="$(mktemp -d)"
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl || exit 1
   export PYTHONPATH="$PYTHONPATH:$site"

@@ -224,7 +224,7 @@ class Router:
                 return Response(answer.content, status_code=answer.status_code, media_type="application/json")
             params = answer.json().get("kv_transfer_params") if answer.status_code == 200 else None
             if isinstance(params, dict):
-                trace.prefilled(str(state.instance.http), started, attempt + 1)
+                trace.prefilled(str(state.instance.http), started)
                 return params
             state.failures += 1
             log.warning("prefill instance %s answered %d without kv_transfer_params", state.instance.http,

@@ -27,8 +27,9 @@ class RequestTrace:
     prefill_tries: int = 0
     done: bool = False
 
-    def prefilled(self, instance: str, started: float, tries: int) -> None:
-        self.prefill, self.prefill_ms, self.prefill_tries = instance, (time.monotonic() - started) * 1000, tries
+    def prefilled(self, instance: str, started: float) -> None:
+        """The prefill on `instance`, asked at `started`, answered with the KV's params."""
+        self.prefill, self.prefill_ms = instance, (time.monotonic() - started) * 1000
 
     def headers(self) -> dict[str, str]:
         return {TRANSFER_HEADER: self.transfer_id, PREFILL_HEADER: self.prefill or "none",
