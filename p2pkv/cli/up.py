@@ -17,6 +17,7 @@ from typing import Any
 from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port, free_ports
 from p2pkv.config import parse_extra_config
 from p2pkv.errors import ConfigError, P2pkvError
+from p2pkv.proxy.trace import TRANSFER_HEADER
 
 DISCOVERY_TIMEOUT_S = 30.0
 DEMO_PROMPT = "Disaggregated serving moves the KV cache from the prefill instance to the decode instance."
@@ -108,10 +109,11 @@ def send_demo_request(proxy_url: str, model: str) -> str:
                                      headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as resp:
         answer = json.loads(resp.read())
+        transfer = resp.headers.get(TRANSFER_HEADER, "")
     text: str = answer["choices"][0]["text"]
     cached = answer["usage"].get("prompt_tokens_details", {}) or {}
     return (f"prompt_tokens={answer['usage']['prompt_tokens']} cached_on_decode={cached.get('cached_tokens')} "
-            f"completion={text!r}")
+            f"completion={text!r} transfer={transfer} (every log line about its KV names it)")
 
 
 def run_up(args: argparse.Namespace) -> int:
