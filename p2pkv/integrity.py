@@ -11,22 +11,27 @@ import xxhash
 
 from p2pkv.errors import TransferError
 
+Hasher = xxhash.xxh3_64  # a running digest: `update(bytes)` as they land, then `intdigest()`
+
 
 class DigestMismatch(TransferError):
     """The bytes that landed are not the bytes that were sent."""
 
 
+def hasher() -> Hasher:
+    return xxhash.xxh3_64()
+
+
 def digest(views: Iterable[memoryview]) -> int:
     """The digest of the views' bytes, one after another (the same as of their concatenation)."""
-    state = xxhash.xxh3_64()
+    state = hasher()
     for view in views:
         state.update(view)
     return state.intdigest()
 
 
-def check(expected: int, views: Iterable[memoryview], what: str) -> None:
-    """Raise DigestMismatch, naming `what`, when the landed `views` do not match the frame's digest."""
-    got = digest(views)
+def check(expected: int, got: int, what: str) -> None:
+    """Raise DigestMismatch, naming `what`, when the landed bytes' digest `got` is not the frame's `expected`."""
     if got != expected:
         raise DigestMismatch(f"{what}: the received bytes do not match the sender's digest "
                              f"({got:016x} != {expected:016x})")

@@ -17,7 +17,7 @@ from p2pkv.engine.offers import UNKNOWN_TRANSFER, ViewSource
 from p2pkv.engine.pipes import PipeSlot
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
-from p2pkv.integrity import DigestMismatch, check
+from p2pkv.integrity import DigestMismatch, check, hasher
 from p2pkv.params import Address
 from p2pkv.protocol import BlockRanges, Hello, Message, PayloadCopied, PipeOpen, PullReply, PullRequest, PushBlocks
 from p2pkv.transport.base import Connection
@@ -282,9 +282,10 @@ class Puller:
                         or payload_len != message.layers * per_layer):
                     raise ProtocolError(f"unexpected frame while pulling layer {layer}: {message!r}")
                 views = [v for at in range(layer, layer + message.layers) for v in job.sink(at, 0, job.num_blocks)]
-                conn.recv_payload_into_all(views, job.deadline)
-                if conn.digests:
-                    self._check_digest(conn, message, views)
+                landed = hasher() if conn.digests else None
+                conn.recv_payload_into_all(views, job.deadline, landed)
+                if landed is not None:
+                    self._check_digest(conn, message, landed.intdigest())
                 layer += message.layers
                 nbytes += payload_len
         except BaseException:
@@ -363,13 +364,13 @@ class Puller:
 
         return receive, pipe.transport
 
-    def _check_digest(self, conn: Connection, push: PushBlocks, views: list[memoryview]) -> None:
+    def _check_digest(self, conn: Connection, push: PushBlocks, landed: int) -> None:
         """Check pulled bytes against the frame's digest; a mismatch fails the pull (the load then fails and vLLM
         recomputes the prompt)."""
         if push.digest is None:
             raise ProtocolError(f"a pull of transfer {push.transfer_id} brought no digest on a link that checks them")
         try:
-            check(push.digest, views, f"transfer {push.transfer_id} layers {push.layer}-{push.layer + push.layers}")
+            check(push.digest, landed, f"transfer {push.transfer_id} layers {push.layer}-{push.layer + push.layers}")
         except DigestMismatch as exc:
             self._metrics.count_digest("pull", False)
             log.error("%s (pulled from %s over %s)", exc, conn.peer, conn.name)

@@ -16,7 +16,7 @@ from p2pkv.engine.pipes import PipeSlot
 from p2pkv.engine.store import HEADS_DIFFER, PULL_INSTEAD, ReceiveStore
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
-from p2pkv.integrity import DigestMismatch, check, digest
+from p2pkv.integrity import DigestMismatch, check, digest, hasher
 from p2pkv.protocol import (
     BlockRanges,
     CmaOffer,
@@ -186,20 +186,21 @@ class Receiver:
         if view is None:
             conn.discard_payload(payload_len, deadline)
             return
-        conn.recv_payload_into(view, deadline)
-        if conn.digests and not self._digest_matches(conn, push, view):
+        landed = hasher() if conn.digests else None
+        conn.recv_payload_into(view, deadline, landed)
+        if landed is not None and not self._digest_matches(conn, push, landed.intdigest()):
             return
         self._store.finish_chunk(push.transfer_id, push.num_blocks * push.layers)
         self._metrics.of(self._metrics.bytes_received, conn.name).inc(payload_len)
         self._metrics.add("bytes_received", payload_len)
 
-    def _digest_matches(self, conn: Connection, push: PushBlocks, view: memoryview) -> bool:
+    def _digest_matches(self, conn: Connection, push: PushBlocks, landed: int) -> bool:
         """Check a landed payload against its frame's digest; a mismatch fails the transfer (its load then fails and
         vLLM recomputes the prompt). The link agreed digests, so a frame without one is a protocol error."""
         if push.digest is None:
             raise ProtocolError(f"a push of transfer {push.transfer_id} carries no digest on a link that checks them")
         try:
-            check(push.digest, (view,), f"transfer {push.transfer_id} layers {push.layer}-{push.layer + push.layers}")
+            check(push.digest, landed, f"transfer {push.transfer_id} layers {push.layer}-{push.layer + push.layers}")
         except DigestMismatch as exc:
             self._metrics.count_digest("receive", False)
             log.error("%s (from %s over %s); the transfer is dropped", exc, conn.peer, conn.name)

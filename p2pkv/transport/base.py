@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from p2pkv.integrity import Hasher
 from p2pkv.protocol import DeviceExport, Message
 
 
@@ -36,10 +37,12 @@ class Connection(Protocol):
     def recv_frame(self, idle_timeout: float, deadline: float) -> tuple[Message, int] | None:
         """Next message and the length of its payload; None when nothing arrived within `idle_timeout`."""
 
-    def recv_payload_into(self, view: memoryview, deadline: float) -> None:
-        """Fill `view` with the next payload bytes."""
+    def recv_payload_into(self, view: memoryview, deadline: float, hasher: Hasher | None = None) -> None:
+        """Fill `view` with the next payload bytes; `hasher` (integrity_check) is updated with them, in order, as
+        they land (tcp: piece by piece, while they are in the cache)."""
 
-    def recv_payload_into_all(self, views: Sequence[memoryview], deadline: float) -> None:
+    def recv_payload_into_all(self, views: Sequence[memoryview], deadline: float,
+                              hasher: Hasher | None = None) -> None:
         """Fill each view in turn with the next payload bytes (shm: with one copy where it can)."""
 
     def discard_payload(self, nbytes: int, deadline: float) -> None:

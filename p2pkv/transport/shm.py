@@ -17,6 +17,7 @@ import struct
 from collections.abc import Sequence
 
 from p2pkv.errors import ProtocolError, TransferError
+from p2pkv.integrity import Hasher
 from p2pkv.protocol import CmaStatus, DeviceExport, Message, PayloadCopied, PushBlocks, encode_frame
 from p2pkv.transport import cma
 from p2pkv.transport.split_read import SplitReader
@@ -127,17 +128,21 @@ class ShmConnection:
             self._inner.queue_frame(PayloadCopied(frame.transfer_id, frame.layer, frame.layers))
             self._inner.flush(deadline)
 
-    def recv_payload_into(self, view: memoryview, deadline: float) -> None:
-        self.recv_payload_into_all((view,), deadline)
+    def recv_payload_into(self, view: memoryview, deadline: float, hasher: Hasher | None = None) -> None:
+        self.recv_payload_into_all((view,), deadline, hasher)
 
-    def recv_payload_into_all(self, views: Sequence[memoryview], deadline: float) -> None:
+    def recv_payload_into_all(self, views: Sequence[memoryview], deadline: float,
+                              hasher: Hasher | None = None) -> None:
         if not self.reads_by_reference:
-            self._inner.recv_payload_into_all(views, deadline)
+            self._inner.recv_payload_into_all(views, deadline, hasher)
             return
         views = [v.cast("B") if v.format != "B" else v for v in views]
         total = sum(v.nbytes for v in views)
         self._reader.read(views, self._take(total))
-        self._consumed(total, deadline)
+        self._consumed(total, deadline)  # the sender may go on; the digest is ours to take
+        if hasher is not None:
+            for view in views:
+                hasher.update(view)
 
     def discard_payload(self, nbytes: int, deadline: float) -> None:
         if not self.reads_by_reference:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 
 from p2pkv.errors import TransferError, TransferTimeout
+from p2pkv.integrity import Hasher
 from p2pkv.params import Address
 from p2pkv.protocol import PREFIX_BYTES, DeviceExport, FrameLimits, Message, decode_message, decode_prefix, encode_frame
 
@@ -190,15 +191,21 @@ class TcpConnection:
         self._start += n
         return out
 
-    def recv_exact_into(self, view: memoryview, deadline: float) -> None:
-        """Fill `view` from the stream: buffered bytes first, then straight from the socket."""
+    def recv_exact_into(self, view: memoryview, deadline: float, hasher: Hasher | None = None) -> None:
+        """Fill `view` from the stream: buffered bytes first, then straight from the socket; `hasher` digests each
+        piece just after it landed."""
         view = _bytes_view(view)
         got = min(self.buffered, view.nbytes)
         if got:
             view[:got] = self._buffer[self._start : self._start + got]
             self._start += got
+            if hasher is not None:
+                hasher.update(view[:got])
         while got < view.nbytes:
-            got += self._recv_into(view[got:], deadline)
+            n = self._recv_into(view[got:], deadline)
+            if hasher is not None:
+                hasher.update(view[got : got + n])
+            got += n
 
     def recv_frame(self, idle_timeout: float, deadline: float) -> tuple[Message, int] | None:
         if self._outbox and (len(self._outbox) >= _MAX_QUEUED or time.monotonic() - self._queued_at > _MAX_QUEUE_S):
@@ -217,13 +224,14 @@ class TcpConnection:
         body = self._take_bytes(prefix.message_len, deadline)
         return decode_message(raw, prefix, body, self._secret), prefix.payload_len
 
-    def recv_payload_into(self, view: memoryview, deadline: float) -> None:
-        self.recv_exact_into(view, deadline)
+    def recv_payload_into(self, view: memoryview, deadline: float, hasher: Hasher | None = None) -> None:
+        self.recv_exact_into(view, deadline, hasher)
         self._ack_promptly()
 
-    def recv_payload_into_all(self, views: Sequence[memoryview], deadline: float) -> None:
+    def recv_payload_into_all(self, views: Sequence[memoryview], deadline: float,
+                              hasher: Hasher | None = None) -> None:
         for view in views:
-            self.recv_exact_into(view, deadline)
+            self.recv_exact_into(view, deadline, hasher)
         self._ack_promptly()
 
     def discard_payload(self, nbytes: int, deadline: float) -> None:

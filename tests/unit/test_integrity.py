@@ -26,10 +26,9 @@ def test_the_digest_of_views_is_the_digest_of_their_bytes_in_order() -> None:
     data = np.random.default_rng(3).integers(0, 256, 10_000, np.uint8)
     pieces = [memoryview(data[:1]), memoryview(data[1:4097]), memoryview(data[4097:])]
     assert digest(pieces) == xxhash.xxh3_64_intdigest(data.tobytes())
-    check(digest(pieces), pieces, "ok")  # no error
-    data[5000] ^= 1
+    check(digest(pieces), digest([memoryview(data)]), "ok")  # no error
     with pytest.raises(DigestMismatch, match="layers 0-1"):
-        check(xxhash.xxh3_64_intdigest(bytes(10_000)), [memoryview(data)], "layers 0-1")
+        check(xxhash.xxh3_64_intdigest(bytes(10_000)), digest([memoryview(data)]), "layers 0-1")
 
 
 def receiver_engine(integrity: bool) -> TransferEngine:
