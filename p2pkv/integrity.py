@@ -9,7 +9,8 @@ from collections.abc import Iterable
 
 import xxhash
 
-from p2pkv.errors import TransferError
+from p2pkv.errors import ProtocolError, TransferError
+from p2pkv.protocol import PushBlocks
 
 Hasher = xxhash.xxh3_64  # a running digest: `update(bytes)` as they land, then `intdigest()`
 
@@ -30,8 +31,12 @@ def digest(views: Iterable[memoryview]) -> int:
     return state.intdigest()
 
 
-def check(expected: int, got: int, what: str) -> None:
-    """Raise DigestMismatch, naming `what`, when the landed bytes' digest `got` is not the frame's `expected`."""
-    if got != expected:
-        raise DigestMismatch(f"{what}: the received bytes do not match the sender's digest "
-                             f"({got:016x} != {expected:016x})")
+def frame_mismatch(push: PushBlocks, landed: int) -> DigestMismatch | None:
+    """None when the payload that landed (digest `landed`) is the one `push` announced; else the mismatch. On a link
+    that agreed digests, a frame without one is a protocol error."""
+    if push.digest is None:
+        raise ProtocolError(f"transfer {push.transfer_id}: a payload without a digest on a link that checks them")
+    if landed == push.digest:
+        return None
+    return DigestMismatch(f"transfer {push.transfer_id} layers {push.layer}-{push.layer + push.layers}: the received "
+                          f"bytes do not match the sender's digest ({landed:016x} != {push.digest:016x})")

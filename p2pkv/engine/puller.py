@@ -17,7 +17,7 @@ from p2pkv.engine.offers import UNKNOWN_TRANSFER, ViewSource
 from p2pkv.engine.pipes import PipeSlot
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
-from p2pkv.integrity import DigestMismatch, check, hasher
+from p2pkv.integrity import frame_mismatch, hasher
 from p2pkv.params import Address
 from p2pkv.protocol import BlockRanges, Hello, Message, PayloadCopied, PipeOpen, PullReply, PullRequest, PushBlocks
 from p2pkv.transport.base import Connection
@@ -367,15 +367,11 @@ class Puller:
     def _check_digest(self, conn: Connection, push: PushBlocks, landed: int) -> None:
         """Check pulled bytes against the frame's digest; a mismatch fails the pull (the load then fails and vLLM
         recomputes the prompt)."""
-        if push.digest is None:
-            raise ProtocolError(f"a pull of transfer {push.transfer_id} brought no digest on a link that checks them")
-        try:
-            check(push.digest, landed, f"transfer {push.transfer_id} layers {push.layer}-{push.layer + push.layers}")
-        except DigestMismatch as exc:
-            self._metrics.count_digest("pull", False)
-            log.error("%s (pulled from %s over %s)", exc, conn.peer, conn.name)
-            raise
-        self._metrics.count_digest("pull", True)
+        bad = frame_mismatch(push, landed)
+        self._metrics.count_digest("pull", bad is None)
+        if bad is not None:
+            log.error("%s (pulled from %s over %s)", bad, conn.peer, conn.name)
+            raise bad
 
     def _count(self, transport: str, nbytes: int) -> None:
         self._metrics.of(self._metrics.bytes_received, transport).inc(nbytes)

@@ -16,7 +16,7 @@ from p2pkv.engine.pipes import PipeSlot
 from p2pkv.engine.store import HEADS_DIFFER, PULL_INSTEAD, ReceiveStore
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
-from p2pkv.integrity import DigestMismatch, check, digest, hasher
+from p2pkv.integrity import digest, frame_mismatch, hasher
 from p2pkv.protocol import (
     BlockRanges,
     CmaOffer,
@@ -196,18 +196,13 @@ class Receiver:
 
     def _digest_matches(self, conn: Connection, push: PushBlocks, landed: int) -> bool:
         """Check a landed payload against its frame's digest; a mismatch fails the transfer (its load then fails and
-        vLLM recomputes the prompt). The link agreed digests, so a frame without one is a protocol error."""
-        if push.digest is None:
-            raise ProtocolError(f"a push of transfer {push.transfer_id} carries no digest on a link that checks them")
-        try:
-            check(push.digest, landed, f"transfer {push.transfer_id} layers {push.layer}-{push.layer + push.layers}")
-        except DigestMismatch as exc:
-            self._metrics.count_digest("receive", False)
-            log.error("%s (from %s over %s); the transfer is dropped", exc, conn.peer, conn.name)
-            self._store.fail(push.transfer_id, str(exc), create=False)
-            return False
-        self._metrics.count_digest("receive", True)
-        return True
+        vLLM recomputes the prompt)."""
+        bad = frame_mismatch(push, landed)
+        self._metrics.count_digest("receive", bad is None)
+        if bad is not None:
+            log.error("%s (from %s over %s); the transfer is dropped", bad, conn.peer, conn.name)
+            self._store.fail(push.transfer_id, str(bad), create=False)
+        return bad is None
 
     def _refuse_push(self, conn: Connection, push: PushBlocks, payload_len: int, refused: set[str],
                      deadline: float) -> None:

@@ -11,7 +11,8 @@ import xxhash
 
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.store import StageState
-from p2pkv.integrity import DigestMismatch, check, digest
+from p2pkv.errors import ProtocolError
+from p2pkv.integrity import DigestMismatch, digest, frame_mismatch
 from p2pkv.params import Address
 from p2pkv.protocol import FrameLimits, Hello, PushBlocks
 from p2pkv.transport.tcp import TcpConnection
@@ -26,9 +27,13 @@ def test_the_digest_of_views_is_the_digest_of_their_bytes_in_order() -> None:
     data = np.random.default_rng(3).integers(0, 256, 10_000, np.uint8)
     pieces = [memoryview(data[:1]), memoryview(data[1:4097]), memoryview(data[4097:])]
     assert digest(pieces) == xxhash.xxh3_64_intdigest(data.tobytes())
-    check(digest(pieces), digest([memoryview(data)]), "ok")  # no error
-    with pytest.raises(DigestMismatch, match="layers 0-1"):
-        check(xxhash.xxh3_64_intdigest(bytes(10_000)), digest([memoryview(data)]), "layers 0-1")
+    push = PushBlocks("t", 2, 0, 1, 1, 8, 3, digest(pieces))
+    assert frame_mismatch(push, xxhash.xxh3_64_intdigest(data.tobytes())) is None
+    data[5000] ^= 1
+    bad = frame_mismatch(push, digest([memoryview(data)]))
+    assert isinstance(bad, DigestMismatch) and "transfer t layers 2-5" in str(bad)
+    with pytest.raises(ProtocolError):
+        frame_mismatch(PushBlocks("t", 0, 0, 1, 1, 1), 0)
 
 
 def receiver_engine(integrity: bool) -> TransferEngine:
