@@ -36,7 +36,13 @@ def frame_mismatch(push: PushBlocks, landed: int) -> DigestMismatch | None:
     that agreed digests, a frame without one is a protocol error."""
     if push.digest is None:
         raise ProtocolError(f"transfer {push.transfer_id}: a payload without a digest on a link that checks them")
-    if landed == push.digest:
+    return mismatch(f"transfer {push.transfer_id} layers {push.layer}-{push.layer + push.layers}", push.digest,
+                    landed)
+
+
+def mismatch(what: str, sent: int, landed: int) -> DigestMismatch | None:
+    """None when the digests agree; else the mismatch, naming `what` moved."""
+    if landed == sent:
         return None
-    return DigestMismatch(f"transfer {push.transfer_id} layers {push.layer}-{push.layer + push.layers}: the received "
-                          f"bytes do not match the sender's digest ({landed:016x} != {push.digest:016x})")
+    return DigestMismatch(f"{what}: the received bytes do not match the sender's digest ({landed:016x} != "
+                          f"{sent:016x})")

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from p2pkv.device_copy import settle
-from p2pkv.engine.device import RemoteCache, Run, pair_ranges
+from p2pkv.engine.device import Piece, RemoteCache, Run, pair_ranges
 from p2pkv.errors import P2pkvError, TransferTimeout
 from p2pkv.protocol import DeviceExport, DeviceHome
 from p2pkv.staging import DeviceKv
@@ -150,6 +150,12 @@ class CacheAccess:
             handles = [(s.data_ptr(), s.numel()) for s in self.kv.storages]
             device = ""
         return DeviceExport(self.kind, cma.boot_id(), os.getpid(), device, handles)
+
+    def runs(self, layer: int, block_ids: Sequence[int]) -> list[Run]:
+        return self.kv.geometry[layer].ranges(block_ids)
+
+    def bytes_digest(self, pieces: Sequence[Piece]) -> int | None:
+        return self.kv.bytes_digest(pieces)
 
     def reaches(self, home: DeviceHome) -> bool:
         if home.kind != self.kind or home.boot_id != cma.boot_id():

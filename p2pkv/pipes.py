@@ -105,6 +105,9 @@ class _Maker:
     def runs(self, layer: int, block_ids: Sequence[int]) -> list[Run]:
         return self.kv.geometry[layer].ranges(block_ids)
 
+    def bytes_digest(self, pieces: Sequence[Piece]) -> int | None:
+        return self.kv.bytes_digest(pieces)
+
     def _pipe(self, channel: Channel, rank: int) -> ChannelPipe:
         return ChannelPipe(self.kv, channel, self.kind, 1 - rank)
 

@@ -240,11 +240,13 @@ class PullReply(msgspec.Struct, tag="pull_reply", frozen=True):
 
 
 class BlockRanges(msgspec.Struct, tag="ranges", frozen=True):
-    """cuda_ipc: where the pulled blocks lie, per layer: (byte offset, length) in that layer's exported storage,
-    in payload order."""
+    """cuda_ipc (and nccl): where the pulled blocks lie, per layer: (byte offset, length) in that layer's exported
+    storage, in payload order. `digest` (integrity_check, a cache in host memory): the XXH3-64 of those bytes, layer
+    after layer, taken just before this frame went; the puller digests them where they landed."""
 
     transfer_id: str
     layers: list[list[tuple[int, int]]]
+    digest: int | None = None
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):

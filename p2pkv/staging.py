@@ -36,10 +36,11 @@ from p2pkv.device_copy import (
     settle,
     wait_marker,
 )
-from p2pkv.engine.device import RangeSource
+from p2pkv.engine.device import Piece, RangeSource
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import ViewSource
 from p2pkv.errors import P2pkvError
+from p2pkv.integrity import digest
 from p2pkv.layout import LayerGeometry, describe
 from p2pkv.memory import HostPool
 from p2pkv.memory.pool import PoolBuffer
@@ -91,6 +92,7 @@ class DeviceKv:
         # one copy per run of blocks (on a GPU each copy has a fixed launch cost; on the host it does not pay).
         self._dense = self.geometry[0].inner == ((0, self.digest.block_bytes),)
         self.gather_min_runs: int | None = 4 if self.on_gpu and self._dense else None
+        self._host_views: list[memoryview] | None = None  # the storages' bytes, for digests (a host cache)
 
     @property
     def block_bytes(self) -> int:
@@ -170,6 +172,19 @@ class DeviceKv:
         marker = self.copy_in(layer, block_ids, _host_tensor(src))
         if not settle([marker], time.monotonic() + self.copy_timeout_s, self.copy_timeout_s):
             raise P2pkvError(f"copying {len(block_ids)} blocks to the device took over {self.copy_timeout_s} s")
+
+    def bytes_digest(self, pieces: Sequence[Piece]) -> int | None:
+        """integrity_check: the digest of these pieces of the cache, one after another; None for a cache on a GPU
+        (its bytes are not digested)."""
+        if self.on_gpu:
+            return None
+        if self._host_views is None:
+            self._host_views = [memoryview(s.numpy()) for s in self.storages]
+        views = self._host_views
+        for layer, offset, n in pieces:
+            if not (0 <= layer < len(views) and 0 <= offset and n >= 0 and offset + n <= views[layer].nbytes):
+                raise P2pkvError(f"piece {offset}+{n} lies outside layer {layer} of this cache")
+        return digest(views[layer][offset : offset + n] for layer, offset, n in pieces)
 
 
 def _host_tensor(src: memoryview) -> torch.Tensor:

@@ -41,10 +41,10 @@ def pattern(block_ids: torch.Tensor, block_bytes: int) -> torch.Tensor:
     return (mixed & 255).to(torch.uint8)
 
 
-def _engine(kv: DeviceKv, pipes: bool) -> TransferEngine:
+def _engine(kv: DeviceKv, pipes: bool, checks: bool = False) -> TransferEngine:
     settings = EngineSettings.from_config(ExtraConfig(
         kv_host="127.0.0.1", transfer_timeout_s=120, connect_timeout_s=60,
-        transport=Transport.NCCL if pipes else Transport.AUTO), 0, 0)
+        transport=Transport.NCCL if pipes else Transport.AUTO, integrity_check=checks), 0, 0)
     if pipes:
         maker = NcclPipes(kv, 8) if kv.on_gpu else GlooPipes(kv, "127.0.0.1")
         engine = TransferEngine(settings, kv.digest, pipes=maker)
@@ -120,9 +120,10 @@ WARM_UP = 20  # pulls that may carry bytes while the pipe is being made
 
 
 def run(device: str, sizes: Sequence[int], repeats: int = 3, pipes: bool = False,
-        peer_device: str | None = None) -> tuple[str, list[IpcRate]]:
+        peer_device: str | None = None, checks: bool = False) -> tuple[str, list[IpcRate]]:
     """The correctness check's summary, and one rate per size. `pipes`: by pipe (the offering process's cache on
-    `peer_device`), where the rate's copy is the whole pull."""
+    `peer_device`), where the rate's copy is the whole pull. `checks`: integrity_check (this side; the link agrees
+    it with the offering process), which digests a host cache's pulls on both sides."""
     largest = max(sizes) // BLOCK_BYTES
     blocks = max(2 * CHECK_BLOCKS, largest)
     check_src = list(range(0, 2 * CHECK_BLOCKS, 2))  # scattered in the sender's cache
@@ -134,7 +135,7 @@ def run(device: str, sizes: Sequence[int], repeats: int = 3, pipes: bool = False
     proc.start()
     cache = _cache(device, blocks)
     kv = DeviceKv([cache], 16, torch.device(device).type, 120)
-    engine = _engine(kv, pipes)
+    engine = _engine(kv, pipes, checks)
     try:
         if not parent.poll(300):
             raise RuntimeError("the offering process did not start")

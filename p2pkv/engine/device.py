@@ -15,6 +15,9 @@ Run = tuple[int, int]  # (byte offset in a layer's storage, length)
 # (layer, first_block, num_blocks) -> the blocks' byte ranges in that layer's exported storage, in payload order;
 # returns once the blocks' bytes are final (the forward that wrote them has finished).
 RangeSource = Callable[[int, int, int], list[Run]]
+Piece = tuple[int, int, int]  # (layer, byte offset in that layer's storage, length)
+# integrity_check: the digest of pieces of this worker's cache, in order (None: its bytes are not digested).
+CacheDigest = Callable[[Sequence[Piece]], int | None]
 
 
 class RemoteCache(Protocol):
@@ -47,8 +50,13 @@ class DeviceAccess(Protocol):
         """Whether a cache exported at `home` would open here: same kind, same host, its GPU visible. Cheap: no
         export is opened."""
 
+    def runs(self, layer: int, block_ids: Sequence[int]) -> list[Run]:
+        """Where these blocks lie in this worker's storage of `layer`, in payload order."""
 
-Piece = tuple[int, int, int]  # (layer, byte offset in that layer's storage, length)
+    def bytes_digest(self, pieces: Sequence[Piece]) -> int | None:
+        """integrity_check: the digest of these pieces of this worker's cache, in order; None where its bytes are
+        not digested (a cache on a GPU)."""
+
 
 
 def pair_ranges(remote: Sequence[Run], local: Sequence[Run]) -> list[tuple[int, int, int]]:
@@ -105,3 +113,6 @@ class PipeMaker(Protocol):
 
     def runs(self, layer: int, block_ids: Sequence[int]) -> list[Run]:
         """Where these blocks lie in this worker's storage of `layer`, in payload order."""
+
+    def bytes_digest(self, pieces: Sequence[Piece]) -> int | None:
+        """As `DeviceAccess.bytes_digest`."""

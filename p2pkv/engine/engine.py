@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from p2pkv.config import ExtraConfig, Transport
-from p2pkv.engine.device import DeviceAccess, PipeMaker, RangeSource
+from p2pkv.engine.device import CacheDigest, DeviceAccess, PipeMaker, RangeSource
 from p2pkv.engine.handshake import local_offer
 from p2pkv.engine.lanes import PullLanes
 from p2pkv.engine.metrics import EngineMetrics
@@ -115,12 +115,10 @@ class TransferEngine:
         pipes = self.pipes if s.transport in (Transport.AUTO, Transport.NCCL) else None
         if s.transport is Transport.NCCL and pipes is None:
             log.warning("transport nccl: this worker cannot make NCCL pipes (no GPU KV, or no CuPy); using shm or tcp")
-        if s.integrity_check and (device is not None or pipes is not None):
-            log.warning("integrity_check: pulls that copy cache to cache (cuda_ipc, host_ipc, nccl) carry no "
-                        "digest; bytes sent as frames (tcp, shm, and pushes staged from a GPU) are checked")
+        cache_digest = self._cache_digest(device, pipes)
         self._receiver = Receiver(listener, self.store, self.offers, self.layout, self.metrics, s.transfer_timeout_s,
                                   offer, export, pipes, s.connect_timeout_s, self._pull_rule(device, pipes),
-                                  s.integrity_check)
+                                  s.integrity_check, cache_digest)
         self._receiver.start()
         hello = Hello(engine_id=self.engine_id, rank=self.rank, layout=self.layout, cma=offer,
                       device_kind=device.kind if device is not None else "",
@@ -131,7 +129,7 @@ class TransferEngine:
         self._sender = Sender(self._connect, hello, self.metrics, require_shm)
         self._sender.start()
         self._puller = PullLanes(lambda: Puller(self._connect, hello, self.metrics, require_shm, device, pipes,
-                                                s.connect_timeout_s))
+                                                s.connect_timeout_s, cache_digest))
         self._puller.start()
         if s.metrics_port:
             from prometheus_client import start_http_server
@@ -139,6 +137,19 @@ class TransferEngine:
             self._metrics_server, self._metrics_thread = start_http_server(
                 s.metrics_port, addr=s.host, registry=self.metrics.registry)
         log.info("p2pkv engine %s rank %d listening on %s", self.engine_id, self.rank, self.address)
+
+    def _cache_digest(self, device: DeviceAccess | None, pipes: PipeMaker | None) -> CacheDigest | None:
+        """How this worker digests pieces of its cache, for pulls that copy cache to cache on a link that checks
+        digests (integrity_check on either side). A cache in host memory (host_ipc, gloo pipes) is digested on
+        both sides; a GPU cache's pulls (cuda_ipc, nccl) are not checked."""
+        access = device if device is not None else pipes
+        if access is None:
+            return None
+        gpu = (device is not None and device.kind == "cuda") or (pipes is not None and pipes.kind == "nccl")
+        if self.settings.integrity_check and gpu:
+            log.warning("integrity_check: pulls that copy GPU cache to GPU cache (cuda_ipc, nccl) carry no digest; "
+                        "bytes sent as frames (tcp, shm, and pushes staged from a GPU) are checked")
+        return access.bytes_digest
 
     def _pull_rule(self, device: DeviceAccess | None, pipes: PipeMaker | None) -> Callable[[Hello], bool] | None:
         """When this worker asks a client to leave its pushes for a pull (`pull_over_device`): it can open the

@@ -10,14 +10,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from p2pkv.engine.device import DeviceAccess, Pipe, PipeMaker, RemoteCache, Run, pair_ranges
+from p2pkv.engine.device import CacheDigest, DeviceAccess, Pipe, PipeMaker, RemoteCache, Run, pair_ranges
 from p2pkv.engine.links import Connect, Links
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import UNKNOWN_TRANSFER, ViewSource
 from p2pkv.engine.pipes import PipeSlot
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
-from p2pkv.integrity import frame_mismatch, hasher
+from p2pkv.integrity import frame_mismatch, hasher, mismatch
 from p2pkv.params import Address
 from p2pkv.protocol import BlockRanges, Hello, Message, PayloadCopied, PipeOpen, PullReply, PullRequest, PushBlocks
 from p2pkv.transport.base import Connection
@@ -93,8 +93,10 @@ class PullResult:
 class Puller:
     def __init__(self, connect: Connect, hello: Hello, metrics: EngineMetrics, require_shm: bool = False,
                  device: DeviceAccess | None = None, pipes: PipeMaker | None = None,
-                 pipe_setup_s: float = 5.0) -> None:
+                 pipe_setup_s: float = 5.0, cache_digest: CacheDigest | None = None) -> None:
+        """`cache_digest` (integrity_check): how blocks that a pull copied into this worker's cache are digested."""
         self._links = Links(connect, hello, require_shm)
+        self._cache_digest = cache_digest
         self._device = device
         self._remotes: dict[Address, tuple[Connection, RemoteCache | None]] = {}  # puller thread only
         self._maker = pipes
@@ -303,7 +305,7 @@ class Puller:
         part = job.part
         return self._layout.num_layers if part is None or part.layers is None else part.layers[1] - part.layers[0]
 
-    def _ranges(self, conn: Connection, job: PullJob) -> list[list[Run]]:
+    def _ranges(self, conn: Connection, job: PullJob) -> BlockRanges:
         """The peer's BlockRanges frame: where the pulled blocks lie in its cache, checked against the pull."""
         message, payload_len = self._next(conn, job.deadline)
         part = job.part
@@ -314,7 +316,7 @@ class Puller:
                 or len(message.layers) != self._layers(job)
                 or any(sum(n for _, n in layer) != per_layer for layer in message.layers) or not local):
             raise ProtocolError(f"unexpected frame for a pull by reference or pipe: {type(message).__name__}")
-        return message.layers
+        return message
 
     def _move_direct(self, conn: Connection, job: PullJob, by_pipe: bool, asked: bool,
                      runs: list[list[Run]]) -> tuple[int, str, bool]:
@@ -322,13 +324,37 @@ class Puller:
         cuda_ipc; or received through the link's pipe, nccl), then confirm."""
         try:
             move, transport = self._pipe_mover(conn, job, runs) if by_pipe else self._copy_mover(conn, job, asked)
-            nbytes = move(self._ranges(conn, job))
+            where = self._ranges(conn, job)
+            nbytes = move(where.layers)
             conn.send_frame(PayloadCopied(job.transfer_id, 0, self._layers(job)), (), job.deadline)
         except BaseException:
             self._drop(job.peer)
             raise
+        if conn.digests and where.digest is not None:
+            self._check_copied(conn, job, runs, where.digest, transport)
         self._count(transport, nbytes)
         return nbytes, transport, True
+
+    def _check_copied(self, conn: Connection, job: PullJob, runs: list[list[Run]], sent: int, transport: str) -> None:
+        """integrity_check: digest the blocks a pull copied cache to cache where they landed, against the digest
+        the peer took of its own (a cache in host memory); a mismatch fails the pull. `runs`: where they lie in our
+        storages, when the pull gave them (by pipe)."""
+        part = job.part
+        first = 0 if part is None else part.our_layer
+        if not runs:
+            if part is not None and part.runs is not None:
+                runs = part.runs
+            elif self._device is not None and job.device_blocks is not None:
+                runs = [self._device.runs(layer, job.device_blocks) for layer in range(self._layers(job))]
+        landed = self._cache_digest([(first + i, at, n) for i, layer in enumerate(runs) for at, n in layer]) \
+            if self._cache_digest is not None else None
+        if landed is None:
+            raise TransferError(f"transfer {job.transfer_id}: the peer digested the blocks, this side cannot")
+        bad = mismatch(f"transfer {job.transfer_id} (copied by {transport})", sent, landed)
+        self._metrics.count_digest("pull", bad is None)
+        if bad is not None:
+            log.error("%s (pulled from %s)", bad, conn.peer)
+            raise bad
 
     def _copy_mover(self, conn: Connection, job: PullJob, asked: bool) -> tuple[Callable[[list[list[Run]]], int], str]:
         remote = self._remote(job.peer, conn)  # the link the request went over (a reconnect opens anew)

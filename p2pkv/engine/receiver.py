@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from p2pkv.engine.device import Pipe, PipeMaker, RangeSource, pair_ranges
+from p2pkv.engine.device import CacheDigest, Pipe, PipeMaker, RangeSource, pair_ranges
 from p2pkv.engine.handshake import server_reply
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import Offer, OfferTable, ViewSource
@@ -48,11 +48,13 @@ class Receiver:
                  metrics: EngineMetrics, frame_timeout_s: float, offer: CmaOffer | None = None,
                  device: DeviceExport | None = None, pipes: PipeMaker | None = None,
                  pipe_setup_s: float = 5.0, pulls_over_device: Callable[[Hello], bool] | None = None,
-                 digests: bool = False) -> None:
+                 digests: bool = False, cache_digest: CacheDigest | None = None) -> None:
         """`pulls_over_device`: whether this worker would pull a client's blocks over a device path (opening its
         export, or through a pipe) rather than take them pushed through host memory. `digests`: integrity_check
-        (payloads on every link carry their digest, checked where they land)."""
+        (payloads on every link carry their digest, checked where they land); `cache_digest`: how the blocks a
+        pull copies cache to cache are digested here."""
         self._digests = digests
+        self._cache_digest = cache_digest
         self._listener = listener
         self._pulls_over_device = pulls_over_device
         self._offer = offer
@@ -252,7 +254,7 @@ class Receiver:
             piped = bool(pull.pipe_runs) and pipe is not None and not direct
             at = self._ranges_at(pull, claim) if direct or piped else None
             if at is not None and direct and self._device is not None:
-                nbytes = self._serve_by_reference(conn, pull, at[1], deadline)
+                nbytes = self._serve_by_reference(conn, pull, at, deadline)
                 transport = "cuda_ipc" if self._device.kind == "cuda" else "host_ipc"
                 return
             if at is not None and piped and pipe is not None:
@@ -268,9 +270,13 @@ class Receiver:
             log.info("transfer %s served peer=%s bytes=%d ms=%.1f transport=%s", pull.transfer_id, conn.peer,
                      nbytes, (time.monotonic() - started) * 1000, transport)
 
+    def _pulled_layers(self, pull: PullRequest) -> int:
+        """How many layers a pull asked for: every layer held here, or those of its slice."""
+        return self._layout.num_layers if pull.layers is None else pull.layers[1] - pull.layers[0]
+
     def _send_blocks(self, conn: Connection, pull: PullRequest, source: ViewSource, deadline: float) -> int:
         """The pulled blocks' bytes, every layer in one frame (they are whole layers of the puller's transfer)."""
-        num_layers = self._layout.num_layers if pull.layers is None else pull.layers[1] - pull.layers[0]
+        num_layers = self._pulled_layers(pull)
         views = [v for layer in range(num_layers) for v in source(layer, pull.first_block, pull.num_blocks)]
         push = PushBlocks(pull.transfer_id, 0, 0, pull.num_blocks, pull.num_blocks, num_layers, num_layers,
                           digest(views) if conn.digests else None)
@@ -295,29 +301,38 @@ class Receiver:
         except P2pkvError:
             return None
 
-    def _serve_by_reference(self, conn: Connection, pull: PullRequest, ranges: RangeSource, deadline: float) -> int:
+    def _block_ranges(self, conn: Connection, pull: PullRequest, at: tuple[int, RangeSource]) -> BlockRanges:
+        """Where the blocks (or the heads and layers asked for) lie in our storages, from the slice's first layer
+        there; with integrity_check, with the digest of their bytes as they are now."""
+        first, ranges = at
+        num_layers = self._pulled_layers(pull)
+        layers = [ranges(layer, pull.first_block, pull.num_blocks) for layer in range(num_layers)]
+        checked = None
+        if conn.digests and self._cache_digest is not None:
+            checked = self._cache_digest([(first + i, at_, n) for i, runs in enumerate(layers) for at_, n in runs])
+        return BlockRanges(pull.transfer_id, layers, checked)
+
+    def _serve_by_reference(self, conn: Connection, pull: PullRequest, at: tuple[int, RangeSource],
+                            deadline: float) -> int:
         """cuda_ipc: say where the blocks (or the heads and layers asked for) lie in our exported cache; the puller
         copies them and confirms."""
-        num_layers = self._layout.num_layers if pull.layers is None else pull.layers[1] - pull.layers[0]
-        layers = [ranges(layer, pull.first_block, pull.num_blocks) for layer in range(num_layers)]
-        conn.send_frames([(PullReply(pull.transfer_id, True, by_reference=True), ()),
-                          (BlockRanges(pull.transfer_id, layers), ())], deadline)
-        self._await_copies(conn, pull.transfer_id, deadline, num_layers)
-        return sum(n for layer in layers for _, n in layer)
+        where = self._block_ranges(conn, pull, at)
+        conn.send_frames([(PullReply(pull.transfer_id, True, by_reference=True), ()), (where, ())], deadline)
+        self._await_copies(conn, pull.transfer_id, deadline, len(where.layers))
+        return sum(n for layer in where.layers for _, n in layer)
 
     def _serve_by_pipe(self, conn: Connection, pull: PullRequest, at: tuple[int, RangeSource], pipe: Pipe,
                        deadline: float) -> int:
         """nccl: say where the blocks (or the heads and layers asked for) lie here; both sides then post the pieces
         the two lists pair into, and the puller confirms once they have landed."""
-        first, ranges = at
-        num_layers = self._layout.num_layers if pull.layers is None else pull.layers[1] - pull.layers[0]
+        first, num_layers = at[0], self._pulled_layers(pull)
         if len(pull.pipe_runs) != num_layers:
             raise ProtocolError(f"a pull by pipe gave runs for {len(pull.pipe_runs)} layers, not {num_layers}")
-        layers = [ranges(layer, pull.first_block, pull.num_blocks) for layer in range(num_layers)]
+        where = self._block_ranges(conn, pull, at)
+        layers = where.layers
         pieces = [(first + layer, ours, n) for layer in range(num_layers)
                   for ours, _, n in self._pair(layers[layer], pull.pipe_runs[layer])]
-        conn.send_frames([(PullReply(pull.transfer_id, True, by_pipe=True), ()),
-                          (BlockRanges(pull.transfer_id, layers), ())], deadline)
+        conn.send_frames([(PullReply(pull.transfer_id, True, by_pipe=True), ()), (where, ())], deadline)
         pipe.send(pieces, deadline)
         self._await_copies(conn, pull.transfer_id, deadline, num_layers)
         return sum(n for _, _, n in pieces)

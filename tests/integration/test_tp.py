@@ -22,6 +22,8 @@ from tests.integration.test_staged import served_like_colocated
 
 pytestmark = pytest.mark.vllm
 BY_REFERENCE = '{transport="host_ipc"}'
+CHECKED = 'p2pkv_digests_total{direction="pull",outcome="ok"}'
+MISMATCHED = 'p2pkv_digests_total{direction="pull",outcome="mismatch"}'
 
 
 @pytest.fixture(scope="module", params=[(2, 1)], ids=["p2d1-staged"])
@@ -45,15 +47,18 @@ def test_each_rank_pulls_its_heads_and_output_matches_colocated(tp_cluster: dict
     assert prefill["tp_size"] != decode["tp_size"]
     series = [(decode, "p2pkv_bytes_loaded_total"), (decode, "p2pkv_bytes_received_total" + BY_REFERENCE),
               (prefill, "p2pkv_bytes_sent_total" + BY_REFERENCE),
-              (decode, 'p2pkv_transfers_total{direction="pull",outcome="ok"}')]
+              (decode, 'p2pkv_transfers_total{direction="pull",outcome="ok"}'), (decode, CHECKED),
+              (decode, MISMATCHED)]
     before = [_total(instance, name) for instance, name in series]
     expected = sum(served_like_colocated(tp_cluster, f"tp{i}", length)
                    for i, length in enumerate([60, 129, 300, 700]))
-    loaded, received, sent, pulls = (_total(instance, name) - b for (instance, name), b in zip(series, before,
-                                                                                              strict=True))
+    loaded, received, sent, pulls, checked, mismatched = (
+        _total(instance, name) - b for (instance, name), b in zip(series, before, strict=True))
     # Every head of every block went once, cache to cache: the ranks' loads add up to the whole KV of the prompts.
     assert loaded == received == sent == expected
     assert pulls == 4 * max(prefill["tp_size"], decode["tp_size"])  # one per (prefill rank, decode rank) pair here
+    # integrity_check: each pull's heads were digested in the prefill rank's cache and where they landed.
+    assert checked == pulls and mismatched == 0
 
 
 def test_negative_control_corrupted_kv_changes_the_output(tp_cluster: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -41,15 +42,17 @@ def test_pair_ranges_cuts_where_either_side_ends() -> None:
 
 class Side:
     def __init__(self, fill: bool, transport: Transport = Transport.AUTO, exports: bool = True,
-                 pull_over_device: bool = True) -> None:
+                 pull_over_device: bool = True, integrity: bool = False,
+                 access: type[CacheAccess] = CacheAccess) -> None:
         self.layers = caches("LBHNC", fill)
         self.kv = DeviceKv(self.layers, 16, "test", 5)
         self.kv.pool = HostPool(1 << 20, pinned=False)
         self.buffers = TransferBuffers(self.kv)
         extra = ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=5, transport=transport,
-                            pull_over_device=pull_over_device)
+                            pull_over_device=pull_over_device, integrity_check=integrity)
+        self.access = access(self.kv)
         self.engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), self.kv.digest,
-                                     device=CacheAccess(self.kv) if exports else None)
+                                     device=self.access if exports else None)
         self.engine.start()
 
     @property
@@ -69,9 +72,8 @@ MakeSide = Callable[..., Side]
 def make_side() -> Iterator[MakeSide]:
     made: list[Side] = []
 
-    def make(fill: bool, transport: Transport = Transport.AUTO, exports: bool = True,
-             pull_over_device: bool = True) -> Side:
-        made.append(Side(fill, transport, exports, pull_over_device))
+    def make(fill: bool, **keys: Any) -> Side:
+        made.append(Side(fill, **keys))
         return made[-1]
 
     yield make

@@ -63,14 +63,15 @@ class RecordingPipes(GlooPipes):
 
 class Side:
     def __init__(self, order: str, fill: bool, transport: Transport = Transport.NCCL, refuse_join: bool = False,
-                 exports: bool = False, pull_over_device: bool = True):
+                 exports: bool = False, pull_over_device: bool = True, integrity: bool = False,
+                 pipes: type[RecordingPipes] = RecordingPipes):
         self.layers = views(order, torch.bfloat16, SIZES, fill)
         self.kv = DeviceKv(self.layers, 16, "test", 5)
         self.kv.pool = HostPool(1 << 20, pinned=False)
         self.buffers = TransferBuffers(self.kv)
-        self.pipes = RecordingPipes(self.kv, refuse_join)
+        self.pipes = pipes(self.kv, refuse_join)
         extra = ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=TIMEOUT_S, connect_timeout_s=SETUP_S,
-                            transport=transport, pull_over_device=pull_over_device)
+                            transport=transport, pull_over_device=pull_over_device, integrity_check=integrity)
         self.engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), self.kv.digest, pipes=self.pipes,
                                      device=CacheAccess(self.kv) if exports else None)
         self.engine.start()

@@ -1,0 +1,197 @@
+"""integrity_check on pulls that copy cache to cache: host_ipc (the puller reads the offerer's exported cache) and
+pipes (gloo, nccl's CPU stand-in). No frame carries those bytes, so the offerer digests its blocks as it says where
+they lie, and the puller digests them where they landed. Faults: a copy that lands one bit wrong in the puller's
+cache (with a negative control: without the check it lands unseen), and the offerer's blocks changed right after its
+digest, before the puller copied them (as if reused under the pull)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+from p2pkv.engine.device import Piece, RemoteCache, Run
+from p2pkv.engine.offers import OfferState
+from p2pkv.engine.puller import PullResult, PullState
+from p2pkv.ipc import CacheAccess
+from p2pkv.pipes import Channel, ChannelPipe
+from p2pkv.protocol import DeviceExport
+from p2pkv.transport import cma
+from tests.unit import test_ipc, test_pipes
+from tests.unit.test_staging import SIZES
+
+pytestmark = pytest.mark.skipif(not cma.available(), reason="needs cross-memory attach (Linux)")
+MISMATCH = "do not match the sender's digest"
+MOVES = {3: 0, 4: 1, 9: 7}
+Side = test_ipc.Side | test_pipes.Side
+
+
+class Fault:
+    """Flips one bit of the last byte of the last piece given, once, while `armed`."""
+
+    armed = False
+
+    def strike(self, storages: Sequence[torch.Tensor], pieces: Sequence[Piece]) -> None:
+        if self.armed and pieces:
+            layer, at, n = pieces[-1]
+            storages[layer][at + n - 1 : at + n].bitwise_xor_(1)
+            self.armed = False
+
+
+class DamagingRemote:
+    """A peer's opened cache whose copies land one bit wrong while the fault is armed."""
+
+    def __init__(self, remote: RemoteCache, access: DamagingAccess) -> None:
+        self._remote, self._access = remote, access
+        self.transport = remote.transport
+
+    def copy_into(self, remote: Sequence[Sequence[Run]], block_ids: Sequence[int], deadline: float) -> int:
+        n = self._remote.copy_into(remote, block_ids, deadline)
+        last = len(remote) - 1
+        self._access.strike(self._access.kv.storages,
+                            [(last, at, size) for at, size in self._access.runs(last, block_ids)])
+        return n
+
+    def copy_runs(self, pairs: Sequence[tuple[int, int, Sequence[Run], Sequence[Run]]], deadline: float) -> int:
+        raise AssertionError("these tests pull whole blocks")
+
+    def close(self) -> None:
+        self._remote.close()
+
+
+class DamagingAccess(CacheAccess, Fault):
+    def open(self, export: DeviceExport) -> RemoteCache:
+        return DamagingRemote(super().open(export), self)
+
+
+class DamagingPipe(ChannelPipe):
+    fault: Fault
+
+    def recv(self, pieces: Sequence[Piece], deadline: float) -> None:
+        super().recv(pieces, deadline)
+        self.fault.strike(self._kv.storages, pieces)
+
+
+class DamagingPipes(test_pipes.RecordingPipes, Fault):
+    def _pipe(self, channel: Channel, rank: int) -> ChannelPipe:
+        pipe = DamagingPipe(self.kv, channel, self.kind, 1 - rank)
+        pipe.fault = self
+        return pipe
+
+
+class ScribblingAccess(CacheAccess, Fault):
+    """An offerer whose blocks change right after it digested them."""
+
+    def bytes_digest(self, pieces: Sequence[Piece]) -> int | None:
+        got = super().bytes_digest(pieces)
+        self.strike(self.kv.storages, pieces)
+        return got
+
+
+@pytest.fixture
+def sides() -> Iterator[list[Side]]:
+    made: list[Side] = []
+    yield made
+    for side in made:
+        side.engine.close()
+
+
+def counted(side: Side, outcome: str) -> float:
+    value = side.engine.metrics.registry.get_sample_value("p2pkv_digests_total",
+                                                          {"direction": "pull", "outcome": outcome})
+    return value or 0.0
+
+
+def pull(offerer: Side, puller: Side, tid: str) -> PullResult:
+    """Pull MOVES; the result, once the offerer has the puller's copy confirmation (it gets one on a mismatch too:
+    the copy is done, its bytes are wrong). The bytes land in the puller's cache (`land` for bytes carried)."""
+    for layer in puller.layers:
+        layer.zero_()
+    src, dst = list(MOVES), list(MOVES.values())
+    offerer.engine.offer(tid, len(src), offerer.buffers.source(tid, src), 10, offerer.buffers.ranges(tid, src))
+    puller.engine.pull(tid, offerer.address, 0, len(dst), puller.buffers.sink(tid, dst), time.monotonic() + 10,
+                       tuple(dst))
+    result = puller.engine.wait_pull(tid, 10)
+    assert result is not None and result.state is not PullState.PENDING
+    if result.state is PullState.DONE and not result.by_reference:
+        puller.buffers.land(tid)
+    deadline = time.monotonic() + 5
+    while offerer.engine.offer_state(tid) is not OfferState.SERVED:
+        assert time.monotonic() < deadline, offerer.engine.offer_state(tid)
+        time.sleep(0.002)
+    puller.buffers.release(tid)
+    offerer.buffers.release(tid)
+    return result
+
+
+def wrong_bytes(offerer: Side, puller: Side) -> int:
+    """Bytes of the moved blocks that differ between the two caches."""
+    return sum(int((puller.layers[layer][d].view(torch.uint8) != offerer.layers[layer][s].view(torch.uint8)).sum())
+               for layer in range(SIZES["L"]) for s, d in MOVES.items())
+
+
+def host_ipc_pair(sides: list[Side], integrity: bool, puller_access: type[CacheAccess] = CacheAccess,
+                  offerer_access: type[CacheAccess] = CacheAccess) -> tuple[test_ipc.Side, test_ipc.Side]:
+    # Only the puller asks for digests: the offerer takes them because the link agreed them at the handshake.
+    offerer = test_ipc.Side(True, access=offerer_access)
+    sides.append(offerer)
+    puller = test_ipc.Side(False, integrity=integrity, access=puller_access)
+    sides.append(puller)
+    return offerer, puller
+
+
+def pipe_pair(sides: list[Side], integrity: bool) -> tuple[test_pipes.Side, test_pipes.Side]:
+    offerer = test_pipes.Side("LHBNC", True)
+    sides.append(offerer)
+    puller = test_pipes.Side("LHBNC", False, integrity=integrity, pipes=DamagingPipes)
+    sides.append(puller)
+    test_pipes.pull_until_by_pipe(offerer, puller, MOVES, "warm")  # the first pulls carry bytes (while it is made)
+    return offerer, puller
+
+
+@pytest.mark.parametrize("integrity", [True, False], ids=["integrity_check", "negative-control"])
+@pytest.mark.parametrize("path", ["host_ipc", "gloo"])
+def test_a_copy_that_lands_wrong_fails_the_pull_only_with_integrity_check(sides: list[Side], path: str,
+                                                                         integrity: bool) -> None:
+    if path == "host_ipc":
+        offerer, puller = host_ipc_pair(sides, integrity, puller_access=DamagingAccess)
+        fault: Fault = puller.access
+    else:
+        offerer, puller = pipe_pair(sides, integrity)
+        fault = puller.pipes
+    assert isinstance(fault, Fault)
+    clean = pull(offerer, puller, "clean-1")
+    assert clean.state is PullState.DONE and clean.by_reference and clean.transport == path
+    assert wrong_bytes(offerer, puller) == 0
+    checked = counted(puller, "ok")
+    assert checked > 0 if integrity else checked == 0
+    assert counted(puller, "mismatch") == 0
+
+    fault.armed = True
+    damaged = pull(offerer, puller, "damaged")
+    assert not fault.armed, "the copy ran"
+    if integrity:
+        assert damaged.state is PullState.FAILED and MISMATCH in damaged.reason, damaged
+        assert counted(puller, "mismatch") == 1
+    else:
+        assert damaged.state is PullState.DONE and damaged.by_reference
+        assert wrong_bytes(offerer, puller) == 1, "unchecked, the damaged byte stays"
+
+    again = pull(offerer, puller, "clean-2")  # the same link, opened cache and pipe serve the next pull
+    assert again.state is PullState.DONE and again.by_reference and again.transport == path
+    assert wrong_bytes(offerer, puller) == 0
+    assert counted(puller, "ok") == checked + (1 if integrity else 0)
+    assert counted(puller, "mismatch") == (1 if integrity else 0)
+
+
+def test_blocks_changed_after_the_offerers_digest_fail_the_pull(sides: list[Side]) -> None:
+    offerer, puller = host_ipc_pair(sides, True, offerer_access=ScribblingAccess)
+    assert isinstance(offerer.access, ScribblingAccess)
+    offerer.access.armed = True
+    damaged = pull(offerer, puller, "reused")
+    assert not offerer.access.armed, "the offerer digested the blocks it served"
+    assert damaged.state is PullState.FAILED and MISMATCH in damaged.reason, damaged
+    assert counted(puller, "mismatch") == 1
+    assert pull(offerer, puller, "next").state is PullState.DONE
