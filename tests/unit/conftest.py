@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 
+from p2pkv.engine import TransferEngine
 from tests.helpers.servers import serve
 from tests.helpers.stubs import stub_decode, stub_prefill
 
@@ -18,3 +19,16 @@ def backends() -> Iterator[tuple[str, str, list[dict[str, Any]], list[dict[str, 
     d_seen: list[dict[str, Any]] = []
     with serve(stub_prefill(p_seen)) as p, serve(stub_decode(d_seen)) as d:
         yield p, d, p_seen, d_seen
+
+
+class HasEngine(Protocol):
+    engine: TransferEngine
+
+
+@pytest.fixture
+def sides() -> Iterator[list[HasEngine]]:
+    """Test sides (each with a started engine) made by a test: their engines are closed after it."""
+    made: list[HasEngine] = []
+    yield made
+    for side in made:
+        side.engine.close()

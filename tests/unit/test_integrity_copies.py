@@ -6,14 +6,12 @@ digest, before the puller copied them (as if reused under the pull)."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
 
 from p2pkv.engine.device import Piece, RemoteCache, Run
-from p2pkv.engine.offers import OfferState
 from p2pkv.engine.puller import PullResult, PullState
 from p2pkv.ipc import CacheAccess
 from p2pkv.pipes import Channel, ChannelPipe
@@ -90,14 +88,6 @@ class ScribblingAccess(CacheAccess, Fault):
         return got
 
 
-@pytest.fixture
-def sides() -> Iterator[list[Side]]:
-    made: list[Side] = []
-    yield made
-    for side in made:
-        side.engine.close()
-
-
 def counted(side: Side, outcome: str) -> float:
     value = side.engine.metrics.registry.get_sample_value("p2pkv_digests_total",
                                                           {"direction": "pull", "outcome": outcome})
@@ -105,25 +95,11 @@ def counted(side: Side, outcome: str) -> float:
 
 
 def pull(offerer: Side, puller: Side, tid: str) -> PullResult:
-    """Pull MOVES; the result, once the offerer has the puller's copy confirmation (it gets one on a mismatch too:
-    the copy is done, its bytes are wrong). The bytes land in the puller's cache (`land` for bytes carried)."""
+    """Pull MOVES into a zeroed cache; the result, once the offerer has the puller's copy confirmation (it gets one
+    on a mismatch too: the copy is done, its bytes are wrong)."""
     for layer in puller.layers:
         layer.zero_()
-    src, dst = list(MOVES), list(MOVES.values())
-    offerer.engine.offer(tid, len(src), offerer.buffers.source(tid, src), 10, offerer.buffers.ranges(tid, src))
-    puller.engine.pull(tid, offerer.address, 0, len(dst), puller.buffers.sink(tid, dst), time.monotonic() + 10,
-                       tuple(dst))
-    result = puller.engine.wait_pull(tid, 10)
-    assert result is not None and result.state is not PullState.PENDING
-    if result.state is PullState.DONE and not result.by_reference:
-        puller.buffers.land(tid)
-    deadline = time.monotonic() + 5
-    while offerer.engine.offer_state(tid) is not OfferState.SERVED:
-        assert time.monotonic() < deadline, offerer.engine.offer_state(tid)
-        time.sleep(0.002)
-    puller.buffers.release(tid)
-    offerer.buffers.release(tid)
-    return result
+    return test_pipes.pull(offerer, puller, tid, MOVES, done=False)
 
 
 def wrong_bytes(offerer: Side, puller: Side) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
 import pytest
@@ -81,22 +81,17 @@ class Side:
         return Address.parse(self.engine.address)
 
 
-@pytest.fixture
-def sides() -> Iterator[list[Side]]:
-    made: list[Side] = []
-    yield made
-    for side in made:
-        side.engine.close()
-
-
-def pull(offerer: Side, puller: Side, tid: str, moves: dict[int, int]) -> PullResult:
+def pull(offerer: Side, puller: Side, tid: str, moves: dict[int, int], done: bool = True) -> PullResult:
+    """Pull `moves` (offerer's block -> puller's); the result once the offerer has the puller's confirmation (also
+    for a pull that failed after its copy). `done`: the pull must succeed."""
     src, dst = list(moves), list(moves.values())
     offerer.engine.offer(tid, len(src), offerer.buffers.source(tid, src), 10, offerer.buffers.ranges(tid, src))
     puller.engine.pull(tid, offerer.address, 0, len(dst), puller.buffers.sink(tid, dst), time.monotonic() + 10,
                        tuple(dst))
     result = puller.engine.wait_pull(tid, 10)
-    assert result is not None and result.state is PullState.DONE, result
-    if not result.by_reference:
+    assert result is not None and result.state is not PullState.PENDING
+    assert result.state is PullState.DONE or not done, result
+    if result.state is PullState.DONE and not result.by_reference:
         puller.buffers.land(tid)  # bytes carried into the host buffer land now
     deadline = time.monotonic() + 5
     while offerer.engine.offer_state(tid) is not OfferState.SERVED:
