@@ -21,7 +21,8 @@ def _proxy(args: argparse.Namespace) -> int:
     config = ProxyConfig(prefill=tuple(Instance.parse(p) for p in args.prefill),
                          decode=tuple(Instance.parse(d) for d in args.decode), host=args.host, port=args.port,
                          request_timeout_s=args.request_timeout, prefill_timeout_s=args.prefill_timeout,
-                         prefill_retries=args.prefill_retries, prefill_policy=args.prefill_policy,
+                         prefill_retries=args.prefill_retries, transfer_retries=args.transfer_retries,
+                         prefill_policy=args.prefill_policy,
                          decode_policy=args.decode_policy, api_key=os.environ.get("P2PKV_PROXY_API_KEY", ""),
                          discovery_host=args.discovery_host, discovery_port=args.discovery_port,
                          heartbeat_misses=args.heartbeat_misses, secret=os.environ.get(AUTH_SECRET_ENV, ""))
@@ -103,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--request-timeout", type=float, default=600.0, help="seconds per decode request")
     proxy.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds per prefill attempt")
     proxy.add_argument("--prefill-retries", type=int, default=2, help="other prefill instances to try on failure")
+    proxy.add_argument("--transfer-retries", type=int, default=1,
+                       help="times a request whose decode instance failed before answering (KV lost under "
+                            "kv_load_failure_policy=fail, a 5xx, a broken connection) goes again as a new transfer, "
+                            "through a prefill instance not tried yet")
     policies = ["least-outstanding", "round-robin"]
     proxy.add_argument("--prefill-policy", choices=policies, default="least-outstanding")
     proxy.add_argument("--decode-policy", choices=policies, default="least-outstanding")

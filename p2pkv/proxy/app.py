@@ -1,8 +1,9 @@
 """The proxy app factory: prefill with `max_tokens=1`, then decode with the `kv_transfer_params` it returned.
 
 A prefill that fails (refused, 5xx, timeout) is retried on another prefill instance a bounded number of times;
-with no prefill left, the request goes to a decode instance alone, which prefills locally. Decode failures come
-back as OpenAI-style error JSON, never as an empty 200.
+with no prefill left, the request goes to a decode instance alone, which prefills locally. A decode instance that
+fails before answering gets the request again as a new transfer (`transfer_retries`); other decode failures come
+back as OpenAI-style error JSON, never as an empty 200 (`p2pkv.proxy.upstream`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from p2pkv.discovery import Announcement
@@ -29,16 +30,10 @@ from p2pkv.proxy.instances import Instance, ProxyConfig
 from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.registry import InstanceState, Policy, Pool, static_pool
 from p2pkv.proxy.trace import RequestTrace
+from p2pkv.proxy.upstream import Decoder, error_response
 
 log = logging.getLogger(__name__)
 _DROP_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
-
-
-def _error(status: int, message: str, kind: str = "proxy_error", trace: RequestTrace | None = None) -> JSONResponse:
-    if trace is not None:
-        trace.finish(status, kind)
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
-                        headers=trace.headers() if trace is not None else None)
 
 
 async def _client_gone(request: Request) -> None:
@@ -84,6 +79,7 @@ class Router:
         self.prefill = static_pool("prefill", config.prefill, Policy(config.prefill_policy))
         self.decode = static_pool("decode", config.decode, Policy(config.decode_policy))
         self._kv: dict[Instance, KvTarget] = {}  # learned KV address and parallel sizes
+        self._decoder = Decoder(client, metrics)
         self._sizes: dict[Address, tuple[int, int]] = {}  # (tensor, pipeline) sizes heartbeats gave, by HTTP address
         for pool in (self.prefill, self.decode):
             metrics.instances.labels(pool.role).set_function(pool.count)
@@ -155,59 +151,79 @@ class Router:
             body: Any = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             self.metrics.requests.labels("bad_request").inc()
-            return _error(400, "request body is not valid JSON", "invalid_request_error")
+            return error_response(400, "request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
             self.metrics.requests.labels("bad_request").inc()
-            return _error(400, "request body must be a JSON object", "invalid_request_error")
+            return error_response(400, "request body must be a JSON object", "invalid_request_error")
         headers = _forward_headers(request)
         decode = self.decode.pick()
         if decode is None:
             self.metrics.requests.labels("no_instance").inc()
-            return _error(503, "no decode instance is available")
+            return error_response(503, "no decode instance is available")
+        trace = RequestTrace(uuid.uuid4().hex, str(decode.instance.http), started)
         try:
-            target = await self.kv_target(decode.instance, headers)
-        except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as exc:
-            # Without the decode side's KV address the prefill side cannot push; it holds the KV for a pull.
-            log.warning("decode instance %s did not report its KV address (%s); using GET", decode.instance.http, exc)
-            target = KvTarget(None, 0, 0)
-        transfer_id = uuid.uuid4().hex
-        trace = RequestTrace(transfer_id, str(decode.instance.http), started)
-        try:
-            return await self._route(body, path, headers, decode, target, trace)
+            return await self._route(body, path, headers, decode, trace)
         except asyncio.CancelledError:  # the client went away (or the server is stopping)
             trace.finish(499, "client_gone")
             raise
 
-    async def _route(self, body: dict[str, Any], path: str, headers: dict[str, str], decode: InstanceState,
-                     target: KvTarget, trace: RequestTrace) -> Response:
-        transfer_id = trace.transfer_id
-        params = PrefillParams(transfer_id, target.address, decode_tp=target.tp, decode_pp=target.pp)
-        outcome = await self._prefill(_prefill_body(body, params), path, headers, trace)
-        if isinstance(outcome, Response):
-            self.metrics.requests.labels("prefill_rejected").inc()
-            trace.finish(outcome.status_code, "prefill_rejected")
-            outcome.headers.update(trace.headers())
-            return outcome
-        if outcome is None:
-            self.metrics.fallbacks.inc()
-            log.warning("transfer %s: no prefill instance succeeded; decode instance %s prefills locally",
-                        transfer_id, decode.instance.http)
-            body.pop("kv_transfer_params", None)
-        else:
-            body["kv_transfer_params"] = outcome
-        return await self._decode(decode, f"{decode.instance.url}{path}", body, headers, trace)
+    async def _target(self, decode: InstanceState, headers: dict[str, str]) -> KvTarget:
+        try:
+            return await self.kv_target(decode.instance, headers)
+        except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as exc:
+            # Without the decode side's KV address the prefill side cannot push; it holds the KV for a pull.
+            log.warning("decode instance %s did not report its KV address (%s); using GET", decode.instance.http, exc)
+            return KvTarget(None, 0, 0)
 
-    async def _prefill(self, body: dict[str, Any], path: str, headers: dict[str, str],
-                       trace: RequestTrace) -> dict[str, Any] | Response | None:
+    async def _route(self, body: dict[str, Any], path: str, headers: dict[str, str], decode: InstanceState,
+                     trace: RequestTrace) -> Response:
+        """Prefill, then decode. A decode instance that fails before any of its answer went to the client (a
+        5xx, which is how vLLM ends a request whose KV could not be loaded under kv_load_failure_policy=fail; a
+        broken connection; an empty answer) gets the request again as a new transfer, up to `transfer_retries`
+        times: prefilled on a prefill instance not tried yet (or, with none left, by the decode instance alone)
+        and decoded on another decode instance where there is one."""
+        tried: set[Instance] = set()  # prefill instances, over every attempt
+        failed: set[Instance] = set()  # decode instances that failed this request
+        for attempt in range(self.config.transfer_retries + 1):
+            target = await self._target(decode, headers)
+            params = PrefillParams(trace.transfer_id, target.address, decode_tp=target.tp, decode_pp=target.pp)
+            outcome = await self._prefill(_prefill_body(body, params), path, headers, trace, tried)
+            if isinstance(outcome, Response):
+                self.metrics.requests.labels("prefill_rejected").inc()
+                trace.finish(outcome.status_code, "prefill_rejected")
+                outcome.headers.update(trace.headers())
+                return outcome
+            to_decode = dict(body)
+            if outcome is None:
+                self.metrics.fallbacks.inc()
+                log.warning("transfer %s: no prefill instance succeeded; decode instance %s prefills locally",
+                            trace.transfer_id, decode.instance.http)
+                to_decode.pop("kv_transfer_params", None)
+            else:
+                to_decode["kv_transfer_params"] = outcome
+            last = attempt == self.config.transfer_retries
+            answer = await self._decoder.answer(decode, f"{decode.instance.url}{path}", to_decode, headers, trace, last)
+            if answer is not None:
+                return answer
+            failed.add(decode.instance)
+            decode = self.decode.pick(frozenset(failed)) or self.decode.pick() or decode
+            self.metrics.reroutes.inc()
+            transfer_id = uuid.uuid4().hex
+            log.warning("transfer %s: the decode instance failed before answering; the request goes again as "
+                        "transfer %s (decode instance %s)", trace.transfer_id, transfer_id, decode.instance.http)
+            trace.reroute(transfer_id, str(decode.instance.http))
+        raise AssertionError("the last attempt always answers")
+
+    async def _prefill(self, body: dict[str, Any], path: str, headers: dict[str, str], trace: RequestTrace,
+                       tried: set[Instance]) -> dict[str, Any] | Response | None:
         """The prefill's kv_transfer_params; a Response to pass on for a request the instance rejected (4xx);
-        None when every attempt failed."""
-        tried: set[Instance] = set()
+        None when every attempt failed, or every instance was `tried` (to which this adds the ones it tries)."""
         for attempt in range(self.config.prefill_retries + 1):
             state = self.prefill.pick(frozenset(tried))
             if state is None:
                 return None
             tried.add(state.instance)
-            trace.prefill_tries = attempt + 1
+            trace.prefill_tries += 1
             if attempt:
                 self.metrics.retries.inc()
             started = time.monotonic()
@@ -230,81 +246,6 @@ class Router:
             log.warning("prefill instance %s answered %d without kv_transfer_params", state.instance.http,
                         answer.status_code)
         return None
-
-    async def _send_decode(self, state: InstanceState, url: str, body: dict[str, Any],
-                           headers: dict[str, str]) -> httpx.Response:
-        """The decode request, sent once more on a new connection when the first broke before any answer: a
-        pooled keep-alive connection the server closed as the request went out (the decode side still holds the
-        transfer, so the second try finds it)."""
-        try:
-            return await self.client.send(self.client.build_request("POST", url, json=body, headers=headers),
-                                          stream=True)
-        except httpx.TimeoutException:
-            raise
-        except httpx.TransportError as exc:
-            log.warning("decode instance %s: %r; sending once more on a new connection", state.instance.http, exc)
-            self.metrics.decode_resends.inc()
-        return await self.client.send(self.client.build_request("POST", url, json=body, headers=headers),
-                                      stream=True)
-
-    async def _decode(self, state: InstanceState, url: str, body: dict[str, Any], headers: dict[str, str],
-                      trace: RequestTrace) -> Response:
-        started = trace.started
-        state.in_flight += 1
-        try:
-            upstream = await self._send_decode(state, url, body, headers)
-        except httpx.TimeoutException as exc:
-            state.in_flight -= 1
-            self.metrics.requests.labels("decode_error").inc()
-            return _error(504, f"decode instance {state.instance.http} timed out: {exc!r}", trace=trace)
-        except httpx.HTTPError as exc:
-            state.in_flight -= 1
-            state.failures += 1
-            self.metrics.requests.labels("decode_error").inc()
-            log.warning("decode instance %s failed: %r", state.instance.http, exc)
-            return _error(502, f"decode instance {state.instance.http} failed: {exc!r}", trace=trace)
-        except asyncio.CancelledError:  # the client went away
-            state.in_flight -= 1
-            raise
-        if upstream.status_code != 200 or not body.get("stream"):
-            # The whole answer comes at once (vLLM sends a plain answer's headers with it): its first token is here.
-            self.metrics.ttft_seconds.observe(time.monotonic() - started)
-            try:
-                content = await upstream.aread()
-            except httpx.HTTPError as exc:
-                content = b""
-                log.warning("decode instance %s broke off its answer: %r", state.instance.http, exc)
-            finally:
-                await upstream.aclose()
-                state.in_flight -= 1
-            self.metrics.decode_seconds.observe(time.monotonic() - started)
-            if not content:
-                self.metrics.requests.labels("decode_error").inc()
-                return _error(502, f"decode instance {state.instance.http} returned an empty answer", trace=trace)
-            outcome = "ok" if upstream.status_code == 200 else "decode_error"
-            self.metrics.requests.labels(outcome).inc()
-            trace.finish(upstream.status_code, outcome)
-            return Response(content, status_code=upstream.status_code, media_type="application/json",
-                            headers=trace.headers())
-
-        async def chunks() -> AsyncIterator[bytes]:
-            # Cancelled when the client goes away, which closes the upstream request too.
-            first, outcome = True, "broken_off"
-            try:
-                async for chunk in upstream.aiter_raw():
-                    if first:  # a stream's headers come before its first token (vLLM sends them at once)
-                        first = False
-                        self.metrics.ttft_seconds.observe(time.monotonic() - started)
-                    yield chunk
-                self.metrics.requests.labels("ok").inc()
-                outcome = "ok"
-            finally:
-                await upstream.aclose()
-                state.in_flight -= 1
-                self.metrics.decode_seconds.observe(time.monotonic() - started)
-                trace.finish(200, outcome)
-
-        return StreamingResponse(chunks(), media_type="text/event-stream", headers=trace.headers())
 
 
 def create_app(config: ProxyConfig) -> FastAPI:
@@ -336,7 +277,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
     async def route(request: Request, path: str) -> Response:
         router: Router = request.app.state.router
         if not router.authorized(request):
-            return _error(401, "missing or wrong API key", "authentication_error")
+            return error_response(401, "missing or wrong API key", "authentication_error")
         await request.body()  # read whole, so the next receive() can only be the client going away
         handler = asyncio.current_task()
         assert handler is not None
@@ -372,7 +313,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
     async def models(request: Request) -> Response:
         router: Router = request.app.state.router
         if not router.authorized(request):
-            return _error(401, "missing or wrong API key", "authentication_error")
+            return error_response(401, "missing or wrong API key", "authentication_error")
         router.decode.prune()
         for state in router.decode.states:
             try:
@@ -380,7 +321,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
             except httpx.HTTPError:
                 continue
             return Response(resp.content, status_code=resp.status_code, media_type="application/json")
-        return _error(502, "no decode instance answered /v1/models")
+        return error_response(502, "no decode instance answered /v1/models")
 
     @app.get("/instances")
     async def instances(request: Request) -> dict[str, list[dict[str, object]]]:

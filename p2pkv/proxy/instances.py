@@ -40,6 +40,7 @@ class ProxyConfig:
     prefill_timeout_s: float = 120.0
     connect_timeout_s: float = 5.0
     prefill_retries: int = 2
+    transfer_retries: int = 1  # times a request whose decode failed before answering is prefilled and decoded again
     prefill_policy: str = "least-outstanding"
     decode_policy: str = "least-outstanding"
     api_key: str = ""
@@ -62,3 +63,5 @@ class ProxyConfig:
                 raise ConfigError(f"--{name.replace('_', '-')}: expected least-outstanding or round-robin")
         if self.prefill_retries < 0:
             raise ConfigError("--prefill-retries: expected 0 or more")
+        if self.transfer_retries < 0:
+            raise ConfigError("--transfer-retries: expected 0 or more")

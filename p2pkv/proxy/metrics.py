@@ -25,6 +25,10 @@ class ProxyMetrics:
         self.decode_resends = Counter("p2pkv_proxy_decode_resends",
                                       "Decode requests sent again after their connection broke before any answer",
                                       registry=r)
+        self.reroutes = Counter("p2pkv_proxy_reroutes",
+                                "Requests prefilled and decoded again, as a new transfer, after their decode instance "
+                                "failed before answering (KV lost under kv_load_failure_policy=fail, a 5xx, a broken "
+                                "connection)", registry=r)
         self.fallbacks = Counter("p2pkv_proxy_decode_only_fallbacks",
                                  "Requests sent to a decode instance alone because no prefill succeeded", registry=r)
         self.heartbeats = Counter("p2pkv_proxy_heartbeats", "Discovery messages by outcome (accepted, refused)",

@@ -25,11 +25,17 @@ class RequestTrace:
     prefill: str = ""
     prefill_ms: float = 0.0
     prefill_tries: int = 0
+    reroutes: int = 0
     done: bool = False
 
     def prefilled(self, instance: str, started: float) -> None:
         """The prefill on `instance`, asked at `started`, answered with the KV's params."""
         self.prefill, self.prefill_ms = instance, (time.monotonic() - started) * 1000
+
+    def reroute(self, transfer_id: str, decode: str) -> None:
+        """The request starts again as a new transfer (its decode instance failed before answering)."""
+        self.transfer_id, self.decode, self.reroutes = transfer_id, decode, self.reroutes + 1
+        self.prefill, self.prefill_ms = "", 0.0
 
     def headers(self) -> dict[str, str]:
         return {TRANSFER_HEADER: self.transfer_id, PREFILL_HEADER: self.prefill or "none",
@@ -40,6 +46,6 @@ class RequestTrace:
         if self.done:
             return
         self.done = True
-        log.info("request transfer=%s prefill=%s prefill_ms=%.1f prefill_tries=%d decode=%s status=%d outcome=%s "
-                 "ms=%.1f", self.transfer_id, self.prefill or "none", self.prefill_ms, self.prefill_tries,
-                 self.decode, status, outcome, (time.monotonic() - self.started) * 1000)
+        log.info("request transfer=%s prefill=%s prefill_ms=%.1f prefill_tries=%d decode=%s reroutes=%d status=%d "
+                 "outcome=%s ms=%.1f", self.transfer_id, self.prefill or "none", self.prefill_ms, self.prefill_tries,
+                 self.decode, self.reroutes, status, outcome, (time.monotonic() - self.started) * 1000)

@@ -31,10 +31,18 @@ def stub_prefill(seen: list[dict[str, Any]], fail: bool = False) -> FastAPI:
     return app
 
 
-def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0, first_token_s: float = 0.0) -> FastAPI:
+ENGINE_ERROR = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
+                          "code": 500}}  # how vLLM ends a request that failed in the engine (lost KV, policy fail)
+
+
+def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0, first_token_s: float = 0.0,
+                failures: list[str] | None = None) -> FastAPI:
     """A decode backend; its probe answer says `tp_size` and `pp_size` when given (a p2pkv connector older than
-    that does not). A stream's headers go out at once and its first chunk `first_token_s` later, as vLLM's do."""
+    that does not). A stream's headers go out at once and its first chunk `first_token_s` later, as vLLM's do.
+    `failures`: how the next requests fail, one entry each, as vLLM fails them: "500" (a plain answer), "error"
+    (a stream opened with an error event), "late" (a stream whose error comes after a token), "400"."""
     app = FastAPI()
+    failures = failures if failures is not None else []
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -57,10 +65,17 @@ def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0, 
                 answer["pp_size"] = pp_size
             return {"choices": [{"text": ""}], "kv_transfer_params": answer}
         seen.append(body)
+        failure = failures.pop(0) if failures else ""
+        if failure in ("500", "400"):
+            error = {"error": {**ENGINE_ERROR["error"], "code": int(failure)}}
+            return JSONResponse(error, status_code=int(failure))
         if body.get("stream"):
             async def events() -> AsyncIterator[bytes]:
                 await asyncio.sleep(first_token_s)
-                for word in ("a", "b", "c"):
+                for i, word in enumerate(("a", "b", "c")):
+                    if failure == "error" or (failure == "late" and i == 1):
+                        yield f"data: {json.dumps(ENGINE_ERROR)}\n\n".encode()
+                        break
                     yield f"data: {json.dumps({'choices': [{'text': word}]})}\n\n".encode()
                 yield b"data: [DONE]\n\n"
 

@@ -13,6 +13,10 @@ import pytest
 
 from p2pkv.cli.cluster import Cluster, InstanceSpec, free_ports
 from p2pkv.params import DecodeParams, PrefillParams, parse_transfer_params
+from p2pkv.proxy import Instance, ProxyConfig, create_app
+from p2pkv.proxy.trace import PREFILL_HEADER
+from tests.helpers.relay import FlipRelay
+from tests.helpers.servers import serve
 from tests.integration.conftest import complete, metric
 from tests.integration.test_disagg import MAX_TOKENS, greedy, ids_and_logprobs, prompt
 
@@ -30,15 +34,18 @@ def tight(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     p_http, p_kv, p_metrics, d_http, d_kv, d_metrics, proxy, f_http, f_kv = free_ports(9)
     cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv, {**extra, "metrics_port": p_metrics}))
     cluster.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_kv, {**extra, "metrics_port": d_metrics}))
-    # A second decode instance that fails requests whose KV cannot be loaded (kv_load_failure_policy=fail).
-    cluster.add_vllm("decode-fail", InstanceSpec("kv_consumer", f_http, f_kv, extra, failure_policy="fail"))
+    # A second decode instance that fails requests whose KV cannot be loaded (kv_load_failure_policy=fail). It
+    # takes pushes (the default staging space), over tcp, so that a relay in front of its KV port can damage one.
+    fail_extra = {**extra, "kv_buffer_size": 1e9, "transport": "tcp"}
+    cluster.add_vllm("decode-fail", InstanceSpec("kv_consumer", f_http, f_kv, fail_extra, failure_policy="fail"))
     cluster.add_proxy(proxy, [f"127.0.0.1:{p_http}"], [f"127.0.0.1:{d_http}"])
     try:
         cluster.start(timeout_s=900)
         yield {"model": tiny_model, "proxy": f"http://127.0.0.1:{proxy}", "cluster": cluster, "instances": [
             {"role": "kv_producer", "http": f"127.0.0.1:{p_http}", "metrics": f"127.0.0.1:{p_metrics}"},
             {"role": "kv_consumer", "http": f"127.0.0.1:{d_http}", "metrics": f"127.0.0.1:{d_metrics}"},
-            {"role": "kv_consumer_fail", "http": f"127.0.0.1:{f_http}"}]}
+            {"role": "kv_consumer_fail", "http": f"127.0.0.1:{f_http}", "kv": f"127.0.0.1:{f_kv}"}],
+               "log_dir": work}
     finally:
         cluster.stop()
 
@@ -62,6 +69,37 @@ def test_refused_push_falls_back_to_get_and_the_request_succeeds(tight: dict[str
     assert metric(decode["metrics"], 'p2pkv_digests_total{direction="pull",outcome="ok"}') - checked_before == 2
     assert metric(prefill["metrics"], 'p2pkv_transfers_total{direction="send",outcome="refused"}') >= 2
     assert metric(decode["metrics"], "p2pkv_staging_bytes") == 0
+
+
+def test_kv_lost_under_policy_fail_goes_again_through_the_proxy_as_a_new_transfer(tight: dict[str, Any]) -> None:
+    """decode-fail ends a request whose KV it could not load with an error (kv_load_failure_policy=fail); the proxy
+    then sends the request again as a new transfer. A relay in front of decode-fail's KV port flips one byte of the
+    first push: the digest check drops that transfer and vLLM fails the request. The proxy (in this process, real
+    HTTP) has the one prefill server listed under two addresses, so it sees a second prefill instance to try; the
+    second transfer lands and the answer equals the colocated one."""
+    prefill, failing = role(tight, "kv_producer"), role(tight, "kv_consumer_fail")
+    port = prefill["http"].rsplit(":", 1)[1]
+    relay = FlipRelay(failing["kv"], at=100_000, upstream=True)  # inside the first layer's payload
+    config = ProxyConfig(prefill=(Instance.parse(prefill["http"]), Instance.parse(f"localhost:{port}")),
+                         decode=(Instance.parse(f"{failing['http']}@{relay.address}"),))
+    text = prompt("rerouted", 300)
+    body = {"model": tight["model"], "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True, "ignore_eos": True}
+    try:
+        with serve(create_app(config)) as proxy:
+            resp = httpx.post(f"http://{proxy}/v1/completions", json=body, timeout=120)
+            metrics = httpx.get(f"http://{proxy}/metrics").text
+    finally:
+        relay.close()
+    assert resp.status_code == 200, resp.text
+    assert relay.flipped.is_set()
+    assert "p2pkv_proxy_reroutes_total 1.0" in metrics
+    assert resp.headers[PREFILL_HEADER] == f"localhost:{port}"  # the second attempt's prefill instance
+    reference = greedy(f"http://{prefill['http']}", tight["model"], text)
+    assert ids_and_logprobs(resp.json())[0] == ids_and_logprobs(reference)[0]
+    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 299  # the second transfer loaded
+    log = (tight["log_dir"] / "decode-fail.log").read_text(errors="replace")
+    assert "do not match the sender's digest" in log
 
 
 def test_prefill_killed_while_holding_kv_decode_recomputes_within_the_deadline(tight: dict[str, Any]) -> None:

@@ -75,7 +75,8 @@ def test_a_request_no_prefill_instance_served_says_so(backends: Any, caplog: pyt
 def test_failed_and_rejected_requests_are_traced_too(backends: Any, caplog: pytest.LogCaptureFixture) -> None:
     p, d, _, _ = backends
     caplog.set_level(logging.INFO, logger="p2pkv.proxy.requests")
-    with serve(proxy_for(p, "127.0.0.1:1@127.0.0.1:2")) as proxy:
+    # transfer_retries 0: the request's one attempt (a rerouted one is traced in test_proxy_reroute).
+    with serve(proxy_with([p], "127.0.0.1:1@127.0.0.1:2", transfer_retries=0)) as proxy:
         broken = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x"})
     assert broken.status_code == 502 and broken.headers[PREFILL_HEADER] == p
     [line] = request_lines(caplog, broken.headers[TRANSFER_HEADER])

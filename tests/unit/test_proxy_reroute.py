@@ -1,0 +1,125 @@
+"""A decode instance that fails a request before answering (vLLM's 500 for KV it could not load under
+`kv_load_failure_policy=fail`, or a stream opened with that error): the proxy sends the request again as a new
+transfer, prefilled on a prefill instance not tried yet and decoded on another decode instance where there is one.
+Stub backends, real HTTP."""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from p2pkv.proxy import Instance, ProxyConfig, create_app
+from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, TRANSFER_HEADER
+from p2pkv.proxy.upstream import stream_error
+from tests.helpers.servers import serve
+from tests.helpers.stubs import ENGINE_ERROR, stub_decode, stub_prefill
+from tests.unit.test_proxy_trace import request_lines
+
+
+class Setup:
+    """Stub prefill and decode instances (decode i fails as `failures[i]` says) behind one proxy."""
+
+    def __init__(self, stack: ExitStack, prefills: int, failures: list[list[str]], **options: Any) -> None:
+        self.p_seen: list[list[dict[str, Any]]] = [[] for _ in range(prefills)]
+        self.d_seen: list[list[dict[str, Any]]] = [[] for _ in failures]
+        self.prefill = [stack.enter_context(serve(stub_prefill(seen))) for seen in self.p_seen]
+        self.decode = [stack.enter_context(serve(stub_decode(seen, failures=f)))
+                       for seen, f in zip(self.d_seen, failures, strict=True)]
+        app: FastAPI = create_app(ProxyConfig(prefill=tuple(Instance.parse(p) for p in self.prefill),
+                                              decode=tuple(Instance.parse(d) for d in self.decode), **options))
+        self.proxy = stack.enter_context(serve(app))
+
+    def post(self, stream: bool = False) -> tuple[int, dict[str, str], str]:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 3, "stream": stream}
+        with httpx.stream("POST", f"http://{self.proxy}/v1/completions", json=body, timeout=30) as resp:
+            return resp.status_code, dict(resp.headers), resp.read().decode()
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(f"http://{self.proxy}/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+    def prefilled(self, i: int) -> list[str]:
+        return [s["body"]["kv_transfer_params"]["transfer_id"] for s in self.p_seen[i]]
+
+    def decoded(self, i: int) -> list[str | None]:
+        return [(b.get("kv_transfer_params") or {}).get("transfer_id") for b in self.d_seen[i]]
+
+
+def streamed_text(text: str) -> str:
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    return "".join(json.loads(e)["choices"][0]["text"] for e in events if e != "[DONE]")
+
+
+def test_the_error_event_of_a_stream_is_recognised() -> None:
+    assert stream_error(f"data: {json.dumps(ENGINE_ERROR)}\n\ndata: [DONE]\n\n".encode()) == 500
+    assert stream_error(b'data: {"choices": [{"text": "a"}]}\n\n') == 0
+    assert stream_error(b'data: {"error": {"message": "bad", "code": 400}}\n\n') == 0
+    assert stream_error(b'data: {"error": {"message": "cut off') == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_failed_decode_goes_again_through_another_prefill_and_decode_instance(
+        stream: bool, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="p2pkv.proxy.requests")
+    with ExitStack() as stack:
+        s = Setup(stack, 2, [["error" if stream else "500"], []])
+        status, headers, text = s.post(stream)
+        assert status == 200, text
+        assert (streamed_text(text) if stream else json.loads(text)["choices"][0]["text"]) == "abc"
+        # The first transfer went from prefill 0 to decode 0, which failed it; the second from prefill 1 to decode 1.
+        [first], [second] = s.prefilled(0), s.prefilled(1)
+        assert first != second
+        assert s.decoded(0) == [first] and s.decoded(1) == [second]
+        assert headers[TRANSFER_HEADER] == second
+        assert headers[PREFILL_HEADER] == s.prefill[1] and headers[DECODE_HEADER] == s.decode[1]
+        assert s.metric("p2pkv_proxy_reroutes_total") == 1
+        assert s.metric('p2pkv_proxy_requests_total{outcome="ok"}') == 1
+        assert s.metric('p2pkv_proxy_requests_total{outcome="decode_error"}') == 0
+    [line] = request_lines(caplog, second)
+    assert f"prefill={s.prefill[1]}" in line and "reroutes=1 status=200 outcome=ok" in line
+
+
+def test_with_every_prefill_instance_tried_the_decode_instance_prefills_alone() -> None:
+    with ExitStack() as stack:
+        s = Setup(stack, 1, [["500"]])
+        status, headers, text = s.post()
+        assert status == 200, text
+        [first] = s.prefilled(0)
+        assert s.decoded(0) == [first, None]  # the second request carried no KV: the decode instance prefilled
+        assert headers[PREFILL_HEADER] == "none"
+        assert s.metric("p2pkv_proxy_reroutes_total") == 1
+        assert s.metric("p2pkv_proxy_decode_only_fallbacks_total") == 1
+
+
+@pytest.mark.parametrize("failure,stream,status", [("late", True, 200), ("400", False, 400), ("400", True, 400)],
+                         ids=["error-after-a-token", "client-error", "client-error-stream"])
+def test_failures_after_the_answer_began_or_of_the_request_itself_are_passed_on(failure: str, stream: bool,
+                                                                                status: int) -> None:
+    with ExitStack() as stack:
+        s = Setup(stack, 2, [[failure], []])
+        got, _, text = s.post(stream)
+        assert got == status
+        assert len(s.d_seen[0]) == 1 and not s.d_seen[1], "not sent again"
+        assert s.metric("p2pkv_proxy_reroutes_total") == 0
+        if failure == "late":
+            assert '"code": 500' in text and streamed_text(text.split("data: {\"error\"")[0]) == "a"
+
+
+@pytest.mark.parametrize("retries,calls", [(0, 1), (1, 2)])
+def test_a_decode_instance_that_keeps_failing_gets_the_request_at_most_transfer_retries_more_times(
+        retries: int, calls: int) -> None:
+    with ExitStack() as stack:
+        s = Setup(stack, 2, [["500", "500", "500"]], transfer_retries=retries)
+        status, _, text = s.post()
+        assert status == 500 and json.loads(text)["error"]["code"] == 500
+        assert len(s.d_seen[0]) == calls
+        assert s.metric("p2pkv_proxy_reroutes_total") == retries
+        assert s.metric('p2pkv_proxy_requests_total{outcome="decode_error"}') == 1
