@@ -2,7 +2,8 @@
 that a failure before any of it went out is reported instead (None), so that the request can go again. vLLM
 answers a request that failed inside the engine (KV that could not be loaded under `kv_load_failure_policy=fail`,
 for one) with status 500, or, for a stream whose headers already went, with an event `data: {"error": {...,
-"code": 500}}` in place of the first token; so a stream's first chunk is read before the client is answered."""
+"code": 500}}` in place of the first token; so while the request may still go again, a stream's first chunk is read
+before the client is answered."""
 
 from __future__ import annotations
 
@@ -99,30 +100,36 @@ class Decoder:
         if upstream.status_code != 200 or not body.get("stream"):
             return await self._whole_answer(state, upstream, trace, last)
         raw = upstream.aiter_raw()
-        try:
-            first = await anext(raw, b"")  # a stream's headers come before its first token
-        except BaseException:
-            await upstream.aclose()
-            state.in_flight -= 1
-            raise
-        error = stream_error(first) if first else 502
-        if error and not last:
-            await upstream.aclose()
-            state.in_flight -= 1
-            state.failures += 1
-            log.warning("decode instance %s opened its stream with error %d", state.instance.http, error)
-            return None
-        self.metrics.ttft_seconds.observe(time.monotonic() - started)
+        first = b""
+        if not last:  # read the first chunk before answering: a failure there may still go again
+            try:
+                first = await anext(raw, b"")
+            except BaseException:
+                await upstream.aclose()
+                state.in_flight -= 1
+                raise
+            error = stream_error(first) if first else 502
+            if error:
+                await upstream.aclose()
+                state.in_flight -= 1
+                state.failures += 1
+                log.warning("decode instance %s opened its stream with error %d", state.instance.http, error)
+                return None
+            self.metrics.ttft_seconds.observe(time.monotonic() - started)
 
         async def chunks() -> AsyncIterator[bytes]:
             # Cancelled when the client goes away, which closes the upstream request too.
-            outcome = "broken_off"
+            outcome, timed = "broken_off", bool(first)
             try:
-                yield first
+                if first:
+                    yield first
                 async for chunk in raw:
+                    if not timed:  # a stream's headers come before its first token (vLLM sends them at once)
+                        timed = True
+                        self.metrics.ttft_seconds.observe(time.monotonic() - started)
                     yield chunk
-                outcome = "decode_error" if error else "ok"
-                self.metrics.requests.labels(outcome).inc()
+                self.metrics.requests.labels("ok").inc()
+                outcome = "ok"
             finally:
                 await upstream.aclose()
                 state.in_flight -= 1

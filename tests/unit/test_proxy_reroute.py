@@ -113,13 +113,17 @@ def test_failures_after_the_answer_began_or_of_the_request_itself_are_passed_on(
             assert '"code": 500' in text and streamed_text(text.split("data: {\"error\"")[0]) == "a"
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 @pytest.mark.parametrize("retries,calls", [(0, 1), (1, 2)])
 def test_a_decode_instance_that_keeps_failing_gets_the_request_at_most_transfer_retries_more_times(
-        retries: int, calls: int) -> None:
+        retries: int, calls: int, stream: bool) -> None:
     with ExitStack() as stack:
-        s = Setup(stack, 2, [["500", "500", "500"]], transfer_retries=retries)
-        status, _, text = s.post()
-        assert status == 500 and json.loads(text)["error"]["code"] == 500
+        s = Setup(stack, 2, [["error" if stream else "500"] * 3], transfer_retries=retries)
+        status, _, text = s.post(stream)
+        if stream:  # the last attempt's stream goes to the client as it comes, its error event included
+            assert status == 200 and '"code": 500' in text and text.rstrip().endswith("data: [DONE]")
+        else:
+            assert status == 500 and json.loads(text)["error"]["code"] == 500
+            assert s.metric('p2pkv_proxy_requests_total{outcome="decode_error"}') == 1
         assert len(s.d_seen[0]) == calls
         assert s.metric("p2pkv_proxy_reroutes_total") == retries
-        assert s.metric('p2pkv_proxy_requests_total{outcome="decode_error"}') == 1
