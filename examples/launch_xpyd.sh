@@ -7,7 +7,10 @@
 #
 # Environment: MODEL (required), P, D (default 1 each), FIRST_GPU (0), HOST (this host's address, default
 # 127.0.0.1), PROXY_PORT (10001), DISCOVERY_PORT (30001), BASE_HTTP (8100), BASE_KV (21001), EXTRA_ARGS (more vLLM
-# arguments, e.g. "--max-model-len 8192"), READY_TIMEOUT (seconds, 900), P2PKV_AUTH_SECRET (optional: signs every control frame and heartbeat).
+# arguments, e.g. "--max-model-len 8192"), READY_TIMEOUT (seconds, 900), P2PKV_AUTH_SECRET (optional: signs every control frame and heartbeat),
+# FAILURE_POLICY (kv_load_failure_policy, recompute): with "fail" a decode instance whose KV did not arrive fails the
+# request instead of prefilling it among its decodes, and the proxy sends it again as a new transfer through another
+# prefill instance (p2pkv proxy --transfer-retries, 1).
 # On vLLM's CPU build also export VLLM_CPU_KVCACHE_SPACE (GiB of KV per instance, e.g. 1) and
 # ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 (see the README); CUDA_VISIBLE_DEVICES is then ignored.
 # For hosts of their own, run one instance per host with the same command and point proxy_ip at the proxy's host;
@@ -21,6 +24,7 @@ set -euo pipefail
 P="${P:-1}" D="${D:-1}" FIRST_GPU="${FIRST_GPU:-0}" HOST="${HOST:-127.0.0.1}"
 PROXY_PORT="${PROXY_PORT:-10001}" DISCOVERY_PORT="${DISCOVERY_PORT:-30001}"
 BASE_HTTP="${BASE_HTTP:-8100}" BASE_KV="${BASE_KV:-21001}" EXTRA_ARGS="${EXTRA_ARGS:-}"
+FAILURE_POLICY="${FAILURE_POLICY:-recompute}"
 LOGS="$(mktemp -d -t p2pkv-xpyd-XXXX)"
 pids=()
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; echo "stopped; logs in $LOGS"; }
@@ -33,8 +37,9 @@ for ((i = 0; i < P + D; i++)); do
   if ((i < P)); then role=kv_producer; name="prefill$i"; else role=kv_consumer; name="decode$((i - P))"; fi
   http=$((BASE_HTTP + i)) kv=$((BASE_KV + 100 * i))  # worker rank r binds kv + r
   config=$(printf '{"kv_connector":"P2pNcclConnector","kv_connector_module_path":"p2pkv.vllm","kv_role":"%s",'\
-'"kv_port":%d,"kv_load_failure_policy":"recompute","kv_connector_extra_config":{"kv_host":"%s",'\
-'"proxy_ip":"%s","proxy_port":%d,"http_port":%d}}' "$role" "$kv" "$HOST" "$HOST" "$DISCOVERY_PORT" "$http")
+'"kv_port":%d,"kv_load_failure_policy":"%s","kv_connector_extra_config":{"kv_host":"%s",'\
+'"proxy_ip":"%s","proxy_port":%d,"http_port":%d}}' "$role" "$kv" "$FAILURE_POLICY" "$HOST" "$HOST" "$DISCOVERY_PORT" \
+    "$http")
   # This instance's GPU first (vLLM uses the first one it sees), then the others: pulls between instances (GET, and
   # PUT_ASYNC transfers left for pulls) can then open each other's KV cache with CUDA IPC (cuda_ipc), which needs the
   # peer's GPU to be visible.
