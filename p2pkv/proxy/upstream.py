@@ -2,8 +2,8 @@
 that a failure before any of it went out is reported instead (None), so that the request can go again. vLLM
 answers a request that failed inside the engine (KV that could not be loaded under `kv_load_failure_policy=fail`,
 for one) with status 500, or, for a stream whose headers already went, with an event `data: {"error": {...,
-"code": 500}}` in place of the first token; so while the request may still go again, a stream's first chunk is read
-before the client is answered."""
+"code": 500}}` in place of the first token (a chat stream names the role first); so while the request may still go
+again, a stream is read until its answer has begun before the client is answered."""
 
 from __future__ import annotations
 
@@ -24,22 +24,54 @@ from p2pkv.proxy.trace import RequestTrace
 log = logging.getLogger(__name__)
 
 
-def stream_error(first_chunk: bytes) -> int:
-    """The error code (5xx) a stream's first chunk carries in place of its first token; 0 when it carries none
-    (tokens, a 4xx, or an event that does not fit in the chunk, which is then passed on as it is)."""
-    text = first_chunk.decode("utf-8", errors="replace").lstrip()
-    if not text.startswith("data:"):
-        return 0
-    line = text[len("data:"):].split("\n", 1)[0].strip()
-    try:
-        event = json.loads(line)
-    except json.JSONDecodeError:
-        return 0
-    error = event.get("error") if isinstance(event, dict) else None
+_MAX_HEAD = 1 << 16  # bytes of a stream read, at most, before its answer is known to have begun
+
+
+def stream_start(head: bytes) -> int | None:
+    """What the first bytes of a stream say: the error code (5xx) of an error event sent in place of the first
+    token; 0 once the answer has begun (a token, the end, a 4xx, or bytes that are not such events, passed on as
+    they are); None while only a preamble has come (chat's first chunk, which names the role before any token,
+    or an empty text): read on."""
+    *events, _ = head.split(b"\n\n")  # the last piece is an event not yet complete (or nothing)
+    for event in events:
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[len(b"data:"):].strip()
+            if data == b"[DONE]":
+                return 0
+            try:
+                message = json.loads(data)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return 0
+            code = _error_code(message)
+            if code:
+                return code if code >= 500 else 0
+            if not _preamble(message):
+                return 0
+    return None if len(head) < _MAX_HEAD else 0
+
+
+def _error_code(message: Any) -> int:
+    error = message.get("error") if isinstance(message, dict) else None
     code = error.get("code") if isinstance(error, dict) else None
     if isinstance(code, str) and code.isdigit():
         code = int(code)
-    return code if isinstance(code, int) and not isinstance(code, bool) and code >= 500 else 0
+    return code if isinstance(code, int) and not isinstance(code, bool) else 0
+
+
+def _preamble(message: Any) -> bool:
+    """A chunk that carries no part of the answer yet: each choice with no text, content or tool call, unfinished."""
+    choices = message.get("choices") if isinstance(message, dict) else None
+    if not isinstance(choices, list) or not choices:
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict) or choice.get("finish_reason") is not None or choice.get("text"):
+            return False
+        delta = choice.get("delta") or {}
+        if not isinstance(delta, dict) or any(delta.get(k) for k in ("content", "reasoning_content", "tool_calls")):
+            return False
+    return True
 
 
 def error_response(status: int, message: str, kind: str = "proxy_error",
@@ -100,15 +132,14 @@ class Decoder:
         if upstream.status_code != 200 or not body.get("stream"):
             return await self._whole_answer(state, upstream, trace, last)
         raw = upstream.aiter_raw()
-        first = b""
-        if not last:  # read the first chunk before answering: a failure there may still go again
+        head: list[bytes] = []
+        if not last:  # read until the answer has begun before answering: a failure there may still go again
             try:
-                first = await anext(raw, b"")
+                error = await self._stream_start(raw, head)
             except BaseException:
                 await upstream.aclose()
                 state.in_flight -= 1
                 raise
-            error = stream_error(first) if first else 502
             if error:
                 await upstream.aclose()
                 state.in_flight -= 1
@@ -119,10 +150,10 @@ class Decoder:
 
         async def chunks() -> AsyncIterator[bytes]:
             # Cancelled when the client goes away, which closes the upstream request too.
-            outcome, timed = "broken_off", bool(first)
+            outcome, timed = "broken_off", bool(head)
             try:
-                if first:
-                    yield first
+                for chunk in head:
+                    yield chunk
                 async for chunk in raw:
                     if not timed:  # a stream's headers come before its first token (vLLM sends them at once)
                         timed = True
@@ -137,6 +168,19 @@ class Decoder:
                 trace.finish(200, outcome)
 
         return StreamingResponse(chunks(), media_type="text/event-stream", headers=trace.headers())
+
+    @staticmethod
+    async def _stream_start(raw: AsyncIterator[bytes], head: list[bytes]) -> int:
+        """Read a stream's chunks into `head` until its answer has begun (0) or an error came in its place (the
+        code; 502 for a stream that ended with nothing)."""
+        while True:
+            chunk = await anext(raw, b"")
+            if not chunk:
+                return 0 if head else 502
+            head.append(chunk)
+            verdict = stream_start(b"".join(head))
+            if verdict is not None:
+                return verdict
 
     async def _whole_answer(self, state: InstanceState, upstream: httpx.Response, trace: RequestTrace,
                             last: bool) -> Response | None:

@@ -35,6 +35,9 @@ ENGINE_ERROR = {"error": {"message": "Internal server error", "type": "InternalS
                           "code": 500}}  # how vLLM ends a request that failed in the engine (lost KV, policy fail)
 
 
+CHAT_PREAMBLE = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+
+
 def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0, first_token_s: float = 0.0,
                 failures: list[str] | None = None) -> FastAPI:
     """A decode backend; its probe answer says `tp_size` and `pp_size` when given (a p2pkv connector older than
@@ -71,6 +74,8 @@ def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0, 
             return JSONResponse(error, status_code=int(failure))
         if body.get("stream"):
             async def events() -> AsyncIterator[bytes]:
+                if "messages" in body:  # a chat stream names the role first, before any token
+                    yield f"data: {json.dumps(CHAT_PREAMBLE)}\n\n".encode()
                 await asyncio.sleep(first_token_s)
                 for i, word in enumerate(("a", "b", "c")):
                     if failure == "error" or (failure == "late" and i == 1):

@@ -4,6 +4,7 @@ p2pkv params, is the colocated reference."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -71,35 +72,55 @@ def test_refused_push_falls_back_to_get_and_the_request_succeeds(tight: dict[str
     assert metric(decode["metrics"], "p2pkv_staging_bytes") == 0
 
 
-def test_kv_lost_under_policy_fail_goes_again_through_the_proxy_as_a_new_transfer(tight: dict[str, Any]) -> None:
-    """decode-fail ends a request whose KV it could not load with an error (kv_load_failure_policy=fail); the proxy
-    then sends the request again as a new transfer. A relay in front of decode-fail's KV port flips one byte of the
-    first push: the digest check drops that transfer and vLLM fails the request. The proxy (in this process, real
-    HTTP) has the one prefill server listed under two addresses, so it sees a second prefill instance to try; the
-    second transfer lands and the answer equals the colocated one."""
+def _rerouted(tight: dict[str, Any], path: str, body: dict[str, Any]) -> tuple[httpx.Response, str, str]:
+    """`body` sent to `path` through a proxy in front of decode-fail whose first push is damaged on the way: the
+    answer (read whole), the proxy's metrics, and the port of the one prefill server."""
     prefill, failing = role(tight, "kv_producer"), role(tight, "kv_consumer_fail")
     port = prefill["http"].rsplit(":", 1)[1]
     relay = FlipRelay(failing["kv"], at=100_000, upstream=True)  # inside the first layer's payload
     config = ProxyConfig(prefill=(Instance.parse(prefill["http"]), Instance.parse(f"localhost:{port}")),
                          decode=(Instance.parse(f"{failing['http']}@{relay.address}"),))
-    text = prompt("rerouted", 300)
-    body = {"model": tight["model"], "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
-            "return_token_ids": True, "ignore_eos": True}
     try:
         with serve(create_app(config)) as proxy:
-            resp = httpx.post(f"http://{proxy}/v1/completions", json=body, timeout=120)
+            resp = httpx.post(f"http://{proxy}{path}", json=body, timeout=120)
             metrics = httpx.get(f"http://{proxy}/metrics").text
     finally:
         relay.close()
-    assert resp.status_code == 200, resp.text
     assert relay.flipped.is_set()
+    return resp, metrics, port
+
+
+def test_kv_lost_under_policy_fail_goes_again_through_the_proxy_as_a_new_transfer(tight: dict[str, Any]) -> None:
+    """decode-fail ends a request whose KV it could not load with an error (kv_load_failure_policy=fail); the proxy
+    then sends the request again as a new transfer. A relay in front of decode-fail's KV port flips one byte of the
+    first push: the digest check drops that transfer and vLLM fails the request. The proxy (in this process, real
+    HTTP) has the one prefill server listed under two addresses, so it sees a second prefill instance to try; the
+    second transfer lands and the answer equals the colocated one. Then the same for a streamed chat request, whose
+    stream vLLM opens with the role before its error event."""
+    prefill = role(tight, "kv_producer")
+    text = prompt("rerouted", 300)
+    body = {"model": tight["model"], "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True, "ignore_eos": True}
+    resp, metrics, port = _rerouted(tight, "/v1/completions", body)
+    assert resp.status_code == 200, resp.text
     assert "p2pkv_proxy_reroutes_total 1.0" in metrics
     assert resp.headers[PREFILL_HEADER] == f"localhost:{port}"  # the second attempt's prefill instance
     reference = greedy(f"http://{prefill['http']}", tight["model"], text)
     assert ids_and_logprobs(resp.json())[0] == ids_and_logprobs(reference)[0]
     assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 299  # the second transfer loaded
+
+    chat = {"model": tight["model"], "messages": [{"role": "user", "content": prompt("rerouted-chat", 250)}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    resp, metrics, port = _rerouted(tight, "/v1/chat/completions", {**chat, "stream": True})
+    assert resp.status_code == 200, resp.text
+    assert "p2pkv_proxy_reroutes_total 1.0" in metrics and resp.headers[PREFILL_HEADER] == f"localhost:{port}"
+    assert '"error"' not in resp.text and resp.text.rstrip().endswith("data: [DONE]")
+    events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+    streamed = "".join((e["choices"][0].get("delta") or {}).get("content") or "" for e in events if e["choices"])
+    reference_chat = complete(f"http://{prefill['http']}", chat, "/v1/chat/completions")
+    assert streamed == reference_chat["choices"][0]["message"]["content"]
     log = (tight["log_dir"] / "decode-fail.log").read_text(errors="replace")
-    assert "do not match the sender's digest" in log
+    assert log.count("do not match the sender's digest") >= 2
 
 
 def test_prefill_killed_while_holding_kv_decode_recomputes_within_the_deadline(tight: dict[str, Any]) -> None:

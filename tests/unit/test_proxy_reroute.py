@@ -16,9 +16,9 @@ from fastapi import FastAPI
 
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, TRANSFER_HEADER
-from p2pkv.proxy.upstream import stream_error
+from p2pkv.proxy.upstream import stream_start
 from tests.helpers.servers import serve
-from tests.helpers.stubs import ENGINE_ERROR, stub_decode, stub_prefill
+from tests.helpers.stubs import CHAT_PREAMBLE, ENGINE_ERROR, stub_decode, stub_prefill
 from tests.unit.test_proxy_trace import request_lines
 
 
@@ -35,9 +35,11 @@ class Setup:
                                               decode=tuple(Instance.parse(d) for d in self.decode), **options))
         self.proxy = stack.enter_context(serve(app))
 
-    def post(self, stream: bool = False) -> tuple[int, dict[str, str], str]:
-        body = {"model": "tiny", "prompt": "x", "max_tokens": 3, "stream": stream}
-        with httpx.stream("POST", f"http://{self.proxy}/v1/completions", json=body, timeout=30) as resp:
+    def post(self, stream: bool = False, chat: bool = False) -> tuple[int, dict[str, str], str]:
+        body: dict[str, Any] = {"model": "tiny", "max_tokens": 3, "stream": stream}
+        body.update({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"})
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        with httpx.stream("POST", f"http://{self.proxy}{path}", json=body, timeout=30) as resp:
             return resp.status_code, dict(resp.headers), resp.read().decode()
 
     def metric(self, name: str) -> float:
@@ -55,23 +57,31 @@ class Setup:
 
 def streamed_text(text: str) -> str:
     events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
-    return "".join(json.loads(e)["choices"][0]["text"] for e in events if e != "[DONE]")
+    return "".join(json.loads(e)["choices"][0].get("text", "") for e in events if e != "[DONE]")
 
 
-def test_the_error_event_of_a_stream_is_recognised() -> None:
-    assert stream_error(f"data: {json.dumps(ENGINE_ERROR)}\n\ndata: [DONE]\n\n".encode()) == 500
-    assert stream_error(b'data: {"choices": [{"text": "a"}]}\n\n') == 0
-    assert stream_error(b'data: {"error": {"message": "bad", "code": 400}}\n\n') == 0
-    assert stream_error(b'data: {"error": {"message": "cut off') == 0
+def test_a_streams_start_tells_an_error_in_place_of_the_first_token() -> None:
+    error = f"data: {json.dumps(ENGINE_ERROR)}\n\n".encode()
+    preamble = f"data: {json.dumps(CHAT_PREAMBLE)}\n\n".encode()
+    assert stream_start(error + b"data: [DONE]\n\n") == 500
+    assert stream_start(preamble + error) == 500  # chat names the role before the error
+    assert stream_start(preamble) is None  # no token yet: read on
+    assert stream_start(b'data: {"error": {"message": "cut off') is None
+    assert stream_start(b'data: {"choices": [{"text": "a"}]}\n\n' + error) == 0  # the answer began
+    assert stream_start(b'data: {"error": {"message": "bad", "code": 400}}\n\n') == 0
+    assert stream_start(b"data: [DONE]\n\n") == 0
+    assert stream_start(b": a comment, no data\n\n") is None
+    assert stream_start(b"data: not json\n\n") == 0  # passed on as it is
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("stream,chat", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "stream", "chat-stream"])
 def test_a_failed_decode_goes_again_through_another_prefill_and_decode_instance(
-        stream: bool, caplog: pytest.LogCaptureFixture) -> None:
+        stream: bool, chat: bool, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="p2pkv.proxy.requests")
     with ExitStack() as stack:
         s = Setup(stack, 2, [["error" if stream else "500"], []])
-        status, headers, text = s.post(stream)
+        status, headers, text = s.post(stream, chat)
         assert status == 200, text
         assert (streamed_text(text) if stream else json.loads(text)["choices"][0]["text"]) == "abc"
         # The first transfer went from prefill 0 to decode 0, which failed it; the second from prefill 1 to decode 1.
