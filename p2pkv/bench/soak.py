@@ -30,13 +30,15 @@ class SoakResult:
     staging_bytes: float = 0.0
     pool_bytes: float = 0.0
     received: dict[str, float] = field(default_factory=dict)  # decode's bytes received, by transport
+    digests: dict[str, float] = field(default_factory=dict)  # with integrity_check: decode's digests by outcome
 
     def growth(self, name: str) -> float:
         return self.rss_end_mb[name] / self.rss_mark_mb[name] - 1.0
 
     @property
     def ok(self) -> bool:
-        return (self.failures == 0 and self.staging_bytes == 0 and self.pool_bytes == 0
+        mismatches = sum(v for k, v in self.digests.items() if 'outcome="mismatch"' in k)
+        return (self.failures == 0 and self.staging_bytes == 0 and self.pool_bytes == 0 and mismatches == 0
                 and all(self.growth(n) < RSS_GROWTH_LIMIT for n in self.rss_mark_mb if n in self.rss_end_mb))
 
 
@@ -103,10 +105,10 @@ async def _noting_mark(drive: Coroutine[Any, Any, None], marked: asyncio.Event, 
 
 
 def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_type: str = "PUT_ASYNC",
-             transport: str = "auto") -> SoakResult:
+             transport: str = "auto", integrity_check: bool = False) -> SoakResult:
     cluster = Cluster(model=model, log_dir=log_dir)
     p_http, p_kv, d_http, d_kv, d_metrics, proxy_port = free_ports(6)
-    mode = {"send_type": send_type, "transport": transport}
+    mode: dict[str, object] = {"send_type": send_type, "transport": transport, "integrity_check": integrity_check}
     prefill = cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv, mode))
     decode = cluster.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_kv, {**mode, "metrics_port": d_metrics}))
     cluster.add_proxy(proxy_port, [f"127.0.0.1:{p_http}"], [f"127.0.0.1:{d_http}@127.0.0.1:{d_kv}"])
@@ -133,27 +135,29 @@ def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_ty
         result.pool_bytes = _metric(text, "p2pkv_pool_bytes")
         result.received = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
                            if line.startswith("p2pkv_bytes_received_total{")}
+        result.digests = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                          if line.startswith("p2pkv_digests_total{")}
     finally:
         cluster.stop()
     return result
 
 
 def main(model: str | None, requests: int, concurrency: int, send_type: str = "PUT_ASYNC",
-         transport: str = "auto") -> int:
+         transport: str = "auto", integrity_check: bool = False) -> int:
     if model is None:
         from p2pkv.cli.up import default_model_dir
         from p2pkv.tinymodel import write_tiny_model
 
         model = str(write_tiny_model(default_model_dir()))
     log_dir = Path(tempfile.mkdtemp(prefix="p2pkv-soak-"))
-    r = run_soak(model, requests, concurrency, log_dir, send_type, transport)
+    r = run_soak(model, requests, concurrency, log_dir, send_type, transport, integrity_check)
     print(f"{'metric':<46}{'value':>14}")
     print(f"{'requests':<46}{r.requests:>14}")
     print(f"{'failed requests':<46}{r.failures:>14}")
     print(f"{'requests per second':<46}{r.requests / r.seconds:>14.1f}")
     print(f"{'decode staging bytes at the end':<46}{r.staging_bytes:>14.0f}")
     print(f"{'decode pool bytes at the end':<46}{r.pool_bytes:>14.0f}")
-    for series, value in sorted(r.received.items()):
+    for series, value in sorted(r.received.items()) + sorted(r.digests.items()):
         print(f"{'decode ' + series.removeprefix('p2pkv_'):<46}{value:>14.0f}")
     print(f"{'process: RSS at the mark / at the end (MiB)':<46}{'growth':>14}")
     for name in sorted(r.rss_mark_mb):

@@ -59,7 +59,8 @@ def _at_least_one(text: str) -> int:
 def _bench_soak(args: argparse.Namespace) -> int:
     from p2pkv.bench.soak import main as bench_soak
 
-    return bench_soak(args.model, args.requests, args.concurrency, args.send_type, args.transport)
+    return bench_soak(args.model, args.requests, args.concurrency, args.send_type, args.transport,
+                      args.integrity_check)
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
@@ -151,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--send-type", default=SendType.PUT_ASYNC.value, choices=[t.value for t in SendType])
     soak.add_argument("--transport", default="auto", choices=[t.value for t in Transport],
                       help="the instances' transport key")
+    soak.add_argument("--integrity-check", action="store_true",
+                      help="the instances check payload digests (integrity_check); any mismatch fails the soak")
     soak.set_defaults(func=_bench_soak)
     btransfer = bench.add_parser("transfer", help="engine transfers per transport against same-run baselines")
     btransfer.add_argument("--sizes", nargs="+", default=None, metavar="BYTES",

@@ -73,3 +73,11 @@ def test_a_run_that_fails_before_the_mark_ends_without_it() -> None:
     with pytest.raises(RuntimeError, match="the client broke"):
         asyncio.run(asyncio.wait_for(_noting_mark(drive(), marked, lambda: taken.append(True)), 5))
     assert not taken
+
+
+def test_a_digest_mismatch_fails_the_soak() -> None:
+    clean = SoakResult(10, 0, 1.0, digests={'p2pkv_digests_total{direction="receive",outcome="ok"}': 10.0})
+    assert clean.ok
+    damaged = SoakResult(10, 0, 1.0, digests={'p2pkv_digests_total{direction="receive",outcome="ok"}': 9.0,
+                                              'p2pkv_digests_total{direction="receive",outcome="mismatch"}': 1.0})
+    assert not damaged.ok
