@@ -234,6 +234,8 @@ class Router:
                 except httpx.HTTPError as exc:
                     state.failures += 1
                     log.warning("prefill instance %s failed: %r", state.instance.http, exc)
+                    if isinstance(exc, httpx.ConnectError):
+                        state.refused()
                     continue
             self.metrics.prefill_seconds.observe(time.monotonic() - started)
             if 400 <= answer.status_code < 500:

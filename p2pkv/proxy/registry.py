@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from p2pkv.proxy.instances import Instance
 
 log = logging.getLogger(__name__)
+# After a connection to an instance is refused, others are picked before it for this long: an instance that died
+# would otherwise draw requests (each then sent again elsewhere) until its missed heartbeats drop it.
+SHUNNED_S = 5.0
 
 
 class Policy(enum.Enum):
@@ -29,12 +32,22 @@ class InstanceState:
     failures: int = 0
     expires_at: float | None = None  # monotonic; None for instances from static flags, which never expire
     discovered: bool = False
+    shunned_until: float = 0.0  # monotonic: its connections were refused; others go first until then
 
     def describe(self) -> dict[str, object]:
         return {"role": self.role, "address": str(self.instance.http),
                 "kv_address": str(self.instance.kv) if self.instance.kv else None,
                 "last_heartbeat": self.last_heartbeat, "in_flight": self.in_flight, "failures": self.failures,
-                "source": "heartbeat" if self.discovered else "static"}
+                "source": "heartbeat" if self.discovered else "static",
+                "shunned_s": round(max(0.0, self.shunned_until - time.monotonic()), 1)}
+
+    def refused(self, now: float | None = None) -> None:
+        """A connection to it was refused: pick others first for `SHUNNED_S`."""
+        now = time.monotonic() if now is None else now
+        if self.shunned_until <= now:
+            log.warning("%s instance %s refused a connection; others go first for %.0f s", self.role,
+                        self.instance.http, SHUNNED_S)
+        self.shunned_until = now + SHUNNED_S
 
 
 @dataclass
@@ -84,11 +97,14 @@ class Pool:
         self.states.remove(state)
         return True
 
-    def pick(self, exclude: frozenset[Instance] = frozenset()) -> InstanceState | None:
+    def pick(self, exclude: frozenset[Instance] = frozenset(), now: float | None = None) -> InstanceState | None:
+        """One instance not in `exclude` by the policy, among those not shunned if there are any."""
         self.prune()
+        now = time.monotonic() if now is None else now
         candidates = [s for s in self.states if s.instance not in exclude]
         if not candidates:
             return None
+        candidates = [s for s in candidates if s.shunned_until <= now] or candidates
         if self.policy is Policy.ROUND_ROBIN:
             return candidates[next(self._turn) % len(candidates)]
         # Least outstanding; ties go round-robin so equal instances share the load.

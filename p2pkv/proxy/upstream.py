@@ -98,8 +98,8 @@ class Decoder:
         try:
             return await self.client.send(self.client.build_request("POST", url, json=body, headers=headers),
                                           stream=True)
-        except httpx.TimeoutException:
-            raise
+        except (httpx.TimeoutException, httpx.ConnectError):
+            raise  # a new connection was refused: sending again would only be refused again
         except httpx.TransportError as exc:
             log.warning("decode instance %s: %r; sending once more on a new connection", state.instance.http, exc)
             self.metrics.decode_resends.inc()
@@ -122,6 +122,8 @@ class Decoder:
             state.in_flight -= 1
             state.failures += 1
             log.warning("decode instance %s failed: %r", state.instance.http, exc)
+            if isinstance(exc, httpx.ConnectError):
+                state.refused()
             if not last:
                 return None
             self.metrics.requests.labels("decode_error").inc()

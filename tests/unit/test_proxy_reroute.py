@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from contextlib import ExitStack
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 from fastapi import FastAPI
 
 from p2pkv.proxy import Instance, ProxyConfig, create_app
+from p2pkv.proxy.registry import SHUNNED_S, Policy, static_pool
 from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, TRANSFER_HEADER
 from p2pkv.proxy.upstream import stream_start
 from tests.helpers.servers import serve
@@ -25,12 +27,14 @@ from tests.unit.test_proxy_trace import request_lines
 class Setup:
     """Stub prefill and decode instances (decode i fails as `failures[i]` says) behind one proxy."""
 
-    def __init__(self, stack: ExitStack, prefills: int, failures: list[list[str]], **options: Any) -> None:
+    def __init__(self, stack: ExitStack, prefills: int, failures: list[list[str]], dead: tuple[str, ...] = (),
+                 **options: Any) -> None:
+        """`dead`: decode instances listed first, where nothing listens."""
         self.p_seen: list[list[dict[str, Any]]] = [[] for _ in range(prefills)]
         self.d_seen: list[list[dict[str, Any]]] = [[] for _ in failures]
         self.prefill = [stack.enter_context(serve(stub_prefill(seen))) for seen in self.p_seen]
-        self.decode = [stack.enter_context(serve(stub_decode(seen, failures=f)))
-                       for seen, f in zip(self.d_seen, failures, strict=True)]
+        self.decode = [*dead, *(stack.enter_context(serve(stub_decode(seen, failures=f)))
+                                for seen, f in zip(self.d_seen, failures, strict=True))]
         app: FastAPI = create_app(ProxyConfig(prefill=tuple(Instance.parse(p) for p in self.prefill),
                                               decode=tuple(Instance.parse(d) for d in self.decode), **options))
         self.proxy = stack.enter_context(serve(app))
@@ -137,3 +141,38 @@ def test_a_decode_instance_that_keeps_failing_gets_the_request_at_most_transfer_
             assert s.metric('p2pkv_proxy_requests_total{outcome="decode_error"}') == 1
         assert len(s.d_seen[0]) == calls
         assert s.metric("p2pkv_proxy_reroutes_total") == retries
+
+
+def dead_address() -> str:
+    """A loopback address where nothing listens (a port just freed), with a KV address so no probe is needed."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"127.0.0.1:{port}@127.0.0.1:{port}"
+
+
+def test_an_instance_that_refuses_connections_is_picked_after_the_others_for_a_while() -> None:
+    dead = dead_address()
+    with ExitStack() as stack:
+        s = Setup(stack, 2, [[]], dead=(dead,))
+        for _ in range(4):
+            status, headers, text = s.post()
+            assert status == 200, text
+            assert headers[DECODE_HEADER] == s.decode[1]
+        # The first request found the dead instance (listed first) and went again; the next ones went past it.
+        assert s.metric("p2pkv_proxy_reroutes_total") == 1
+        assert len(s.d_seen[0]) == 4 and len(s.prefilled(0)) + len(s.prefilled(1)) == 5
+        listed = {i["address"]: i for i in httpx.get(f"http://{s.proxy}/instances").json()["instances"]}
+        assert 0 < listed[dead.split("@")[0]]["shunned_s"] <= SHUNNED_S
+        assert listed[s.decode[1]]["shunned_s"] == 0
+
+
+def test_shunned_instances_go_last_and_only_for_a_while() -> None:
+    a, b = Instance.parse("127.0.0.1:1"), Instance.parse("127.0.0.1:2")
+    pool = static_pool("decode", (a, b), Policy.ROUND_ROBIN)
+    pool.states[0].refused(now=100.0)
+    assert {pool.pick(now=101.0).instance for _ in range(4)} == {b}  # type: ignore[union-attr]
+    pool.states[1].refused(now=101.0)
+    assert pool.pick(now=102.0) is not None, "with every instance shunned, one is still picked"
+    assert pool.pick(frozenset({b}), now=102.0).instance == a  # type: ignore[union-attr]
+    assert {pool.pick(now=100.0 + SHUNNED_S + 1.5).instance for _ in range(4)} == {a, b}  # type: ignore[union-attr]
