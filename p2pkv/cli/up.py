@@ -161,8 +161,9 @@ def run_up(args: argparse.Namespace) -> int:
                     continue
                 reported.add(proc.name)
                 _say(f"{proc.name} exited with code {code}. Last log lines:\n{proc.log_tail()}")
-            # The proxy routes around lost prefill instances (a decode instance then prefills locally), so the
-            # cluster serves on while the proxy and at least one decode instance are up.
+            # The proxy routes around lost instances (with no prefill instance left a decode instance prefills
+            # locally; a request sent to a lost decode instance goes again to another), so the cluster serves on
+            # while the proxy and at least one decode instance are up.
             alive = {p.name for p in cluster.processes if p.exited() is None}
             if "proxy" not in alive or not any(n.startswith("decode") for n in alive):
                 _say("the proxy or every decode instance is gone; stopping")

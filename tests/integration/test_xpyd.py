@@ -122,6 +122,15 @@ def test_2p2d_serves_concurrent_requests_and_survives_a_dead_prefill(cluster_2p2
         assert time.monotonic() < deadline, "the killed prefill instance is still listed"
         time.sleep(0.5)
     assert len(_instances(cluster_2p2d)) == 3
+    # Then a decode instance dies: requests the proxy sends there are refused and go again as new transfers to the
+    # other one (the dead one is picked after it from then on), and all succeed.
+    proxy = cluster_2p2d["proxy"].replace("/v1", "")
+    reroutes = metric(proxy.removeprefix("http://"), "p2pkv_proxy_reroutes_total")
+    last = max(i for i, inst in enumerate(cluster_2p2d["instances"]) if inst["role"] == "kv_consumer")
+    os.killpg(cluster_2p2d["pids"][last], signal.SIGKILL)
+    _run_batch(cluster_2p2d, [f"z{i}" for i in range(16)])
+    assert metric(proxy.removeprefix("http://"), "p2pkv_proxy_reroutes_total") > reroutes
+    assert cluster_2p2d["up"].poll() is None, "p2pkv up must keep serving with one decode instance left"
 
 
 def _instances(info: dict[str, Any]) -> list[dict[str, Any]]:
