@@ -174,9 +174,13 @@ class Decoder:
     @staticmethod
     async def _stream_start(raw: AsyncIterator[bytes], head: list[bytes]) -> int:
         """Read a stream's chunks into `head` until its answer has begun (0) or an error came in its place (the
-        code; 502 for a stream that ended with nothing)."""
+        code; 502 for a stream that ended, or broke off, with nothing)."""
         while True:
-            chunk = await anext(raw, b"")
+            try:
+                chunk = await anext(raw, b"")
+            except httpx.HTTPError as exc:  # the stream broke off: what came (if anything) is not an answer
+                log.warning("a decode stream broke off before its answer began: %r", exc)
+                return 502
             if not chunk:
                 return 0 if head else 502
             head.append(chunk)

@@ -284,12 +284,14 @@ def wait_idle(proxy: str, timeout_s: float = 5.0) -> None:
 class DropsFirstRequest:
     """A decode backend on a raw socket: the first completion request's connection is closed right after the
     request is read, without an answer (as a server closing an idle keep-alive connection while the request goes
-    out); other requests (the proxy's KV-address probe too) are answered."""
+    out); other requests (the proxy's KV-address probe too) are answered. `after_headers`: the first one gets the
+    headers of an event stream, then the connection closes before any event."""
 
     ANSWER = {"choices": [{"text": "abc"}]}
     PROBE = {"choices": [{"text": ""}], "kv_transfer_params": {"p2pkv": 1, "kv_port": 23456, "kv_host": ""}}
 
-    def __init__(self) -> None:
+    def __init__(self, after_headers: bool = False) -> None:
+        self.after_headers = after_headers
         self.server = socket.create_server(("127.0.0.1", 0))
         self.server.settimeout(0.2)
         self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
@@ -329,7 +331,10 @@ class DropsFirstRequest:
                 if body and not probe:
                     self.requests += 1
                     if self.requests == 1:
-                        continue  # closed without an answer
+                        if self.after_headers:
+                            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                                         b"Transfer-Encoding: chunked\r\n\r\n")
+                        continue  # closed without an answer (or any event)
                 reply = self.ANSWER if body and not probe else self.PROBE if probe else {"data": [{"id": "tiny"}]}
                 answer = json.dumps(reply).encode()
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"

@@ -21,6 +21,7 @@ from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, TRANSFER_HEADER
 from p2pkv.proxy.upstream import stream_start
 from tests.helpers.servers import serve
 from tests.helpers.stubs import CHAT_PREAMBLE, ENGINE_ERROR, stub_decode, stub_prefill
+from tests.unit.test_proxy import DropsFirstRequest
 from tests.unit.test_proxy_trace import request_lines
 
 
@@ -176,3 +177,17 @@ def test_shunned_instances_go_last_and_only_for_a_while() -> None:
     assert pool.pick(now=102.0) is not None, "with every instance shunned, one is still picked"
     assert pool.pick(frozenset({b}), now=102.0).instance == a  # type: ignore[union-attr]
     assert {pool.pick(now=100.0 + SHUNNED_S + 1.5).instance for _ in range(4)} == {a, b}  # type: ignore[union-attr]
+
+
+def test_a_stream_that_breaks_before_its_first_event_goes_again() -> None:
+    broken = DropsFirstRequest(after_headers=True)
+    try:
+        with ExitStack() as stack:
+            s = Setup(stack, 2, [[]], dead=(broken.address,))
+            status, headers, text = s.post(stream=True)
+            assert status == 200, text
+            assert streamed_text(text) == "abc" and headers[DECODE_HEADER] == s.decode[1]
+            assert broken.requests == 1
+            assert s.metric("p2pkv_proxy_reroutes_total") == 1
+    finally:
+        broken.close()
