@@ -52,6 +52,8 @@ def _prefill_body(body: dict[str, Any], params: PrefillParams) -> dict[str, Any]
     pre.update(max_tokens=1, stream=False, kv_transfer_params=params.to_dict())
     if "max_completion_tokens" in pre:
         pre["max_completion_tokens"] = 1
+    if "n" in pre:
+        pre["n"] = 1  # one pass computes the prompt's KV; the decode instance samples `n` times from it
     for key in _DROP_FOR_PREFILL:
         pre.pop(key, None)
     return pre

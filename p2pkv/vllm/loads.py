@@ -65,6 +65,7 @@ class Loads:
         self._at = at
         self._loads: dict[str, _Load] = {}
         self._errors: set[int] = set()
+        self._discards: dict[str, float] = {}  # transfer id -> until when to look for its staging
 
     @property
     def pending(self) -> bool:
@@ -80,6 +81,27 @@ class Loads:
                 self._start_pull(load, spec.pull_from)
             elif self._engine.staged_state(spec.transfer_id) is StageState.FAILED:
                 self._fall_back_to_pull(load)  # a step sooner than finished() would
+
+    def discard(self, transfer_ids: list[str]) -> None:
+        """Transfers no request here loads (the prompt was in the local cache): their staging is freed once it has
+        arrived, or left to the store's expiry after the transfer's deadline. Never reported as a finished load:
+        vLLM, which asserts that a reported request waits for its KV, does not wait for these."""
+        deadline = time.monotonic() + self._config.extra.transfer_timeout_s
+        for tid in transfer_ids:
+            self._discards[tid] = deadline
+        if self._discards:
+            self._drop_discarded()
+
+    def _drop_discarded(self) -> None:
+        now = time.monotonic()
+        for tid, deadline in list(self._discards.items()):
+            if self._engine.staged_state(tid) in (StageState.COMPLETE, StageState.FAILED):
+                item = self._engine.take_staged(tid)
+                if item is not None:
+                    self._engine.release_staged(item)
+            elif now <= deadline:
+                continue
+            del self._discards[tid]
 
     def _start_pull(self, load: _Load, peer: Address) -> None:
         """Pull the load's KV from `peer`. One that cannot even start (heads or layers that cannot be split, say)
@@ -166,6 +188,8 @@ class Loads:
                              load.deadline, None, head_slice)
 
     def finished(self) -> set[str]:
+        if self._discards:
+            self._drop_discarded()
         done: set[str] = set()
         now = time.monotonic()
         for req_id, load in self._loads.items():

@@ -41,4 +41,7 @@ class LoadSpec:
 class P2pkvMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+    # Transfers this instance will not load (the prompt was in its own cache): their staging is freed once they
+    # arrive. No request waits on them, so they are never reported to vLLM as finished loads.
+    discards: list[str] = field(default_factory=list)
     idle: bool = False  # the step computes nothing (vLLM steps on while transfers are in flight)

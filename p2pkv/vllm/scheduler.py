@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,21 @@ class _Producer:
     saved: bool = False
 
 
+@dataclass
+class _Claim:
+    """Which request of this instance loads a transfer. vLLM's parallel sampling (`n` > 1) turns a request into
+    one per sample, each with the same `kv_transfer_params`: only the first loads the KV; the others wait until
+    it has landed and find the prompt's blocks in the prefix cache."""
+
+    request: Request | None  # None: no load in flight for it (it was not needed, or it has finished)
+    since: float
+
+    def loading(self, now: float, limit_s: float) -> bool:
+        """The claiming request still waits for its KV (bounded: its load settles by the transfer's deadline)."""
+        status = getattr(getattr(self.request, "status", None), "name", "")
+        return status == "WAITING_FOR_REMOTE_KVS" and now - self.since < limit_s
+
+
 def _params(request: Request) -> AnyParams | None:
     try:
         return parse_transfer_params(request.kv_transfer_params)
@@ -53,8 +69,18 @@ class SchedulerSide:
         self._tp_size = tp_size
         self._pp_size = pp_size
         self._producers: dict[str, _Producer] = {}
+        # transfer id -> its producer and when it began, kept as long as claims are (a late sample must not send
+        # the transfer again)
+        self._producing: dict[str, tuple[_Producer, float]] = {}
+        self._siblings: dict[str, _Producer] = {}  # request id -> the producer of the same transfer
         self._consumed: set[str] = set()
+        self._claims: dict[str, _Claim] = {}  # transfer id -> its claim, in the order they were made
         self._loads: list[LoadSpec] = []
+        self._discards: list[str] = []
+        # A claim is kept a while after its load, so that late samples of the same request do not wait for KV
+        # that was already taken; a sample waits for a claim's load at most this long.
+        self._claim_wait_s = config.extra.transfer_timeout_s + 10.0
+        self._claim_keep_s = 2 * self._claim_wait_s + 60.0
         host = config.extra.kv_host
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostbyname(socket.gethostname())
@@ -63,12 +89,17 @@ class SchedulerSide:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = _params(request)
         if not isinstance(params, DecodeParams) or request.request_id in self._consumed:
             return 0, False
         if self._config.role is Role.PRODUCER:
             return 0, False
+        claim = self._claims.get(params.transfer_id)
+        if claim is not None and claim.request is not request:
+            # Another sample of the same request took this transfer: wait (None: vLLM asks again next step) until
+            # its KV has landed, then compute the rest here, the landed blocks coming from the prefix cache.
+            return (None, False) if claim.loading(time.monotonic(), self._claim_wait_s) else (0, False)
         num_prompt = len(request.prompt_token_ids or ())
         if params.num_prompt_tokens != num_prompt:
             log.error("transfer %s: prefill saw %d prompt tokens, this request has %d; computing locally",
@@ -82,24 +113,36 @@ class SchedulerSide:
         params = _params(request)
         req_id = request.request_id
         if isinstance(params, PrefillParams) and self._config.role is not Role.CONSUMER:
-            if req_id not in self._producers:
-                # A decode instance of another tensor- or pipeline-parallel size pulls the heads and layers each
-                # of its ranks needs.
-                other_size = params.decode_tp not in (0, self._tp_size) or params.decode_pp not in (0, self._pp_size)
-                pull = (params.pull or params.decode_kv is None or self._config.extra.send_type is SendType.GET
-                        or other_size)
-                num_prompt = len(request.prompt_token_ids or ())
-                inline = params.inline or self._config.extra.send_type is SendType.PUT
-                self._producers[req_id] = _Producer(params.transfer_id, None if pull else params.decode_kv,
-                                                    num_prompt, inline)
+            if req_id in self._producers or req_id in self._siblings:
+                return
+            producing = self._producing.get(params.transfer_id)
+            if producing is not None:
+                # Parallel sampling (`n` > 1) on the prefill side: one request per sample, one transfer. The first
+                # sample's blocks are sent; the others answer with the same parameters.
+                self._siblings[req_id] = producing[0]
+                return
+            # A decode instance of another tensor- or pipeline-parallel size pulls the heads and layers each
+            # of its ranks needs.
+            other_size = params.decode_tp not in (0, self._tp_size) or params.decode_pp not in (0, self._pp_size)
+            pull = (params.pull or params.decode_kv is None or self._config.extra.send_type is SendType.GET
+                    or other_size)
+            num_prompt = len(request.prompt_token_ids or ())
+            inline = params.inline or self._config.extra.send_type is SendType.PUT
+            producer = _Producer(params.transfer_id, None if pull else params.decode_kv, num_prompt, inline)
+            self._producers[req_id] = producer
+            self._producing[params.transfer_id] = (producer, time.monotonic())
             return
         if not isinstance(params, DecodeParams) or req_id in self._consumed:
             return
         self._consumed.add(req_id)
         if num_external_tokens <= 0:
-            # Nothing to load (a full local hit): free the staged bytes now instead of at expiry.
-            self._loads.append(LoadSpec(req_id, params.transfer_id, 0, ()))
+            if params.transfer_id not in self._claims:
+                # Nothing to load (the prompt was in the local cache): free the staged bytes when they arrive
+                # instead of at expiry. No load is reported for it: vLLM does not wait for one.
+                self._claims[params.transfer_id] = _Claim(None, time.monotonic())
+                self._discards.append(params.transfer_id)
             return
+        self._claims[params.transfer_id] = _Claim(request, time.monotonic())
         num_prompt = len(request.prompt_token_ids or ())
         first = (num_prompt - 1 - num_external_tokens) // self._block_size
         last = (num_prompt - 2) // self._block_size
@@ -115,8 +158,10 @@ class SchedulerSide:
                                     params.prefill_kv, prefill_tp, prefill_pp))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pkvMetadata:
-        meta = P2pkvMetadata(loads=self._loads, idle=not scheduler_output.total_num_scheduled_tokens)
-        self._loads = []
+        meta = P2pkvMetadata(loads=self._loads, discards=self._discards,
+                             idle=not scheduler_output.total_num_scheduled_tokens)
+        self._loads, self._discards = [], []
+        self._forget_claims(time.monotonic())
         if not self._producers:
             return meta
         progress: dict[str, int] = {}
@@ -147,19 +192,42 @@ class SchedulerSide:
             meta.saves.append(SaveSpec(req_id, producer.transfer_id, producer.peer, blocks, producer.inline))
         return meta
 
+    def _forget_claims(self, now: float) -> None:
+        """Drop claims and producers older than their keep (the oldest come first), unless still in use."""
+        while self._claims:
+            tid, claim = next(iter(self._claims.items()))
+            if now - claim.since < self._claim_keep_s or claim.loading(now, self._claim_wait_s):
+                break
+            del self._claims[tid]
+        while self._producing:
+            tid, (_, since) = next(iter(self._producing.items()))
+            if now - since < self._claim_keep_s:
+                break
+            del self._producing[tid]
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        if isinstance(_params(request), ProbeParams):
+        params = _params(request)
+        if isinstance(params, ProbeParams):
             host = self._config.extra.kv_host
             return False, ProbeAnswer(self._config.kv_port, "" if host in ("0.0.0.0", "::") else host,
                                       self._tp_size, self._pp_size).to_dict()
         self._consumed.discard(req_id)
+        if isinstance(params, DecodeParams) and (claim := self._claims.get(params.transfer_id)) is not None:
+            if claim.request is request:
+                claim.request = None
+        sibling_of = self._siblings.pop(req_id, None)
+        if sibling_of is not None:
+            # Its blocks go at once: the first sample's blocks are the ones sent or held for the pull.
+            return False, self._answer(sibling_of) if sibling_of.saved else None
         producer = self._producers.pop(req_id, None)
         if producer is None or not producer.saved:
             return False, None
         # Keep the blocks until the workers report the push finished or the pull served (finished_sending).
-        pull = producer.peer is None
-        # The prefill address goes along in push mode too: a decode side without staging space pulls instead.
-        params = DecodeParams(producer.transfer_id, producer.num_prompt_tokens, self._own_address, pull=pull,
-                              prefill_tp=self._tp_size, prefill_pp=self._pp_size)
-        return True, params.to_dict()
+        return True, self._answer(producer)
+
+    def _answer(self, producer: _Producer) -> dict[str, Any]:
+        """The decode side's parameters for a saved prompt. The prefill address goes along in push mode too: a
+        decode side without staging space pulls instead."""
+        return DecodeParams(producer.transfer_id, producer.num_prompt_tokens, self._own_address,
+                            pull=producer.peer is None, prefill_tp=self._tp_size, prefill_pp=self._pp_size).to_dict()

@@ -126,6 +126,7 @@ class WorkerSide:
         self._pushed = {s.transfer_id: set() for s in meta.saves}
         self._left = set()
         self.loading.start(meta.loads)
+        self.loading.discard(meta.discards)
 
     def save_layer(self, layer_name: str) -> None:
         """A layer of this step's forward is computed: its blocks are pushed now, so that the device copy (KV on a

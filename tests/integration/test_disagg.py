@@ -236,6 +236,91 @@ def test_repeated_prompts_with_prefix_caching_on_both_sides(up_cluster: UpCluste
     assert loaded[1] == loaded[2] == per_block
 
 
+LOAD_FAILED = 'p2pkv_transfers_total{direction="load",outcome="failed"}'
+
+
+def test_a_prompt_the_decode_instance_holds_whole_loads_nothing_and_frees_the_push(up_cluster: UpCluster) -> None:
+    """Two whole blocks and one token, sent twice: the second time the decode instance's own prefix cache holds
+    every block it would load. Nothing is loaded and the push made for it is freed. (Its decode instance used to
+    crash here: a load was reported for a request that waited for none, and vLLM asserts on that.)"""
+    decode = up_cluster.instance("kv_consumer")
+    length = 2 * BLOCK_SIZE + 1
+    text = prompt("whole", length)
+    reference = ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, text))[0]
+    assert ids_and_logprobs(greedy(up_cluster.proxy, up_cluster.model, text))[0] == reference
+    loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
+    failed_before = metric(decode["metrics"], LOAD_FAILED)
+    again = greedy(up_cluster.proxy, up_cluster.model, text)
+    assert ids_and_logprobs(again)[0] == reference
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
+    assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") == loaded_before
+    # The instance lives on, and once it steps again no staging is left.
+    other = prompt("after-whole", 200)
+    assert ids_and_logprobs(greedy(up_cluster.proxy, up_cluster.model, other))[0] == ids_and_logprobs(
+        greedy(up_cluster.colocated, up_cluster.model, other))[0]
+    assert metric(decode["metrics"], "p2pkv_staging_bytes") == 0
+    assert metric(decode["metrics"], LOAD_FAILED) == failed_before
+
+
+def _samples(base: str, model: str, text: str, n: int, params: dict[str, Any] | None = None,
+             ) -> tuple[list[list[int]], float]:
+    # vLLM refuses `n` > 1 with temperature 0; top_k 1 samples greedily all the same.
+    body: dict[str, Any] = {"model": model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 1.0,
+                            "top_k": 1, "n": n, "return_token_ids": True, "ignore_eos": True}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    started = time.monotonic()
+    answer = complete(base, body)
+    return [c["token_ids"] for c in sorted(answer["choices"], key=lambda c: c["index"])], time.monotonic() - started
+
+
+def test_parallel_sampling_loads_the_transfer_once_for_every_sample(up_cluster: UpCluster) -> None:
+    """`n` = 3 through the proxy: the decode instance runs one request per sample, all naming one transfer. The
+    first loads it; the others wait for it to land and take its blocks from the prefix cache. (The others used to
+    wait for KV that was already taken until the transfer's deadline, then fail their loads.)"""
+    decode = up_cluster.instance("kv_consumer")
+    length = 300
+    text = prompt("samples", length)
+    reference = ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, text))[0]
+    loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
+    failed_before = metric(decode["metrics"], LOAD_FAILED)
+    samples, seconds = _samples(up_cluster.proxy, up_cluster.model, text, 3)
+    assert samples == [reference] * 3
+    assert seconds < TRANSFER_TIMEOUT_S
+    per_block = kv_bytes_per_block_and_layer() * LAYERS
+    assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") - loaded_before == math.ceil(
+        (length - 1) / BLOCK_SIZE) * per_block
+    assert metric(decode["metrics"], LOAD_FAILED) == failed_before
+
+
+def test_parallel_sampling_on_the_prefill_instance_too_sends_one_transfer(up_cluster: UpCluster) -> None:
+    """A proxy that keeps `n` for the prefill request (vLLM's example proxies do): the prefill instance runs three
+    requests with one transfer id. Only the first sends its blocks, and each answers with the same parameters."""
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    length = 300
+    text = prompt("prefill-samples", length)
+    reference = ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, text))[0]
+    sent_before = metric(prefill["metrics"], "p2pkv_bytes_sent_total" + SHM)
+    failed_before = metric(decode["metrics"], LOAD_FAILED)
+    params = PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]))
+    body = {"model": up_cluster.model, "prompt": text, "max_tokens": 1, "n": 3,
+            "kv_transfer_params": params.to_dict()}
+    returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
+    assert isinstance(returned, DecodeParams) and returned.transfer_id == params.transfer_id
+    samples, seconds = _samples(f"http://{decode['http']}", up_cluster.model, text, 3, returned.to_dict())
+    assert samples == [reference] * 3
+    assert seconds < TRANSFER_TIMEOUT_S
+    per_block = kv_bytes_per_block_and_layer() * LAYERS
+    assert metric(prefill["metrics"], "p2pkv_bytes_sent_total" + SHM) - sent_before == math.ceil(
+        length / BLOCK_SIZE) * per_block
+    assert metric(decode["metrics"], LOAD_FAILED) == failed_before
+    # No sample holds blocks afterwards (one that answered as a sender, without having sent, held them for good).
+    deadline = time.monotonic() + 10
+    while metric(prefill["http"], "vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(prefill["http"], "vllm:kv_cache_usage_perc") == 0
+
+
 def test_put_mode_pushes_inline(up_cluster: UpCluster) -> None:
     """send_type PUT per request: the prefill step waits until the push is sent; output as colocated."""
     decode = up_cluster.instance("kv_consumer")

@@ -43,6 +43,15 @@ def test_prefill_then_decode_with_the_returned_params(backends: Any) -> None:
     assert d_seen[0]["kv_transfer_params"]["load_remote_kv"] is True
 
 
+def test_parallel_sampling_prefills_once_and_samples_n_times_on_decode(backends: Any) -> None:
+    p, d, p_seen, d_seen = backends
+    with serve(proxy_for(p, d)) as proxy:
+        resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "hi", "max_tokens": 5, "n": 3})
+    assert resp.status_code == 200
+    assert p_seen[0]["body"]["n"] == 1  # the prefill instance computes the prompt's KV once
+    assert d_seen[0]["n"] == 3
+
+
 def test_transfer_ids_are_fresh_per_request(backends: Any) -> None:
     p, d, p_seen, _ = backends
     with serve(proxy_for(p, d + "@127.0.0.1:9999")) as proxy:

@@ -17,11 +17,15 @@ from p2pkv.vllm.scheduler import SchedulerSide
 BS = 128
 
 
-@dataclass
+@dataclass(eq=False)
 class Req:
     request_id: str
     prompt_token_ids: list[int]
     kv_transfer_params: dict[str, Any] | None
+    status: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(name="WAITING"))
+
+    def set_status(self, name: str) -> None:
+        self.status = SimpleNamespace(name=name)
 
 
 @dataclass
@@ -82,13 +86,99 @@ def test_consumer_refuses_a_prompt_that_differs_from_the_prefill() -> None:
     assert s.get_num_new_matched_tokens(decode_req(300, claimed=299), 0) == (0, False)
 
 
-def test_full_local_hit_discards_the_staged_transfer() -> None:
+def test_full_local_hit_discards_the_staged_transfer_without_a_load() -> None:
+    """A load is reported to vLLM when it finishes, and vLLM asserts that the request waits for it: a request that
+    loads nothing must not have one (its decode instance crashed when the prompt was a whole number of blocks plus
+    one token, sent twice)."""
     s = side("kv_consumer")
     req = decode_req(129)
     assert s.get_num_new_matched_tokens(req, 128) == (0, False)
     s.update_state_after_alloc(req, Blocks([1, 2]), 0)
-    loads = s.build_connector_meta(step()).loads
-    assert [(ld.transfer_id, ld.block_ids) for ld in loads] == [("t1", ())]
+    meta = s.build_connector_meta(step())
+    assert meta.loads == [] and meta.discards == ["t1"]
+    assert s.build_connector_meta(step()).discards == []
+
+
+def sample(i: int, n: int = 300, tid: str = "t1") -> Req:
+    """Sample i of a request with `n` > 1: vLLM makes one request per sample, each with the same params."""
+    return Req(f"{i}_cmpl-x-0-{tid}", list(range(n)), DecodeParams(tid, n, None).to_dict())
+
+
+def test_parallel_samples_wait_for_the_first_to_load_then_use_the_prefix_cache() -> None:
+    s = side("kv_consumer")
+    first, second, third = sample(0), sample(1), sample(2)
+    assert s.get_num_new_matched_tokens(first, 0) == (299, True)
+    s.update_state_after_alloc(first, Blocks([5, 6, 7]), 299)
+    first.set_status("WAITING_FOR_REMOTE_KVS")
+    # Not known yet while the first sample's KV is on its way: vLLM asks again at its next step.
+    assert s.get_num_new_matched_tokens(second, 0) == (None, False)
+    assert s.get_num_new_matched_tokens(third, 0) == (None, False)
+    (load,) = s.build_connector_meta(step()).loads
+    assert load.req_id == first.request_id
+    first.set_status("RUNNING")  # landed: vLLM cached its blocks when it promoted it
+    assert s.get_num_new_matched_tokens(second, 256) == (0, False)
+    s.update_state_after_alloc(second, Blocks([5, 6, 8]), 0)
+    meta = s.build_connector_meta(step())
+    assert meta.loads == [] and meta.discards == []  # nothing to free: the first took the staged KV
+    assert s.request_finished(first, [5, 6, 7]) == (False, None)
+    # A sample scheduled after the first one finished does not wait for KV that was taken already.
+    assert s.get_num_new_matched_tokens(third, 256) == (0, False)
+
+
+def test_a_sample_stops_waiting_when_the_first_is_aborted() -> None:
+    s = side("kv_consumer")
+    first, second = sample(0), sample(1)
+    s.get_num_new_matched_tokens(first, 0)
+    s.update_state_after_alloc(first, Blocks([5, 6, 7]), 299)
+    first.set_status("WAITING_FOR_REMOTE_KVS")
+    assert s.get_num_new_matched_tokens(second, 0) == (None, False)
+    first.set_status("FINISHED_ABORTED")
+    assert s.get_num_new_matched_tokens(second, 0) == (0, False)
+
+
+def test_a_sample_waits_no_longer_than_the_transfer_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    import p2pkv.vllm.scheduler as scheduler
+
+    s = side("kv_consumer")
+    first, second = sample(0), sample(1)
+    s.update_state_after_alloc(first, Blocks([5, 6, 7]), 299)
+    first.set_status("WAITING_FOR_REMOTE_KVS")
+    assert s.get_num_new_matched_tokens(second, 0) == (None, False)
+    later = scheduler.time.monotonic() + s._claim_wait_s + 1
+    monkeypatch.setattr(scheduler.time, "monotonic", lambda: later)
+    assert s.get_num_new_matched_tokens(second, 0) == (0, False)
+
+
+def test_claims_are_forgotten_after_their_keep(monkeypatch: pytest.MonkeyPatch) -> None:
+    import p2pkv.vllm.scheduler as scheduler
+
+    s = side("kv_consumer")
+    first = sample(0)
+    s.update_state_after_alloc(first, Blocks([5, 6, 7]), 299)
+    s.request_finished(first, [5, 6, 7])
+    s.build_connector_meta(step())
+    assert "t1" in s._claims
+    later = scheduler.time.monotonic() + s._claim_keep_s + 1
+    monkeypatch.setattr(scheduler.time, "monotonic", lambda: later)
+    s.build_connector_meta(step())
+    assert s._claims == {}
+
+
+def test_parallel_samples_on_the_prefill_side_send_the_transfer_once() -> None:
+    s = side("kv_producer")
+    params = PrefillParams("t9", Address("127.0.0.1", 22001)).to_dict()
+    samples = [Req(f"{i}_cmpl-p-0-abcd", list(range(300)), params) for i in range(3)]
+    for i, req in enumerate(samples):
+        s.update_state_after_alloc(req, Blocks([1 + 3 * i, 2 + 3 * i, 3 + 3 * i]), 0)
+    new = [SimpleNamespace(req_id=r.request_id, block_ids=([1 + 3 * i, 2 + 3 * i, 3 + 3 * i],),
+                           num_computed_tokens=0) for i, r in enumerate(samples)]
+    saves = s.build_connector_meta(step(new, scheduled={r.request_id: 300 for r in samples})).saves
+    assert [(sv.req_id, sv.block_ids) for sv in saves] == [(samples[0].request_id, (1, 2, 3))]
+    answer = DecodeParams("t9", 300, Address("127.0.0.1", 21001), prefill_tp=1, prefill_pp=1).to_dict()
+    # Whichever sample vLLM's answer takes its params from, they name the one transfer; only the first holds blocks.
+    assert s.request_finished(samples[1], []) == (False, answer)
+    assert s.request_finished(samples[0], [1, 2, 3]) == (True, answer)
+    assert s.request_finished(samples[2], []) == (False, answer)
 
 
 def test_producer_saves_once_when_a_chunked_prompt_completes() -> None:

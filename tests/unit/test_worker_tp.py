@@ -355,3 +355,36 @@ def test_a_push_left_for_a_pull_is_pulled_cache_to_cache_from_the_load_start(sid
     received = decode.engine.metrics.registry.get_sample_value("p2pkv_bytes_received_total",
                                                                {"transport": "host_ipc"})
     assert received == 2 * 2 * MODEL_LAYERS * p_kv["model.layers.0.self_attn.attn"][0].nbytes
+
+
+@pytest.mark.parametrize("discarded", [True, False])
+def test_a_discarded_push_is_freed_when_it_arrives_and_never_reported(sides: list[WorkerSide],
+                                                                      discarded: bool) -> None:
+    """A decode request that loads nothing (its prompt was in the decode instance's own cache) frees the push made
+    for it once it arrives, and no load is reported for it: vLLM asserts that a reported request waits for KV.
+    Without the discard (the control) the staged push stays until expiry."""
+    p_port, d_port = free_ports(2, run=2)
+    p_kv, d_kv = caches(HEADS, 50), caches(HEADS, 51)
+    prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, pp_size=1)
+    decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, pp_size=1)
+    sides += [prefill, decode]
+    before = {name: t.clone() for name, t in d_kv.items()}
+    decode.bind(P2pkvMetadata(discards=["tid8"] if discarded else []))  # before the push arrives, as in vLLM
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid8", Address("127.0.0.1", d_port), (1, 3))]))
+    for name in p_kv:
+        prefill.save_layer(name)
+    prefill.wait_for_save()
+    settle(prefill, "p-req", sending=True)
+    deadline = time.monotonic() + 10
+    while decode.engine.staged_state("tid8") is not StageState.COMPLETE and time.monotonic() < deadline:
+        if decode.engine.staged_state("tid8") is None and discarded and decode.engine.store.bytes_in_use == 0:
+            break
+        assert decode.get_finished(set()) == (None, None)
+        time.sleep(0.01)
+    assert decode.get_finished(set()) == (None, None)
+    if discarded:
+        assert decode.engine.staged_state("tid8") is None and decode.engine.store.bytes_in_use == 0
+    else:
+        assert decode.engine.staged_state("tid8") is StageState.COMPLETE and decode.engine.store.bytes_in_use > 0
+    assert all(torch.equal(d_kv[name], before[name]) for name in d_kv)
+    assert decode.take_load_errors() == set()
