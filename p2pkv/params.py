@@ -7,14 +7,24 @@ proxy forwards to the decode instance. Transfers are keyed by `transfer_id`, nev
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import xxhash
 
 from p2pkv.errors import ConfigError
 
 MARKER = "p2pkv"
 PARAMS_VERSION = 1
 _TRANSFER_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_DIGEST = re.compile(r"^[0-9a-f]{16}$")
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """Which prompt a transfer's KV was computed for: XXH3-64 of its token ids (as int64), 16 hex digits."""
+    return xxhash.xxh3_64_hexdigest(np.asarray(token_ids, dtype=np.int64).tobytes())
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,8 @@ class DecodeParams:
     pull: bool = False
     prefill_tp: int = 0  # the prefill instance's tensor-parallel size (0: not said, taken to equal ours)
     prefill_pp: int = 0  # the prefill instance's pipeline-parallel size (0: not said, taken to equal ours)
+    # `prompt_digest` of the prompt the KV was computed for ("": not said; then only the length is compared)
+    prompt: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -88,6 +100,8 @@ class DecodeParams:
             "load_remote_kv": True,
             "num_prompt_tokens": self.num_prompt_tokens,
         }
+        if self.prompt:
+            out["prompt_digest"] = self.prompt
         if self.prefill_kv is not None:
             out["prefill_kv_address"] = str(self.prefill_kv)
         if self.test_corrupt:
@@ -168,9 +182,12 @@ def parse_transfer_params(raw: Any) -> AnyParams | None:
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
             raise ConfigError(f"kv_transfer_params.num_prompt_tokens: expected a positive integer, got {tokens!r}")
         prefill = raw.get("prefill_kv_address")
+        digest = raw.get("prompt_digest", "")
+        if not isinstance(digest, str) or (digest and not _DIGEST.match(digest)):
+            raise ConfigError(f"kv_transfer_params.prompt_digest: expected 16 hex digits, got {digest!r}")
         params = DecodeParams(transfer_id, tokens, Address.parse(prefill) if isinstance(prefill, str) else None,
                               bool(raw.get("test_corrupt", False)), _pull(raw), _size(raw, "prefill_tp_size"),
-                              _size(raw, "prefill_pp_size"))
+                              _size(raw, "prefill_pp_size"), digest)
         if params.pull and params.prefill_kv is None:
             raise ConfigError("kv_transfer_params: send_type GET needs prefill_kv_address")
         return params

@@ -18,6 +18,7 @@ from p2pkv.params import (
     ProbeAnswer,
     ProbeParams,
     parse_transfer_params,
+    prompt_digest,
 )
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
 
@@ -35,6 +36,7 @@ class _Producer:
     peer: Address | None  # None: GET mode, the decode side pulls
     num_prompt_tokens: int
     inline: bool
+    prompt: str  # its prompt_digest
     block_ids: list[int] = field(default_factory=list)
     saved: bool = False
 
@@ -74,6 +76,7 @@ class SchedulerSide:
         self._producing: dict[str, tuple[_Producer, float]] = {}
         self._siblings: dict[str, _Producer] = {}  # request id -> the producer of the same transfer
         self._consumed: set[str] = set()
+        self._prompts: dict[str, bool] = {}  # request id -> whether its transfer holds its prompt's KV
         self._claims: dict[str, _Claim] = {}  # transfer id -> its claim, in the order they were made
         self._loads: list[LoadSpec] = []
         self._discards: list[str] = []
@@ -95,19 +98,34 @@ class SchedulerSide:
             return 0, False
         if self._config.role is Role.PRODUCER:
             return 0, False
+        if not self._same_prompt(request, params):
+            return 0, False
         claim = self._claims.get(params.transfer_id)
         if claim is not None and claim.request is not request:
             # Another sample of the same request took this transfer: wait (None: vLLM asks again next step) until
             # its KV has landed, then compute the rest here, the landed blocks coming from the prefix cache.
             return (None, False) if claim.loading(time.monotonic(), self._claim_wait_s) else (0, False)
-        num_prompt = len(request.prompt_token_ids or ())
-        if params.num_prompt_tokens != num_prompt:
-            log.error("transfer %s: prefill saw %d prompt tokens, this request has %d; computing locally",
-                      params.transfer_id, params.num_prompt_tokens, num_prompt)
-            return 0, False
         # The last prompt token is always computed here, so its logits exist to sample from.
-        external = num_prompt - 1 - num_computed_tokens
+        external = len(request.prompt_token_ids or ()) - 1 - num_computed_tokens
         return (external, True) if external > 0 else (0, False)
+
+    def _same_prompt(self, request: Request, params: DecodeParams) -> bool:
+        """Whether the transfer's KV was computed for this request's prompt: its length, and its digest where the
+        prefill instance gave one. Not so for the other prompts of a batch (one request, one transfer: the first
+        prompt's), or for params sent with the wrong request: those are computed here, and the transfer is left to
+        the request it belongs to."""
+        known = self._prompts.get(request.request_id)
+        if known is not None:
+            return known
+        prompt = request.prompt_token_ids or ()
+        same = len(prompt) == params.num_prompt_tokens and (not params.prompt or prompt_digest(prompt) == params.prompt)
+        if not same:
+            log.info("transfer %s holds the KV of another prompt (%d tokens; this one has %d, %s); computing "
+                     "request %s here", params.transfer_id, params.num_prompt_tokens, len(prompt),
+                     "same length" if len(prompt) == params.num_prompt_tokens else "another length",
+                     request.request_id)
+        self._prompts[request.request_id] = same
+        return same
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = _params(request)
@@ -128,13 +146,16 @@ class SchedulerSide:
                     or other_size)
             num_prompt = len(request.prompt_token_ids or ())
             inline = params.inline or self._config.extra.send_type is SendType.PUT
-            producer = _Producer(params.transfer_id, None if pull else params.decode_kv, num_prompt, inline)
+            producer = _Producer(params.transfer_id, None if pull else params.decode_kv, num_prompt, inline,
+                                 prompt_digest(request.prompt_token_ids or ()))
             self._producers[req_id] = producer
             self._producing[params.transfer_id] = (producer, time.monotonic())
             return
-        if not isinstance(params, DecodeParams) or req_id in self._consumed:
+        if not isinstance(params, DecodeParams) or req_id in self._consumed or self._config.role is Role.PRODUCER:
             return
         self._consumed.add(req_id)
+        if not self._same_prompt(request, params):
+            return  # nothing of the transfer is this request's to load or to free
         if num_external_tokens <= 0:
             if params.transfer_id not in self._claims:
                 # Nothing to load (the prompt was in the local cache): free the staged bytes when they arrive
@@ -213,6 +234,7 @@ class SchedulerSide:
             return False, ProbeAnswer(self._config.kv_port, "" if host in ("0.0.0.0", "::") else host,
                                       self._tp_size, self._pp_size).to_dict()
         self._consumed.discard(req_id)
+        self._prompts.pop(req_id, None)
         if isinstance(params, DecodeParams) and (claim := self._claims.get(params.transfer_id)) is not None:
             if claim.request is request:
                 claim.request = None
@@ -230,4 +252,5 @@ class SchedulerSide:
         """The decode side's parameters for a saved prompt. The prefill address goes along in push mode too: a
         decode side without staging space pulls instead."""
         return DecodeParams(producer.transfer_id, producer.num_prompt_tokens, self._own_address,
-                            pull=producer.peer is None, prefill_tp=self._tp_size, prefill_pp=self._pp_size).to_dict()
+                            pull=producer.peer is None, prefill_tp=self._tp_size, prefill_pp=self._pp_size,
+                            prompt=producer.prompt).to_dict()

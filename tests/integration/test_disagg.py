@@ -321,6 +321,28 @@ def test_parallel_sampling_on_the_prefill_instance_too_sends_one_transfer(up_clu
     assert metric(prefill["http"], "vllm:kv_cache_usage_perc") == 0
 
 
+def test_a_batch_of_prompts_in_one_request_loads_only_the_prompt_its_transfer_holds(up_cluster: UpCluster) -> None:
+    """A completion request with a list of prompts: vLLM runs one request per prompt, all with the one transfer the
+    proxy made. Only the prompt whose digest the transfer carries loads it; the others (of the same length here)
+    are computed on the decode instance. Every answer equals the colocated one."""
+    decode = up_cluster.instance("kv_consumer")
+    length = 300
+    texts = [prompt(f"batch-{i}", length) for i in range(3)]
+    references = [ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, t))[0] for t in texts]
+    loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
+    failed_before = metric(decode["metrics"], LOAD_FAILED)
+    body = {"model": up_cluster.model, "prompt": texts, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True, "ignore_eos": True}
+    started = time.monotonic()
+    answer = complete(up_cluster.proxy, body)
+    assert time.monotonic() - started < TRANSFER_TIMEOUT_S
+    assert [c["token_ids"] for c in sorted(answer["choices"], key=lambda c: c["index"])] == references
+    per_block = kv_bytes_per_block_and_layer() * LAYERS
+    assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") - loaded_before == math.ceil(
+        (length - 1) / BLOCK_SIZE) * per_block
+    assert metric(decode["metrics"], LOAD_FAILED) == failed_before
+
+
 def test_put_mode_pushes_inline(up_cluster: UpCluster) -> None:
     """send_type PUT per request: the prefill step waits until the push is sent; output as colocated."""
     decode = up_cluster.instance("kv_consumer")

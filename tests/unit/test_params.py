@@ -8,6 +8,7 @@ from p2pkv.params import (
     ProbeAnswer,
     ProbeParams,
     parse_transfer_params,
+    prompt_digest,
 )
 
 
@@ -23,6 +24,16 @@ def test_prefill_and_decode_params_round_trip() -> None:
     assert parse_transfer_params(sized.to_dict()) == sized
     sized_back = DecodeParams("abc123", 300, None, prefill_tp=4, prefill_pp=2)
     assert parse_transfer_params(sized_back.to_dict()) == sized_back
+    digested = DecodeParams("abc123", 3, None, prompt=prompt_digest([5, 6, 7]))
+    assert parse_transfer_params(digested.to_dict()) == digested
+
+
+def test_prompt_digest_tells_prompts_apart() -> None:
+    digest = prompt_digest([5, 6, 7])
+    assert len(digest) == 16 and int(digest, 16) >= 0
+    assert prompt_digest((5, 6, 7)) == digest == prompt_digest(range(5, 8))
+    assert prompt_digest([5, 6, 8]) != digest and prompt_digest([7, 6, 5]) != digest
+    assert prompt_digest([5, 6, 7, 0]) != digest
 
 
 def test_foreign_params_are_not_ours() -> None:
@@ -42,6 +53,8 @@ def test_foreign_params_are_not_ours() -> None:
         {"p2pkv": 1, "transfer_id": "x", "do_remote_decode": True, "decode_kv_address": "nohost"},
         {"p2pkv": 1, "transfer_id": "x", "do_remote_decode": True, "decode_pp_size": -1},
         {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prefill_pp_size": "2"},
+        {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prompt_digest": 7},
+        {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prompt_digest": "XYZ"},
     ],
 )
 def test_malformed_p2pkv_params_raise(raw: dict[str, object]) -> None:

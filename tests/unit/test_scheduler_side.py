@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("vllm", reason="the scheduler side imports vLLM's connector base class")
 
 from p2pkv.config import parse_connector_config
-from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
+from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params, prompt_digest
 from p2pkv.vllm.scheduler import SchedulerSide
 
 BS = 128
@@ -84,6 +84,22 @@ def test_consumer_loads_all_but_the_last_token(n: int, local: int, first: int, b
 def test_consumer_refuses_a_prompt_that_differs_from_the_prefill() -> None:
     s = side("kv_consumer")
     assert s.get_num_new_matched_tokens(decode_req(300, claimed=299), 0) == (0, False)
+
+
+def test_another_prompt_of_the_same_length_is_computed_here_and_leaves_the_transfer_to_its_own() -> None:
+    """One transfer for a batch of prompts (one completion request): only the prompt whose digest it carries loads
+    it, whichever is scheduled first; the others are computed here and neither claim nor free the transfer."""
+    s = side("kv_consumer")
+    params = DecodeParams("t1", 300, None, prompt=prompt_digest(range(300))).to_dict()
+    other, own = Req("1_other", [1] * 300, params), Req("0_own", list(range(300)), params)
+    assert s.get_num_new_matched_tokens(other, 0) == (0, False)
+    s.update_state_after_alloc(other, Blocks([1, 2, 3]), 0)
+    meta = s.build_connector_meta(step())
+    assert meta.loads == [] and meta.discards == []
+    assert s.get_num_new_matched_tokens(own, 0) == (299, True)
+    s.update_state_after_alloc(own, Blocks([5, 6, 7]), 299)
+    (load,) = s.build_connector_meta(step()).loads
+    assert (load.req_id, load.block_ids) == ("0_own", (5, 6, 7))
 
 
 def test_full_local_hit_discards_the_staged_transfer_without_a_load() -> None:
@@ -174,7 +190,8 @@ def test_parallel_samples_on_the_prefill_side_send_the_transfer_once() -> None:
                            num_computed_tokens=0) for i, r in enumerate(samples)]
     saves = s.build_connector_meta(step(new, scheduled={r.request_id: 300 for r in samples})).saves
     assert [(sv.req_id, sv.block_ids) for sv in saves] == [(samples[0].request_id, (1, 2, 3))]
-    answer = DecodeParams("t9", 300, Address("127.0.0.1", 21001), prefill_tp=1, prefill_pp=1).to_dict()
+    answer = DecodeParams("t9", 300, Address("127.0.0.1", 21001), prefill_tp=1, prefill_pp=1,
+                          prompt=prompt_digest(range(300))).to_dict()
     # Whichever sample vLLM's answer takes its params from, they name the one transfer; only the first holds blocks.
     assert s.request_finished(samples[1], []) == (False, answer)
     assert s.request_finished(samples[0], [1, 2, 3]) == (True, answer)
@@ -196,7 +213,8 @@ def test_producer_saves_once_when_a_chunked_prompt_completes() -> None:
     assert s.build_connector_meta(step(cached=cached, scheduled={req.request_id: 1})).saves == []
     delay, params = s.request_finished(req, [1, 2, 3])
     assert delay is True
-    assert params == DecodeParams("t9", 300, Address("127.0.0.1", 21001), prefill_tp=1, prefill_pp=1).to_dict()
+    assert params == DecodeParams("t9", 300, Address("127.0.0.1", 21001), prefill_tp=1, prefill_pp=1,
+                                  prompt=prompt_digest(range(300))).to_dict()
 
 
 def test_producer_aborted_before_its_prompt_completed_holds_nothing() -> None:
