@@ -59,6 +59,17 @@ def _prefill_body(body: dict[str, Any], params: PrefillParams) -> dict[str, Any]
     return pre
 
 
+def _whole_prompt_on_decode(body: dict[str, Any], path: str) -> bool:
+    """Whether vLLM must compute this prompt itself on the decode instance: it does for prompt logprobs (asked for
+    directly, or by `echo` with logprobs, as vLLM derives them), reading no cached or transferred KV for them."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    if not body.get("echo"):
+        return False
+    return body.get("top_logprobs", 0) is not None if path.endswith("chat/completions") else (
+        body.get("logprobs") is not None)
+
+
 class KvTarget(NamedTuple):
     """Where a decode instance takes KV, and its tensor- and pipeline-parallel sizes (0: not known)."""
 
@@ -186,6 +197,15 @@ class Router:
         and decoded on another decode instance where there is one."""
         tried: set[Instance] = set()  # prefill instances, over every attempt
         failed: set[Instance] = set()  # decode instances that failed this request
+        if _whole_prompt_on_decode(body, path):
+            # A prefill elsewhere would be wasted: the decode instance computes the prompt whatever it is sent.
+            log.debug("transfer %s: prompt logprobs asked for; decode instance %s computes the prompt",
+                      trace.transfer_id, decode.instance.http)
+            self.metrics.decode_only.inc()
+            to_decode = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+            answer = await self._decoder.answer(decode, f"{decode.instance.url}{path}", to_decode, headers, trace)
+            assert answer is not None  # the last attempt always answers
+            return answer
         for attempt in range(self.config.transfer_retries + 1):
             target = await self._target(decode, headers)
             params = PrefillParams(trace.transfer_id, target.address, decode_tp=target.tp, decode_pp=target.pp)

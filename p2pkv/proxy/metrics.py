@@ -31,6 +31,9 @@ class ProxyMetrics:
                                 "connection)", registry=r)
         self.fallbacks = Counter("p2pkv_proxy_decode_only_fallbacks",
                                  "Requests sent to a decode instance alone because no prefill succeeded", registry=r)
+        self.decode_only = Counter("p2pkv_proxy_decode_only",
+                                   "Requests sent to a decode instance alone because it computes their prompt anyway "
+                                   "(prompt logprobs)", registry=r)
         self.heartbeats = Counter("p2pkv_proxy_heartbeats", "Discovery messages by outcome (accepted, refused)",
                                   ["outcome"], registry=r)
         self.instances = Gauge("p2pkv_proxy_instances", "Known instances by role", ["role"], registry=r)

@@ -343,6 +343,27 @@ def test_a_batch_of_prompts_in_one_request_loads_only_the_prompt_its_transfer_ho
     assert metric(decode["metrics"], LOAD_FAILED) == failed_before
 
 
+def test_prompt_logprobs_are_computed_by_the_decode_instance_alone(up_cluster: UpCluster) -> None:
+    """vLLM computes a prompt whose logprobs are asked for whole, reading no transferred KV: the proxy sends such a
+    request to the decode instance alone. The logprobs equal the colocated instance's."""
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    text = prompt("prompt-logprobs", 200)
+    body = {"model": up_cluster.model, "prompt": text, "max_tokens": 4, "temperature": 0, "prompt_logprobs": 1}
+    sent_before = metric(prefill["metrics"], "p2pkv_bytes_sent_total" + SHM)
+    failed_before = metric(decode["metrics"], LOAD_FAILED)
+    resp = httpx.post(f"{up_cluster.proxy}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers[PREFILL_HEADER] == "none"
+    ours, reference = resp.json()["choices"][0], complete(up_cluster.colocated, body)["choices"][0]
+    assert ours["text"] == reference["text"]
+    assert len(ours["prompt_logprobs"]) == len(reference["prompt_logprobs"]) == 200
+    for got, want in zip(ours["prompt_logprobs"][1:], reference["prompt_logprobs"][1:], strict=True):
+        assert got.keys() == want.keys()
+        assert all(got[k]["logprob"] == pytest.approx(want[k]["logprob"], abs=1e-4) for k in got)
+    assert metric(prefill["metrics"], "p2pkv_bytes_sent_total" + SHM) == sent_before
+    assert metric(decode["metrics"], LOAD_FAILED) == failed_before
+
+
 def test_put_mode_pushes_inline(up_cluster: UpCluster) -> None:
     """send_type PUT per request: the prefill step waits until the push is sent; output as colocated."""
     decode = up_cluster.instance("kv_consumer")

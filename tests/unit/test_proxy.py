@@ -52,6 +52,40 @@ def test_parallel_sampling_prefills_once_and_samples_n_times_on_decode(backends:
     assert d_seen[0]["n"] == 3
 
 
+@pytest.mark.parametrize(("path", "extra"), [
+    ("/v1/completions", {"prompt_logprobs": 1}),
+    ("/v1/completions", {"prompt_logprobs": 0}),
+    ("/v1/completions", {"echo": True, "logprobs": 2}),
+    ("/v1/chat/completions", {"echo": True}),  # vLLM then takes top_logprobs (0 by default) as prompt logprobs
+])
+def test_prompt_logprobs_go_to_the_decode_instance_alone(backends: Any, path: str, extra: dict[str, Any]) -> None:
+    p, d, p_seen, d_seen = backends
+    app = proxy_for(p, d)
+    with serve(app) as proxy:
+        body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra,
+                "kv_transfer_params": {"p2pkv": 1, "transfer_id": "stale", "load_remote_kv": True,
+                                       "num_prompt_tokens": 3}}
+        resp = httpx.post(f"http://{proxy}{path}", json=body)
+        metrics = httpx.get(f"http://{proxy}/metrics").text
+    assert resp.status_code == 200
+    assert p_seen == [] and len(d_seen) == 1 and "kv_transfer_params" not in d_seen[0]
+    assert "p2pkv_proxy_decode_only_total 1.0" in metrics
+
+
+@pytest.mark.parametrize(("path", "extra"), [
+    ("/v1/completions", {"logprobs": 2}),
+    ("/v1/completions", {"echo": True}),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}),
+    ("/v1/completions", {"prompt_logprobs": None}),
+])
+def test_other_logprobs_are_prefilled_as_usual(backends: Any, path: str, extra: dict[str, Any]) -> None:
+    p, d, p_seen, d_seen = backends
+    with serve(proxy_for(p, d)) as proxy:
+        body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+        assert httpx.post(f"http://{proxy}{path}", json=body).status_code == 200
+    assert len(p_seen) == 1 and d_seen[0]["kv_transfer_params"]["load_remote_kv"] is True
+
+
 def test_transfer_ids_are_fresh_per_request(backends: Any) -> None:
     p, d, p_seen, _ = backends
     with serve(proxy_for(p, d + "@127.0.0.1:9999")) as proxy:
