@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
 
@@ -333,19 +333,34 @@ def create_app(config: ProxyConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await route(request, "/v1/chat/completions")
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
+    async def forward(request: Request, path: str) -> Response:
+        """Endpoints that touch no KV (the model list, tokenizing, the version): the first decode instance that
+        answers, answers."""
         router: Router = request.app.state.router
         if not router.authorized(request):
             return error_response(401, "missing or wrong API key", "authentication_error")
+        body = await request.body() if request.method == "POST" else None
+        headers = _forward_headers(request)
+        if body is not None:
+            headers["content-type"] = request.headers.get("content-type", "application/json")
         router.decode.prune()
         for state in router.decode.states:
             try:
-                resp = await router.client.get(f"{state.instance.url}/v1/models", headers=_forward_headers(request))
+                resp = await router.client.request(request.method, f"{state.instance.url}{path}", content=body,
+                                                   headers=headers)
             except httpx.HTTPError:
                 continue
-            return Response(resp.content, status_code=resp.status_code, media_type="application/json")
-        return error_response(502, "no decode instance answered /v1/models")
+            return Response(resp.content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type", "application/json"))
+        return error_response(502, f"no decode instance answered {path}")
+
+    def forwarder(path: str) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            return await forward(request, path)
+        return endpoint
+
+    for path, method in (("/v1/models", "GET"), ("/version", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST")):
+        app.add_api_route(path, forwarder(path), methods=[method], include_in_schema=False)
 
     @app.get("/instances")
     async def instances(request: Request) -> dict[str, list[dict[str, object]]]:

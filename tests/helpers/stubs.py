@@ -55,6 +55,12 @@ def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0, 
     async def models() -> dict[str, Any]:
         return {"data": [{"id": "tiny"}]}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        seen.append({"tokenize": body, "auth": request.headers.get("authorization")})
+        return {"tokens": [ord(c) for c in body["prompt"]], "count": len(body["prompt"])}
+
     @app.post("/v1/completions")
     @app.post("/v1/chat/completions")
     async def complete(request: Request) -> Any:

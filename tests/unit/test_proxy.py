@@ -188,6 +188,19 @@ def test_instances_endpoint_lists_roles_and_load(backends: Any) -> None:
     assert models["data"][0]["id"] == "tiny"
 
 
+def test_tokenize_and_the_version_come_from_a_decode_instance(backends: Any) -> None:
+    p, d, p_seen, d_seen = backends
+    with serve(proxy_with([p], d)) as proxy:
+        tokens = httpx.post(f"http://{proxy}/tokenize", json={"model": "tiny", "prompt": "hey"},
+                            headers={"Authorization": "Bearer k"})
+        version = httpx.get(f"http://{proxy}/version")
+        rogue = httpx.get(f"http://{proxy}/v1/models", params={"path": "/v1/completions"})
+    assert tokens.status_code == 200 and tokens.json() == {"tokens": [104, 101, 121], "count": 3}
+    assert d_seen == [{"tokenize": {"model": "tiny", "prompt": "hey"}, "auth": "Bearer k"}] and p_seen == []
+    assert version.status_code == 404  # the stub has none: its answer is passed on
+    assert rogue.json()["data"][0]["id"] == "tiny"  # a query parameter does not choose the upstream path
+
+
 def test_policies() -> None:
     from p2pkv.proxy.registry import Policy, static_pool
 
