@@ -18,7 +18,7 @@ from p2pkv.params import Address
 from p2pkv.slices import HeadSlices
 from p2pkv.stages import StageLayers, StagePart, plan_stages, stage_split
 from p2pkv.tp import plan_pulls
-from p2pkv.vllm.metadata import LoadSpec
+from p2pkv.vllm.metadata import Discard, LoadSpec
 
 log = logging.getLogger(__name__)
 
@@ -82,26 +82,39 @@ class Loads:
             elif self._engine.staged_state(spec.transfer_id) is StageState.FAILED:
                 self._fall_back_to_pull(load)  # a step sooner than finished() would
 
-    def discard(self, transfer_ids: list[str]) -> None:
+    def discard(self, discards: list[Discard]) -> None:
         """Transfers no request here loads (the prompt was in the local cache): their staging is freed once it has
-        arrived, or left to the store's expiry after the transfer's deadline. Never reported as a finished load:
-        vLLM, which asserts that a reported request waits for its KV, does not wait for these."""
+        arrived, or left to the store's expiry after the transfer's deadline; blocks held for our pull are released
+        at once (a pull of no heads). Never reported as a finished load: vLLM, which asserts that a reported request
+        waits for its KV, does not wait for these."""
         deadline = time.monotonic() + self._config.extra.transfer_timeout_s
-        for tid in transfer_ids:
-            self._discards[tid] = deadline
+        for discard in discards:
+            tid = discard.transfer_id
+            if discard.release_from is None:
+                self._discards[tid] = deadline
+                continue
+            key = f"{tid}#release"
+            self._discards[key] = deadline
+            self._engine.pull(tid, discard.release_from.offset(self._at.slot), 0, 1, _no_sink, deadline, None,
+                              HeadSlice((0, 0), 0, 1, 0, key))
         if self._discards:
             self._drop_discarded()
 
     def _drop_discarded(self) -> None:
         now = time.monotonic()
-        for tid, deadline in list(self._discards.items()):
-            if self._engine.staged_state(tid) in (StageState.COMPLETE, StageState.FAILED):
-                item = self._engine.take_staged(tid)
+        for key, deadline in list(self._discards.items()):
+            if key.endswith("#release"):
+                result = self._engine.pull_result(key)
+                if result is not None and result.state is PullState.PENDING:
+                    continue
+                self._engine.forget_pull(key)
+            elif self._engine.staged_state(key) in (StageState.COMPLETE, StageState.FAILED):
+                item = self._engine.take_staged(key)
                 if item is not None:
                     self._engine.release_staged(item)
             elif now <= deadline:
                 continue
-            del self._discards[tid]
+            del self._discards[key]
 
     def _start_pull(self, load: _Load, peer: Address) -> None:
         """Pull the load's KV from `peer`. One that cannot even start (heads or layers that cannot be split, say)

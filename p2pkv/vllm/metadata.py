@@ -37,11 +37,20 @@ class LoadSpec:
     prefill_pp: int = 0  # the prefill instance's pipeline-parallel size, when it differs from ours (else 0)
 
 
+@dataclass(frozen=True)
+class Discard:
+    """A transfer no request here loads (the prompt was in the local cache): its staging is freed once it arrives;
+    with `release_from` (GET mode) the prefill instance there is told to free the blocks it holds for the pull."""
+
+    transfer_id: str
+    release_from: Address | None = None
+
+
 @dataclass
 class P2pkvMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     # Transfers this instance will not load (the prompt was in its own cache): their staging is freed once they
     # arrive. No request waits on them, so they are never reported to vLLM as finished loads.
-    discards: list[str] = field(default_factory=list)
+    discards: list[Discard] = field(default_factory=list)
     idle: bool = False  # the step computes nothing (vLLM steps on while transfers are in flight)

@@ -20,7 +20,7 @@ from p2pkv.params import (
     parse_transfer_params,
     prompt_digest,
 )
-from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
+from p2pkv.vllm.metadata import Discard, LoadSpec, P2pkvMetadata, SaveSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -79,7 +79,7 @@ class SchedulerSide:
         self._prompts: dict[str, bool] = {}  # request id -> whether its transfer holds its prompt's KV
         self._claims: dict[str, _Claim] = {}  # transfer id -> its claim, in the order they were made
         self._loads: list[LoadSpec] = []
-        self._discards: list[str] = []
+        self._discards: list[Discard] = []
         # A claim is kept a while after its load, so that late samples of the same request do not wait for KV
         # that was already taken; a sample waits for a claim's load at most this long.
         self._claim_wait_s = config.extra.transfer_timeout_s + 10.0
@@ -161,7 +161,11 @@ class SchedulerSide:
                 # Nothing to load (the prompt was in the local cache): free the staged bytes when they arrive
                 # instead of at expiry. No load is reported for it: vLLM does not wait for one.
                 self._claims[params.transfer_id] = _Claim(None, time.monotonic())
-                self._discards.append(params.transfer_id)
+                # A prefill instance of our sizes holds the blocks for our pull, one offer per rank: each rank
+                # releases its own. (Of other sizes, its ranks' offers await several pullers each: they expire.)
+                same_sizes = params.prefill_tp in (0, self._tp_size) and params.prefill_pp in (0, self._pp_size)
+                release = params.prefill_kv if params.pull and same_sizes else None
+                self._discards.append(Discard(params.transfer_id, release))
             return
         self._claims[params.transfer_id] = _Claim(request, time.monotonic())
         num_prompt = len(request.prompt_token_ids or ())

@@ -262,6 +262,24 @@ def test_a_prompt_the_decode_instance_holds_whole_loads_nothing_and_frees_the_pu
     assert metric(decode["metrics"], LOAD_FAILED) == failed_before
 
 
+def test_in_get_mode_a_prompt_the_decode_instance_holds_whole_frees_the_prefill_blocks_at_once(
+        up_cluster: UpCluster) -> None:
+    """GET: the prefill instance holds a prompt's blocks for the decode side's pull, for up to `lease_s` (30 s).
+    When the decode instance needs none of them, it says so at once."""
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    text = prompt("whole-get", 2 * BLOCK_SIZE + 1)
+    reference = ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, text))[0]
+    for _ in range(2):  # the second time, the decode instance's prefix cache holds every block it would pull
+        loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
+        _, answer = two_steps(up_cluster, text, PrefillParams(uuid.uuid4().hex, None, pull=True))
+        assert ids_and_logprobs(answer)[0] == reference
+    assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") == loaded_before
+    deadline = time.monotonic() + 5
+    while metric(prefill["http"], "vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(prefill["http"], "vllm:kv_cache_usage_perc") == 0
+
+
 def _samples(base: str, model: str, text: str, n: int, params: dict[str, Any] | None = None,
              ) -> tuple[list[list[int]], float]:
     # vLLM refuses `n` > 1 with temperature 0; top_k 1 samples greedily all the same.

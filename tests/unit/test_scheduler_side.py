@@ -12,6 +12,7 @@ pytest.importorskip("vllm", reason="the scheduler side imports vLLM's connector 
 
 from p2pkv.config import parse_connector_config
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params, prompt_digest
+from p2pkv.vllm.metadata import Discard
 from p2pkv.vllm.scheduler import SchedulerSide
 
 BS = 128
@@ -111,8 +112,19 @@ def test_full_local_hit_discards_the_staged_transfer_without_a_load() -> None:
     assert s.get_num_new_matched_tokens(req, 128) == (0, False)
     s.update_state_after_alloc(req, Blocks([1, 2]), 0)
     meta = s.build_connector_meta(step())
-    assert meta.loads == [] and meta.discards == ["t1"]
+    assert meta.loads == [] and meta.discards == [Discard("t1")]
     assert s.build_connector_meta(step()).discards == []
+
+
+@pytest.mark.parametrize(("prefill_tp", "released"), [(1, True), (0, True), (2, False)])
+def test_full_local_hit_in_get_mode_releases_the_blocks_held_for_the_pull(prefill_tp: int, released: bool) -> None:
+    s = side("kv_consumer")
+    held_at = Address("127.0.0.1", 24001)
+    req = Req("r", list(range(129)), DecodeParams("t1", 129, held_at, pull=True, prefill_tp=prefill_tp).to_dict())
+    assert s.get_num_new_matched_tokens(req, 128) == (0, False)
+    s.update_state_after_alloc(req, Blocks([1, 2]), 0)
+    # A prefill instance of another tensor-parallel size holds offers for several pullers each: left to expire.
+    assert s.build_connector_meta(step()).discards == [Discard("t1", held_at if released else None)]
 
 
 def sample(i: int, n: int = 300, tid: str = "t1") -> Req:

@@ -20,7 +20,7 @@ from p2pkv.engine.store import HEADS_DIFFER, PULL_INSTEAD, StageState
 from p2pkv.params import Address
 from p2pkv.pipes import PIPE_ENV
 from p2pkv.staging import STAGE_ENV
-from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
+from p2pkv.vllm.metadata import Discard, LoadSpec, P2pkvMetadata, SaveSpec
 from p2pkv.vllm.worker import WorkerSide
 
 LAYERS, BLOCKS, TOKENS, DIM, HEADS = 2, 5, 16, 8, 2
@@ -369,7 +369,7 @@ def test_a_discarded_push_is_freed_when_it_arrives_and_never_reported(sides: lis
     decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, pp_size=1)
     sides += [prefill, decode]
     before = {name: t.clone() for name, t in d_kv.items()}
-    decode.bind(P2pkvMetadata(discards=["tid8"] if discarded else []))  # before the push arrives, as in vLLM
+    decode.bind(P2pkvMetadata(discards=[Discard("tid8")] if discarded else []))  # before the push arrives, as in vLLM
     prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid8", Address("127.0.0.1", d_port), (1, 3))]))
     for name in p_kv:
         prefill.save_layer(name)
@@ -386,5 +386,31 @@ def test_a_discarded_push_is_freed_when_it_arrives_and_never_reported(sides: lis
         assert decode.engine.staged_state("tid8") is None and decode.engine.store.bytes_in_use == 0
     else:
         assert decode.engine.staged_state("tid8") is StageState.COMPLETE and decode.engine.store.bytes_in_use > 0
+    assert all(torch.equal(d_kv[name], before[name]) for name in d_kv)
+    assert decode.take_load_errors() == set()
+
+
+@pytest.mark.parametrize("released", [True, False])
+def test_a_discarded_pull_releases_the_blocks_the_prefill_side_holds(sides: list[WorkerSide], released: bool) -> None:
+    """GET mode, a decode request that loads nothing: its worker tells the prefill worker to free the blocks held
+    for its pull at once (a pull of no heads), instead of their lease running out; nothing lands, nothing is
+    reported. The control, without the release, holds them."""
+    p_port, d_port = free_ports(2, run=2)
+    p_kv, d_kv = caches(HEADS, 60), caches(HEADS, 61)
+    prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, pp_size=1)
+    decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, pp_size=1)
+    sides += [prefill, decode]
+    before = {name: t.clone() for name, t in d_kv.items()}
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid9", None, (1, 3))]))
+    prefill.wait_for_save()
+    assert prefill.get_finished({"p-req"}) == (None, None)  # held for the pull, for up to lease_s
+    held_at = Address("127.0.0.1", p_port) if released else None
+    decode.bind(P2pkvMetadata(discards=[Discard("tid9", held_at)]))
+    deadline, sent = time.monotonic() + 3, None
+    while sent is None and time.monotonic() < deadline:
+        assert decode.get_finished(set()) == (None, None)
+        sent = prefill.get_finished(set())[0]
+        time.sleep(0.01)
+    assert (sent == {"p-req"}) is released
     assert all(torch.equal(d_kv[name], before[name]) for name in d_kv)
     assert decode.take_load_errors() == set()
