@@ -100,6 +100,21 @@ class OfferTable:
             offer = self._offers.get(transfer_id)
             return None if offer is None else offer.state
 
+    def withdraw(self, transfer_id: str, deadline: float) -> bool:
+        """No pull may read this offer's blocks any more (they are about to hold other KV): it expires now, or once
+        the pulls in flight are done. False if one still is at the deadline."""
+        while True:
+            with self._lock:
+                offer = self._offers.get(transfer_id)
+                if offer is None or offer.finished:
+                    return True
+                if not offer.in_flight:
+                    offer.state = OfferState.EXPIRED
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)  # a pull in flight: rare (a preempted request), and it ends by its own deadline
+
     def forget(self, transfer_id: str) -> None:
         with self._lock:
             self._offers.pop(transfer_id, None)

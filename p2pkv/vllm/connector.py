@@ -118,6 +118,14 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         self.worker.wait_for_save()
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Before the forward of a step that may reuse preempted requests' blocks (vLLM 0.19+ passes the step's
+        metadata; 0.14 to 0.18 passed the preempted request ids)."""
+        if isinstance(kv_connector_metadata, P2pkvMetadata):
+            self.worker.handle_preemptions(kv_connector_metadata.preempted)
+        elif isinstance(kv_connector_metadata, set):
+            self.worker.handle_preemptions(self.worker.transfers_of(kv_connector_metadata))
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.get_finished(finished_req_ids)
 

@@ -53,4 +53,6 @@ class P2pkvMetadata(KVConnectorMetadata):  # type: ignore[misc]
     # Transfers this instance will not load (the prompt was in its own cache): their staging is freed once they
     # arrive. No request waits on them, so they are never reported to vLLM as finished loads.
     discards: list[Discard] = field(default_factory=list)
+    # Transfers whose saved request vLLM preempted this step: their blocks are free and this step may overwrite them.
+    preempted: list[str] = field(default_factory=list)
     idle: bool = False  # the step computes nothing (vLLM steps on while transfers are in flight)

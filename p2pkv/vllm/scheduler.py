@@ -189,6 +189,10 @@ class SchedulerSide:
         self._forget_claims(time.monotonic())
         if not self._producers:
             return meta
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            producer = self._producers.get(req_id)
+            if producer is not None and producer.saved:
+                meta.preempted.append(producer.transfer_id)
         progress: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             producer = self._producers.get(new.req_id)

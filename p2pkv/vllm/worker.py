@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -77,6 +77,7 @@ class WorkerSide:
         self._sending: dict[str, str] = {}
         self._specs: dict[str, SaveSpec] = {}
         self._finished: set[str] = set()
+        self._withdrawn: set[str] = set()  # transfers of preempted requests: never offered again
         self._loading: Loads | None = None
         # KV behind a device copy (a GPU's): every layer is pushed as the forward computes it, whatever the link,
         # so that the copy overlaps the compute (see `save_layer` for host KV).
@@ -159,6 +160,8 @@ class WorkerSide:
         """GET: hold the blocks for the decode side (and say where they lie, for cuda_ipc pulls; and which bytes
         hold which heads of which layers, for decode ranks of another tensor- or pipeline-parallel size)."""
         tid, ids = spec.transfer_id, spec.block_ids
+        if tid in self._withdrawn:
+            return
 
         def piece(wanted: tuple[int, int], layers: tuple[int, int] | None) -> BlockAccess:
             if layers is None:
@@ -232,7 +235,8 @@ class WorkerSide:
         self._finished |= finished_req_ids & self._sending.keys()
         for req_id, tid in self._sending.items():
             out = self.engine.outgoing(tid)
-            if out is not None and out.state is OutState.REFUSED and self.engine.offer_state(tid) is None:
+            if (out is not None and out.state is OutState.REFUSED and self.engine.offer_state(tid) is None
+                    and tid not in self._withdrawn):
                 # The decode side had no room to stage the push: hold the blocks for it to pull instead.
                 spec = self._specs[req_id]
                 log.info("transfer %s: push refused (%s); holding the blocks for a pull", tid, out.reason)
@@ -252,11 +256,32 @@ class WorkerSide:
             self._finished.discard(req_id)
             tid = self._sending.pop(req_id)
             self._specs.pop(req_id, None)
+            self._withdrawn.discard(tid)
             self.engine.forget_outgoing(tid)
             self.engine.offers.forget(tid)
             self.blocks.release(tid)
             self._slices.release(tid)
         return done
+
+    def transfers_of(self, req_ids: Iterable[str]) -> list[str]:
+        """The transfers these requests are sending."""
+        return [tid for req_id in req_ids if (tid := self._sending.get(req_id)) is not None]
+
+    def handle_preemptions(self, transfer_ids: Iterable[str]) -> None:
+        """Requests whose blocks are being sent were preempted: vLLM has freed their blocks, and this step's forward
+        may write other KV into them. A push still reading them is waited for (it ends by its deadline); blocks held
+        for a pull are withdrawn, and are not offered later, so the decode side's pull fails (it recomputes) rather
+        than read other KV."""
+        if self._engine is None:
+            return
+        for tid in transfer_ids:
+            self._withdrawn.add(tid)
+            out = self.engine.outgoing(tid)
+            if out is not None and out.state is OutState.SENDING:
+                self.engine.wait_outgoing(tid, max(0.0, out.deadline - time.monotonic()))
+            if not self.engine.offers.withdraw(tid, time.monotonic() + self._config.extra.transfer_timeout_s):
+                log.error("transfer %s: a pull still reads the blocks of a preempted request", tid)
+            log.info("transfer %s: its request was preempted; its blocks are no longer offered", tid)
 
     def take_load_errors(self) -> set[int]:
         return self._loading.take_errors() if self._loading is not None else set()

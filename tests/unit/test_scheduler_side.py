@@ -229,6 +229,21 @@ def test_producer_saves_once_when_a_chunked_prompt_completes() -> None:
                                   prompt=prompt_digest(range(300))).to_dict()
 
 
+def test_a_preempted_request_whose_blocks_are_being_sent_is_named_to_the_workers() -> None:
+    s = side("kv_producer")
+    saved, unsaved = (Req(r, list(range(300)), PrefillParams(t, Address("h", 1)).to_dict())
+                      for r, t in (("a", "ta"), ("b", "tb")))
+    for req in (saved, unsaved):
+        s.update_state_after_alloc(req, Blocks([1, 2, 3]), 0)
+    new = [SimpleNamespace(req_id="a", block_ids=([1, 2, 3],), num_computed_tokens=0),
+           SimpleNamespace(req_id="b", block_ids=([4, 5, 6],), num_computed_tokens=0)]
+    meta = s.build_connector_meta(step(new, scheduled={"a": 300, "b": 100}))
+    assert [sv.transfer_id for sv in meta.saves] == ["ta"] and meta.preempted == []
+    preempting = step(scheduled={})
+    preempting.preempted_req_ids = {"a", "b"}  # b's prompt was not complete: nothing of it is being sent
+    assert s.build_connector_meta(preempting).preempted == ["ta"]
+
+
 def test_producer_aborted_before_its_prompt_completed_holds_nothing() -> None:
     s = side("kv_producer")
     req = Req("r", list(range(300)), PrefillParams("t9", Address("h", 1)).to_dict())

@@ -414,3 +414,51 @@ def test_a_discarded_pull_releases_the_blocks_the_prefill_side_holds(sides: list
     assert (sent == {"p-req"}) is released
     assert all(torch.equal(d_kv[name], before[name]) for name in d_kv)
     assert decode.take_load_errors() == set()
+
+
+@pytest.mark.parametrize("preempted", [True, False])
+def test_blocks_of_a_preempted_request_are_no_longer_offered(sides: list[WorkerSide], preempted: bool) -> None:
+    """GET: the prefill request holding blocks for a pull is preempted (vLLM frees its blocks; the next forward may
+    write other KV into them). Its offer is withdrawn, so the decode side's pull fails (its blocks are load errors:
+    vLLM recomputes) instead of reading other KV. The control, not preempted, pulls the blocks."""
+    p_port, d_port = free_ports(2, run=2)
+    p_kv, d_kv = caches(HEADS, 70), caches(HEADS, 71)
+    prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, pp_size=1)
+    decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, pp_size=1)
+    sides += [prefill, decode]
+    src, dst = (1, 3), (4, 0)
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid10", None, src)]))
+    prefill.wait_for_save()
+    if preempted:
+        prefill.handle_preemptions(["tid10"])
+    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid10", 0, dst, pull_from=Address("127.0.0.1", p_port))]))
+    settle(decode, "d-req", sending=False)
+    errors = decode.take_load_errors()
+    if preempted:
+        assert errors == set(dst)
+    else:
+        assert errors == set() and all(torch.equal(d_kv[n][list(dst)], p_kv[n][list(src)]) for n in d_kv)
+    settle(prefill, "p-req", sending=True)  # once finished, the request's blocks go back to vLLM either way
+
+
+def test_a_push_of_a_preempted_request_is_waited_for(sides: list[WorkerSide]) -> None:
+    """A push still reading a preempted request's blocks finishes before the next forward may overwrite them."""
+    p_port, d_port = free_ports(2, run=2)
+    p_kv, d_kv = caches(HEADS, 80), caches(HEADS, 81)
+    prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, pp_size=1)
+    decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, pp_size=1)
+    sides += [prefill, decode]
+    src, dst = (1, 3), (4, 0)
+    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid11", 0, dst)]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid11", Address("127.0.0.1", d_port), src)]))
+    for name in p_kv:
+        prefill.save_layer(name)
+    prefill.wait_for_save()
+    prefill.handle_preemptions(prefill.transfers_of({"p-req"}))
+    out = prefill.engine.outgoing("tid11")
+    assert out is not None and out.state is OutState.DONE
+    for t in p_kv.values():
+        t.zero_()  # the next forward writes other KV into the freed blocks
+    settle(decode, "d-req", sending=False)
+    assert decode.take_load_errors() == set()
+    assert all(torch.equal(d_kv[n][list(dst)], caches(HEADS, 80)[n][list(src)]) for n in d_kv)
