@@ -382,6 +382,17 @@ def test_prompt_logprobs_are_computed_by_the_decode_instance_alone(up_cluster: U
     assert metric(decode["metrics"], LOAD_FAILED) == failed_before
 
 
+def test_tokenize_detokenize_and_models_through_the_proxy(up_cluster: UpCluster) -> None:
+    body = {"model": up_cluster.model, "prompt": "disaggregated"}
+    ours = httpx.post(f"{up_cluster.proxy}/tokenize", json=body, timeout=30)
+    assert ours.status_code == 200 and ours.json() == complete(up_cluster.colocated, body, "/tokenize")
+    tokens = ours.json()["tokens"]
+    back = httpx.post(f"{up_cluster.proxy}/detokenize", json={"model": up_cluster.model, "tokens": tokens}, timeout=30)
+    assert back.status_code == 200 and back.json()["prompt"] == "disaggregated"
+    assert httpx.get(f"{up_cluster.proxy}/v1/models", timeout=30).json()["data"][0]["id"] == up_cluster.model
+    assert httpx.get(f"{up_cluster.proxy}/version", timeout=30).json()["version"]
+
+
 def test_put_mode_pushes_inline(up_cluster: UpCluster) -> None:
     """send_type PUT per request: the prefill step waits until the push is sent; output as colocated."""
     decode = up_cluster.instance("kv_consumer")
