@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from p2pkv.discovery import Announcement
 from p2pkv.params import Address, PrefillParams, ProbeParams
+from p2pkv.proxy.batch import batch_prompts, merge, trace_headers
 from p2pkv.proxy.discovery import DiscoveryListener, start
 from p2pkv.proxy.instances import Instance, ProxyConfig
 from p2pkv.proxy.metrics import ProxyMetrics
@@ -169,6 +170,12 @@ class Router:
             self.metrics.requests.labels("bad_request").inc()
             return error_response(400, "request body must be a JSON object", "invalid_request_error")
         headers = _forward_headers(request)
+        prompts = batch_prompts(body, path)
+        if prompts is not None:
+            return await self._batch(body, prompts, path, headers, started)
+        return await self._one(body, path, headers, started)
+
+    async def _one(self, body: dict[str, Any], path: str, headers: dict[str, str], started: float) -> Response:
         decode = self.decode.pick()
         if decode is None:
             self.metrics.requests.labels("no_instance").inc()
@@ -179,6 +186,17 @@ class Router:
         except asyncio.CancelledError:  # the client went away (or the server is stopping)
             trace.finish(499, "client_gone")
             raise
+
+    async def _batch(self, body: dict[str, Any], prompts: list[Any], path: str, headers: dict[str, str],
+                     started: float) -> Response:
+        """Each prompt of a batch as a request of its own (p2pkv.proxy.batch); the first failure is the answer."""
+        answers = await asyncio.gather(*(self._one({**body, "prompt": p}, path, headers, started) for p in prompts))
+        for answer in answers:
+            if answer.status_code != 200:
+                return answer
+        merged = merge([bytes(a.body) for a in answers])
+        return Response(merged, media_type="application/json",
+                        headers=trace_headers([dict(a.headers) for a in answers]))
 
     async def _target(self, decode: InstanceState, headers: dict[str, str]) -> KvTarget:
         try:

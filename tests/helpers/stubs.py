@@ -91,7 +91,10 @@ def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0, 
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        return {"choices": [{"text": "abc"}], "usage": {"prompt_tokens": 5}}
+        n = body.get("n") or 1
+        return {"choices": [{"text": "abc", "index": i, "prompt_seen": body.get("prompt")} for i in range(n)],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 3 * n, "prompt_tokens_details": {"cached_tokens": 4,
+                                                                                                   "other": None}}}
 
     return app
 

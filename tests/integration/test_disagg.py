@@ -339,22 +339,50 @@ def test_parallel_sampling_on_the_prefill_instance_too_sends_one_transfer(up_clu
     assert metric(prefill["http"], "vllm:kv_cache_usage_perc") == 0
 
 
-def test_a_batch_of_prompts_in_one_request_loads_only_the_prompt_its_transfer_holds(up_cluster: UpCluster) -> None:
-    """A completion request with a list of prompts: vLLM runs one request per prompt, all with the one transfer the
-    proxy made. Only the prompt whose digest the transfer carries loads it; the others (of the same length here)
-    are computed on the decode instance. Every answer equals the colocated one."""
+def _batch(base: str, model: str, texts: list[str], params: dict[str, Any] | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "prompt": texts, "max_tokens": MAX_TOKENS, "temperature": 0,
+                            "return_token_ids": True, "ignore_eos": True}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return complete(base, body)
+
+
+def _ids(answer: dict[str, Any]) -> list[list[int]]:
+    return [c["token_ids"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
+
+
+def test_a_batch_of_prompts_through_the_proxy_goes_as_one_transfer_per_prompt(up_cluster: UpCluster) -> None:
     decode = up_cluster.instance("kv_consumer")
     length = 300
     texts = [prompt(f"batch-{i}", length) for i in range(3)]
     references = [ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, t))[0] for t in texts]
     loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
+    answer = _batch(up_cluster.proxy, up_cluster.model, texts)
+    assert _ids(answer) == references
+    assert answer["usage"]["prompt_tokens"] == 3 * length
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * (length - 1)
+    per_block = kv_bytes_per_block_and_layer() * LAYERS
+    assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") - loaded_before == 3 * math.ceil(
+        (length - 1) / BLOCK_SIZE) * per_block
+
+
+def test_a_batch_sent_as_one_transfer_loads_only_the_prompt_it_holds(up_cluster: UpCluster) -> None:
+    """A proxy that sends a list of prompts as one request (vLLM's example proxies do): vLLM runs one request per
+    prompt, all with the one transfer. Only the prompt whose digest the transfer carries loads it; the others (of
+    the same length here) are computed on the decode instance. Every answer equals the colocated one."""
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    length = 300
+    texts = [prompt(f"one-transfer-{i}", length) for i in range(3)]
+    references = [ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, t))[0] for t in texts]
+    loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
     failed_before = metric(decode["metrics"], LOAD_FAILED)
-    body = {"model": up_cluster.model, "prompt": texts, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_token_ids": True, "ignore_eos": True}
+    params = PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]))
+    pre = {"model": up_cluster.model, "prompt": texts, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
+    returned = complete(f"http://{prefill['http']}", pre)["kv_transfer_params"]
     started = time.monotonic()
-    answer = complete(up_cluster.proxy, body)
+    answer = _batch(f"http://{decode['http']}", up_cluster.model, texts, returned)
     assert time.monotonic() - started < TRANSFER_TIMEOUT_S
-    assert [c["token_ids"] for c in sorted(answer["choices"], key=lambda c: c["index"])] == references
+    assert _ids(answer) == references
     per_block = kv_bytes_per_block_and_layer() * LAYERS
     assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") - loaded_before == math.ceil(
         (length - 1) / BLOCK_SIZE) * per_block

@@ -86,6 +86,53 @@ def test_other_logprobs_are_prefilled_as_usual(backends: Any, path: str, extra: 
     assert len(p_seen) == 1 and d_seen[0]["kv_transfer_params"]["load_remote_kv"] is True
 
 
+def test_a_batch_of_prompts_goes_as_one_transfer_per_prompt(backends: Any) -> None:
+    p, d, p_seen, d_seen = backends
+    with serve(proxy_for(p, d)) as proxy:
+        resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": ["one", "two", "three"], "n": 2})
+    assert resp.status_code == 200
+    assert sorted(s["body"]["prompt"] for s in p_seen) == ["one", "three", "two"]
+    assert sorted(b["prompt"] for b in d_seen) == ["one", "three", "two"]
+    transfers = resp.headers["x-p2pkv-transfer-id"].split(",")
+    assert len(set(transfers)) == 3
+    # Each prompt's decode request names its own transfer, and the answer lists them in prompt order.
+    assert [next(b["kv_transfer_params"]["transfer_id"] for b in d_seen if b["prompt"] == prompt)
+            for prompt in ("one", "two", "three")] == transfers
+    answer = resp.json()
+    assert [(c["index"], c["prompt_seen"]) for c in answer["choices"]] == [
+        (0, "one"), (1, "one"), (2, "two"), (3, "two"), (4, "three"), (5, "three")]
+    assert answer["usage"] == {"prompt_tokens": 15, "completion_tokens": 18,
+                               "prompt_tokens_details": {"cached_tokens": 12, "other": None}}
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": [1, 2, 3]},  # token ids: one prompt
+    {"prompt": ["one"]},
+    {"prompt": ["one", "two"], "stream": True},  # streams are left whole
+])
+def test_what_is_not_split(backends: Any, body: dict[str, Any]) -> None:
+    p, d, p_seen, _ = backends
+    with serve(proxy_for(p, d)) as proxy:
+        if body.get("stream"):
+            with httpx.stream("POST", f"http://{proxy}/v1/completions", json=body) as resp:
+                assert resp.status_code == 200 and list(resp.iter_lines())
+        else:
+            assert httpx.post(f"http://{proxy}/v1/completions", json=body).status_code == 200
+    assert len(p_seen) == 1 and p_seen[0]["body"]["prompt"] == body["prompt"]
+
+
+def test_a_batch_answers_with_a_failure_of_any_of_its_prompts() -> None:
+    from contextlib import ExitStack
+
+    from tests.unit.test_proxy_reroute import Setup
+
+    with ExitStack() as stack:
+        setup = Setup(stack, 1, [["400"]])  # the first decode request (of whichever prompt) is refused
+        resp = httpx.post(f"http://{setup.proxy}/v1/completions", json={"prompt": ["a", "b", "c"]}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == 400
+    assert len(setup.d_seen[0]) == 3
+
+
 def test_transfer_ids_are_fresh_per_request(backends: Any) -> None:
     p, d, p_seen, _ = backends
     with serve(proxy_for(p, d + "@127.0.0.1:9999")) as proxy:
