@@ -357,17 +357,24 @@ def test_a_push_left_for_a_pull_is_pulled_cache_to_cache_from_the_load_start(sid
     assert received == 2 * 2 * MODEL_LAYERS * p_kv["model.layers.0.self_attn.attn"][0].nbytes
 
 
+def one_to_one(sides: list[WorkerSide], seed: int) -> tuple[WorkerSide, WorkerSide, dict[str, torch.Tensor],
+                                                                dict[str, torch.Tensor], int, int]:
+    """A TP 1 prefill worker and a TP 1 decode worker (one stage each): both, their caches and their ports."""
+    p_port, d_port = free_ports(2, run=2)
+    p_kv, d_kv = caches(HEADS, seed), caches(HEADS, seed + 1)
+    prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, pp_size=1)
+    decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, pp_size=1)
+    sides += [prefill, decode]
+    return prefill, decode, p_kv, d_kv, p_port, d_port
+
+
 @pytest.mark.parametrize("discarded", [True, False])
 def test_a_discarded_push_is_freed_when_it_arrives_and_never_reported(sides: list[WorkerSide],
                                                                       discarded: bool) -> None:
     """A decode request that loads nothing (its prompt was in the decode instance's own cache) frees the push made
     for it once it arrives, and no load is reported for it: vLLM asserts that a reported request waits for KV.
     Without the discard (the control) the staged push stays until expiry."""
-    p_port, d_port = free_ports(2, run=2)
-    p_kv, d_kv = caches(HEADS, 50), caches(HEADS, 51)
-    prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, pp_size=1)
-    decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, pp_size=1)
-    sides += [prefill, decode]
+    prefill, decode, p_kv, d_kv, _, d_port = one_to_one(sides, 50)
     before = {name: t.clone() for name, t in d_kv.items()}
     decode.bind(P2pkvMetadata(discards=[Discard("tid8")] if discarded else []))  # before the push arrives, as in vLLM
     prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid8", Address("127.0.0.1", d_port), (1, 3))]))
@@ -395,11 +402,7 @@ def test_a_discarded_pull_releases_the_blocks_the_prefill_side_holds(sides: list
     """GET mode, a decode request that loads nothing: its worker tells the prefill worker to free the blocks held
     for its pull at once (a pull of no heads), instead of their lease running out; nothing lands, nothing is
     reported. The control, without the release, holds them."""
-    p_port, d_port = free_ports(2, run=2)
-    p_kv, d_kv = caches(HEADS, 60), caches(HEADS, 61)
-    prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, pp_size=1)
-    decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, pp_size=1)
-    sides += [prefill, decode]
+    prefill, decode, _, d_kv, p_port, _ = one_to_one(sides, 60)
     before = {name: t.clone() for name, t in d_kv.items()}
     prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid9", None, (1, 3))]))
     prefill.wait_for_save()
@@ -421,11 +424,7 @@ def test_blocks_of_a_preempted_request_are_no_longer_offered(sides: list[WorkerS
     """GET: the prefill request holding blocks for a pull is preempted (vLLM frees its blocks; the next forward may
     write other KV into them). Its offer is withdrawn, so the decode side's pull fails (its blocks are load errors:
     vLLM recomputes) instead of reading other KV. The control, not preempted, pulls the blocks."""
-    p_port, d_port = free_ports(2, run=2)
-    p_kv, d_kv = caches(HEADS, 70), caches(HEADS, 71)
-    prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, pp_size=1)
-    decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, pp_size=1)
-    sides += [prefill, decode]
+    prefill, decode, p_kv, d_kv, p_port, _ = one_to_one(sides, 70)
     src, dst = (1, 3), (4, 0)
     prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid10", None, src)]))
     prefill.wait_for_save()
@@ -443,11 +442,7 @@ def test_blocks_of_a_preempted_request_are_no_longer_offered(sides: list[WorkerS
 
 def test_a_push_of_a_preempted_request_is_waited_for(sides: list[WorkerSide]) -> None:
     """A push still reading a preempted request's blocks finishes before the next forward may overwrite them."""
-    p_port, d_port = free_ports(2, run=2)
-    p_kv, d_kv = caches(HEADS, 80), caches(HEADS, 81)
-    prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, pp_size=1)
-    decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, pp_size=1)
-    sides += [prefill, decode]
+    prefill, decode, p_kv, d_kv, _, d_port = one_to_one(sides, 80)
     src, dst = (1, 3), (4, 0)
     decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid11", 0, dst)]))
     prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid11", Address("127.0.0.1", d_port), src)]))
