@@ -194,9 +194,12 @@ class Router:
         for answer in answers:
             if answer.status_code != 200:
                 return answer
-        merged = merge([bytes(a.body) for a in answers])
-        return Response(merged, media_type="application/json",
-                        headers=trace_headers([dict(a.headers) for a in answers]))
+        headers = trace_headers([dict(a.headers) for a in answers])
+        try:
+            merged = merge([bytes(a.body) for a in answers])
+        except (ValueError, TypeError, AttributeError) as exc:
+            return error_response(502, f"an answer to a prompt of the batch is not a completion: {exc!r}")
+        return Response(merged, media_type="application/json", headers=headers)
 
     async def _target(self, decode: InstanceState, headers: dict[str, str]) -> KvTarget:
         try:

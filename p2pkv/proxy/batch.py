@@ -47,6 +47,8 @@ def _counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 def merge(answers: list[bytes]) -> bytes:
     """One answer for the batch from the answers for each of its prompts (in order, each a JSON completion)."""
     parsed = [json.loads(a) for a in answers]
+    if not all(isinstance(a, dict) for a in parsed):
+        raise ValueError("an answer is not a JSON object")
     merged = dict(parsed[0])
     choices: list[dict[str, Any]] = []
     for answer in parsed:
