@@ -65,23 +65,59 @@ def _metric(text: str, name: str) -> float:
     return 0.0
 
 
+# Request shapes of a mixed soak, in turn: each takes its own path through the proxy and the connector.
+SHAPES = ("plain", "samples", "batch", "one_token", "whole", "prompt_logprobs", "stream")
+_LETTERS = "abcdefghijklmnopqrstuvwxyz "
+# Two blocks of vLLM's CPU default (128 tokens) and one token, with the tiny model's one-byte tokens, sent again and
+# again: the decode instance soon holds it whole in its prefix cache and loads nothing.
+_WHOLE = "whole " + "w" * (2 * 128 + 1 - len("whole "))
+
+
+def request_body(i: int, rng: random.Random, model: str, mixed: bool) -> dict[str, Any]:
+    """Request `i` of a soak: a plain completion of a random prompt, or in a mixed soak one of `SHAPES` in turn."""
+    text = f"{i} " + "".join(rng.choice(_LETTERS) for _ in range(rng.randint(20, 700)))
+    body: dict[str, Any] = {"model": model, "prompt": text, "max_tokens": rng.randint(4, 16), "temperature": 0}
+    shape = SHAPES[i % len(SHAPES)] if mixed else "plain"
+    if shape == "samples":
+        body.update(n=3, temperature=1.0, top_k=1)
+    elif shape == "batch":
+        body["prompt"] = [text, text[::-1], f"{i} and a short one"]
+    elif shape == "one_token":
+        body["prompt"] = "x"
+    elif shape == "whole":
+        body["prompt"] = _WHOLE
+    elif shape == "prompt_logprobs":
+        body["prompt_logprobs"] = 1
+    elif shape == "stream":
+        body["stream"] = True
+    return body
+
+
+def answered(body: dict[str, Any], resp: httpx.Response) -> bool:
+    """Whether the answer is a whole one: a stream to its end, or a choice per prompt and sample."""
+    if resp.status_code != 200:
+        return False
+    if body.get("stream"):
+        return "data: [DONE]" in resp.text
+    prompts = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
+    choices = resp.json().get("choices")
+    return isinstance(choices, list) and len(choices) == prompts * body.get("n", 1)
+
+
 async def _drive(proxy: str, model: str, requests: int, concurrency: int, mark: int,
-                 on_mark: asyncio.Event, result: SoakResult) -> None:
+                 on_mark: asyncio.Event, result: SoakResult, mixed: bool = False) -> None:
     rng = random.Random(0)
-    letters = "abcdefghijklmnopqrstuvwxyz "
     sem = asyncio.Semaphore(concurrency)
     done = 0
     async with httpx.AsyncClient(timeout=120) as client:
 
         async def one(i: int) -> None:
             nonlocal done
-            length = rng.randint(20, 700)
-            body = {"model": model, "prompt": f"{i} " + "".join(rng.choice(letters) for _ in range(length)),
-                    "max_tokens": rng.randint(4, 16), "temperature": 0}
+            body = request_body(i, rng, model, mixed)
             async with sem:
                 try:
                     resp = await client.post(f"{proxy}/v1/completions", json=body)
-                    if resp.status_code != 200 or not resp.json().get("choices"):
+                    if not answered(body, resp):
                         result.failures += 1
                 except (httpx.HTTPError, ValueError):  # ValueError: a body that is not JSON
                     result.failures += 1
@@ -105,7 +141,7 @@ async def _noting_mark(drive: Coroutine[Any, Any, None], marked: asyncio.Event, 
 
 
 def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_type: str = "PUT_ASYNC",
-             transport: str = "auto", integrity_check: bool = False) -> SoakResult:
+             transport: str = "auto", integrity_check: bool = False, mixed: bool = False) -> SoakResult:
     cluster = Cluster(model=model, log_dir=log_dir)
     p_http, p_kv, d_http, d_kv, d_metrics, proxy_port = free_ports(6)
     mode: dict[str, object] = {"send_type": send_type, "transport": transport, "integrity_check": integrity_check}
@@ -126,7 +162,7 @@ def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_ty
 
         started = time.monotonic()
         asyncio.run(_noting_mark(_drive(f"http://127.0.0.1:{proxy_port}", model, requests, concurrency, mark,
-                                        marked, result), marked, at_mark))
+                                        marked, result, mixed), marked, at_mark))
         result.seconds = time.monotonic() - started
         time.sleep(1.0)  # let the last transfers' bookkeeping settle
         result.rss_end_mb = {**tree_rss_mb(prefill), **tree_rss_mb(decode)}
@@ -143,14 +179,14 @@ def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_ty
 
 
 def main(model: str | None, requests: int, concurrency: int, send_type: str = "PUT_ASYNC",
-         transport: str = "auto", integrity_check: bool = False) -> int:
+         transport: str = "auto", integrity_check: bool = False, mixed: bool = False) -> int:
     if model is None:
         from p2pkv.cli.up import default_model_dir
         from p2pkv.tinymodel import write_tiny_model
 
         model = str(write_tiny_model(default_model_dir()))
     log_dir = Path(tempfile.mkdtemp(prefix="p2pkv-soak-"))
-    r = run_soak(model, requests, concurrency, log_dir, send_type, transport, integrity_check)
+    r = run_soak(model, requests, concurrency, log_dir, send_type, transport, integrity_check, mixed)
     print(f"{'metric':<46}{'value':>14}")
     print(f"{'requests':<46}{r.requests:>14}")
     print(f"{'failed requests':<46}{r.failures:>14}")

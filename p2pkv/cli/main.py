@@ -60,7 +60,7 @@ def _bench_soak(args: argparse.Namespace) -> int:
     from p2pkv.bench.soak import main as bench_soak
 
     return bench_soak(args.model, args.requests, args.concurrency, args.send_type, args.transport,
-                      args.integrity_check)
+                      args.integrity_check, args.mixed)
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the instances' transport key")
     soak.add_argument("--integrity-check", action="store_true",
                       help="the instances check payload digests (integrity_check); any mismatch fails the soak")
+    soak.add_argument("--mixed", action="store_true",
+                      help="requests of every shape in turn: plain, n=3, batches of 3 prompts, one-token prompts, a "
+                           "prompt the decode instance holds whole, prompt logprobs, streams")
     soak.set_defaults(func=_bench_soak)
     btransfer = bench.add_parser("transfer", help="engine transfers per transport against same-run baselines")
     btransfer.add_argument("--sizes", nargs="+", default=None, metavar="BYTES",

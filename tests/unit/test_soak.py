@@ -81,3 +81,62 @@ def test_a_digest_mismatch_fails_the_soak() -> None:
     damaged = SoakResult(10, 0, 1.0, digests={'p2pkv_digests_total{direction="receive",outcome="ok"}': 9.0,
                                               'p2pkv_digests_total{direction="receive",outcome="mismatch"}': 1.0})
     assert not damaged.ok
+
+
+class _ShapesStub(BaseHTTPRequestHandler):
+    """Records each body and answers it in full: a stream to its end, a choice per prompt and sample."""
+
+    bodies: list[dict[str, object]] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        _ShapesStub.bodies.append(body)
+        prompts = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
+        if body.get("stream"):
+            reply = b'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n'
+        else:
+            reply = json.dumps({"choices": [{"text": "x"}] * (prompts * body.get("n", 1))}).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_mixed_soak_sends_every_shape_and_checks_each_answer_whole() -> None:
+    from p2pkv.bench.soak import SHAPES
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ShapesStub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = SoakResult(14, 0, 0.0)
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        asyncio.run(asyncio.wait_for(_drive(url, "m", 14, 3, 7, asyncio.Event(), result, mixed=True), 30))
+    finally:
+        server.shutdown()
+        thread.join(5)
+    assert result.failures == 0
+    bodies = _ShapesStub.bodies
+    assert len(bodies) == 2 * len(SHAPES)
+    assert sum(b.get("n") == 3 for b in bodies) == 2 and sum(bool(b.get("stream")) for b in bodies) == 2
+    assert sum(isinstance(b["prompt"], list) for b in bodies) == 2 and sum(b["prompt"] == "x" for b in bodies) == 2
+    assert sum("prompt_logprobs" in b for b in bodies) == 2
+    whole = [b["prompt"] for b in bodies if isinstance(b["prompt"], str) and b["prompt"].startswith("whole")]
+    assert len(whole) == 2 and len(whole[0]) == 257
+
+
+def test_an_answer_short_of_a_choice_or_a_stream_cut_short_is_a_failure() -> None:
+    import httpx
+
+    from p2pkv.bench.soak import answered
+
+    batch = {"prompt": ["a", "b"], "n": 2}
+    assert answered(batch, httpx.Response(200, json={"choices": [{}] * 4}))
+    assert not answered(batch, httpx.Response(200, json={"choices": [{}] * 3}))
+    stream = {"prompt": "a", "stream": True}
+    assert answered(stream, httpx.Response(200, text='data: {}\n\ndata: [DONE]\n\n'))
+    assert not answered(stream, httpx.Response(200, text='data: {}\n\n'))
+    assert not answered({"prompt": "a"}, httpx.Response(500, json={"choices": [{}]}))
