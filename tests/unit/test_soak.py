@@ -15,13 +15,14 @@ import pytest
 from p2pkv.bench.soak import SoakResult, _drive, _noting_mark
 
 
-class _Stub(BaseHTTPRequestHandler):
-    """Answers a completion whose prompt starts with an even number, and garbage (not JSON) to the others."""
+class _Handler(BaseHTTPRequestHandler):
+    """Reads a JSON body and answers 200 with `answer(body)`."""
+
+    def answer(self, body: dict[str, object]) -> bytes:
+        raise NotImplementedError
 
     def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        number = int(body["prompt"].split()[0])
-        reply = json.dumps({"choices": [{"text": "x"}]}).encode() if number % 2 == 0 else b"<html>oops"
+        reply = self.answer(json.loads(self.rfile.read(int(self.headers["content-length"]))))
         self.send_response(200)
         self.send_header("content-length", str(len(reply)))
         self.end_headers()
@@ -29,6 +30,14 @@ class _Stub(BaseHTTPRequestHandler):
 
     def log_message(self, *args: object) -> None:
         pass
+
+
+class _Stub(_Handler):
+    """Answers a completion whose prompt starts with an even number, and garbage (not JSON) to the others."""
+
+    def answer(self, body: dict[str, object]) -> bytes:
+        number = int(str(body["prompt"]).split()[0])
+        return json.dumps({"choices": [{"text": "x"}]}).encode() if number % 2 == 0 else b"<html>oops"
 
 
 @pytest.fixture
@@ -83,26 +92,19 @@ def test_a_digest_mismatch_fails_the_soak() -> None:
     assert not damaged.ok
 
 
-class _ShapesStub(BaseHTTPRequestHandler):
+class _ShapesStub(_Handler):
     """Records each body and answers it in full: a stream to its end, a choice per prompt and sample."""
 
     bodies: list[dict[str, object]] = []
 
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+    def answer(self, body: dict[str, object]) -> bytes:
         _ShapesStub.bodies.append(body)
         prompts = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
         if body.get("stream"):
-            reply = b'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n'
-        else:
-            reply = json.dumps({"choices": [{"text": "x"}] * (prompts * body.get("n", 1))}).encode()
-        self.send_response(200)
-        self.send_header("content-length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, *args: object) -> None:
-        pass
+            return b'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n'
+        samples = body.get("n", 1)
+        choices = prompts * (samples if isinstance(samples, int) else 1)
+        return json.dumps({"choices": [{"text": "x"}] * choices}).encode()
 
 
 def test_a_mixed_soak_sends_every_shape_and_checks_each_answer_whole() -> None:
