@@ -89,16 +89,34 @@ class Loads:
         waits for its KV, does not wait for these."""
         deadline = time.monotonic() + self._config.extra.transfer_timeout_s
         for discard in discards:
-            tid = discard.transfer_id
             if discard.release_from is None:
-                self._discards[tid] = deadline
+                self._discards[discard.transfer_id] = deadline
                 continue
-            key = f"{tid}#release"
-            self._discards[key] = deadline
-            self._engine.pull(tid, discard.release_from.offset(self._at.slot), 0, 1, _no_sink, deadline, None,
-                              HeadSlice((0, 0), 0, 1, 0, key))
+            try:
+                self._release(discard, discard.release_from, deadline)
+            except P2pkvError as exc:  # layers that cannot be matched across stages: the lease runs out instead
+                log.warning("transfer %s: the blocks held for it cannot be released (%s)", discard.transfer_id, exc)
         if self._discards:
             self._drop_discarded()
+
+    def _release(self, discard: Discard, peer: Address, deadline: float) -> None:
+        """A pull of no heads from each prefill rank this rank would have pulled from, as the pull would have been
+        announced (pullers and puller), so that each rank's offer counts it as served."""
+        tid = discard.transfer_id
+        if not (discard.prefill_tp or discard.prefill_pp):  # our sizes: one whole offer per rank, ours
+            key = f"{tid}#release"
+            self._discards[key] = deadline
+            self._engine.pull(tid, peer.offset(self._at.slot), 0, 1, _no_sink, deadline, None,
+                              HeadSlice((0, 0), 0, 1, 0, key))
+            return
+        prefill_tp = discard.prefill_tp or self._at.tp_size
+        for stage, _ in self._stages(discard.prefill_pp or self._at.pp_size):
+            for part in plan_pulls(self._at.rank, self._at.tp_size, prefill_tp, self._at.total_heads):
+                slot = stage.prefill_stage * prefill_tp + part.prefill_rank
+                key = f"{tid}@{slot}#release"
+                self._discards[key] = deadline
+                self._engine.pull(tid, peer.offset(slot), 0, 1, _no_sink, deadline, None,
+                                  HeadSlice((0, 0), 0, part.pullers * stage.pullers, self._at.slot, key, stage.layers))
 
     def _drop_discarded(self) -> None:
         now = time.monotonic()

@@ -44,6 +44,8 @@ class Discard:
 
     transfer_id: str
     release_from: Address | None = None
+    prefill_tp: int = 0  # the prefill instance's sizes, when they differ from ours (as in LoadSpec)
+    prefill_pp: int = 0
 
 
 @dataclass

@@ -161,11 +161,13 @@ class SchedulerSide:
                 # Nothing to load (the prompt was in the local cache): free the staged bytes when they arrive
                 # instead of at expiry. No load is reported for it: vLLM does not wait for one.
                 self._claims[params.transfer_id] = _Claim(None, time.monotonic())
-                # A prefill instance of our sizes holds the blocks for our pull, one offer per rank: each rank
-                # releases its own. (Of other sizes, its ranks' offers await several pullers each: they expire.)
-                same_sizes = params.prefill_tp in (0, self._tp_size) and params.prefill_pp in (0, self._pp_size)
-                release = params.prefill_kv if params.pull and same_sizes else None
-                self._discards.append(Discard(params.transfer_id, release))
+                # A prefill instance holds the blocks for our pull (GET, or another size): each rank releases
+                # what it would have pulled.
+                prefill_tp = params.prefill_tp if params.prefill_tp not in (0, self._tp_size) else 0
+                prefill_pp = params.prefill_pp if params.prefill_pp not in (0, self._pp_size) else 0
+                pulled = params.pull or bool(prefill_tp or prefill_pp)
+                self._discards.append(Discard(params.transfer_id, params.prefill_kv if pulled else None, prefill_tp,
+                                              prefill_pp))
             return
         self._claims[params.transfer_id] = _Claim(request, time.monotonic())
         num_prompt = len(request.prompt_token_ids or ())

@@ -116,15 +116,20 @@ def test_full_local_hit_discards_the_staged_transfer_without_a_load() -> None:
     assert s.build_connector_meta(step()).discards == []
 
 
-@pytest.mark.parametrize(("prefill_tp", "released"), [(1, True), (0, True), (2, False)])
-def test_full_local_hit_in_get_mode_releases_the_blocks_held_for_the_pull(prefill_tp: int, released: bool) -> None:
+@pytest.mark.parametrize(("pull", "prefill_tp", "discard"), [
+    (True, 1, Discard("t1", Address("127.0.0.1", 24001))),
+    (True, 0, Discard("t1", Address("127.0.0.1", 24001))),
+    (True, 2, Discard("t1", Address("127.0.0.1", 24001), prefill_tp=2)),
+    (False, 2, Discard("t1", Address("127.0.0.1", 24001), prefill_tp=2)),  # another size: pulled whatever the mode
+    (False, 1, Discard("t1")),  # pushed: only the staging to free
+])
+def test_full_local_hit_releases_the_blocks_held_for_a_pull(pull: bool, prefill_tp: int, discard: Discard) -> None:
     s = side("kv_consumer")
     held_at = Address("127.0.0.1", 24001)
-    req = Req("r", list(range(129)), DecodeParams("t1", 129, held_at, pull=True, prefill_tp=prefill_tp).to_dict())
+    req = Req("r", list(range(129)), DecodeParams("t1", 129, held_at, pull=pull, prefill_tp=prefill_tp).to_dict())
     assert s.get_num_new_matched_tokens(req, 128) == (0, False)
     s.update_state_after_alloc(req, Blocks([1, 2]), 0)
-    # A prefill instance of another tensor-parallel size holds offers for several pullers each: left to expire.
-    assert s.build_connector_meta(step()).discards == [Discard("t1", held_at if released else None)]
+    assert s.build_connector_meta(step()).discards == [discard]
 
 
 def sample(i: int, n: int = 300, tid: str = "t1") -> Req:

@@ -457,3 +457,28 @@ def test_a_push_of_a_preempted_request_is_waited_for(sides: list[WorkerSide]) ->
     settle(decode, "d-req", sending=False)
     assert decode.take_load_errors() == set()
     assert all(torch.equal(d_kv[n][list(dst)], caches(HEADS, 80)[n][list(src)]) for n in d_kv)
+
+
+@pytest.mark.parametrize("releasing", [2, 1])
+def test_decode_ranks_of_tp_2_release_what_a_tp_1_prefill_worker_holds_for_them(sides: list[WorkerSide],
+                                                                                 releasing: int) -> None:
+    """The prefill worker's offer awaits a pull from each of the two decode ranks (each wants half the heads). A
+    decode request that loads nothing: each rank sends its release, and once both have, the blocks go. The
+    control: one rank's release alone leaves them held."""
+    p_port, d_port = free_ports(2, run=2)
+    prefill = worker("kv_producer", p_port, 0, 1, HEADS, caches(HEADS, 90), pp_size=1)
+    decode = [worker("kv_consumer", d_port, r, 2, HEADS, caches(1, 91 + r), pp_size=1) for r in range(2)]
+    sides += [prefill, *decode]
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid12", None, (1, 3))]))
+    prefill.wait_for_save()
+    assert prefill.get_finished({"p-req"}) == (None, None)
+    for d in decode[:releasing]:
+        d.bind(P2pkvMetadata(discards=[Discard("tid12", Address("127.0.0.1", p_port), prefill_tp=1)]))
+    deadline, sent = time.monotonic() + 3, None
+    while sent is None and time.monotonic() < deadline:
+        for d in decode:
+            assert d.get_finished(set()) == (None, None)
+        sent = prefill.get_finished(set())[0]
+        time.sleep(0.01)
+    assert (sent == {"p-req"}) is (releasing == 2)
+    assert all(d.take_load_errors() == set() for d in decode)
