@@ -82,3 +82,25 @@ def test_negative_control_corrupted_kv_changes_the_output(tp_cluster: dict[str, 
     reference = ids_and_logprobs(greedy(tp_cluster["colocated"], tp_cluster["model"], prompt("tp-control", 300)))
     assert answers[0][0] == reference[0]
     assert answers[1] != reference
+
+
+def test_a_prompt_the_decode_instance_holds_whole_releases_what_each_prefill_rank_holds(
+        tp_cluster: dict[str, Any]) -> None:
+    """Sent twice through the proxy, the second time the decode instance loads nothing. The prefill ranks hold their
+    heads for its pulls (another size: always pulled); the decode rank releases each at once, as it would have
+    pulled it, rather than at the end of their 30-s lease."""
+    import time
+
+    from tests.integration.conftest import BLOCK_SIZE, metric
+
+    prefill, decode = instance_of(tp_cluster, "kv_producer"), instance_of(tp_cluster, "kv_consumer")
+    text = prompt("tp-whole", 2 * BLOCK_SIZE + 1)
+    reference = ids_and_logprobs(greedy(tp_cluster["colocated"], tp_cluster["model"], text))[0]
+    assert ids_and_logprobs(greedy(tp_cluster["proxy"], tp_cluster["model"], text))[0] == reference
+    loaded = _total(decode, "p2pkv_bytes_loaded_total")
+    assert ids_and_logprobs(greedy(tp_cluster["proxy"], tp_cluster["model"], text))[0] == reference
+    assert _total(decode, "p2pkv_bytes_loaded_total") == loaded
+    deadline = time.monotonic() + 5
+    while metric(prefill["http"], "vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(prefill["http"], "vllm:kv_cache_usage_perc") == 0
