@@ -281,7 +281,7 @@ class WorkerSide:
                 self.engine.wait_outgoing(tid, max(0.0, out.deadline - time.monotonic()))
             if not self.engine.offers.withdraw(tid, time.monotonic() + self._config.extra.transfer_timeout_s):
                 log.error("transfer %s: a pull still reads the blocks of a preempted request", tid)
-            log.info("transfer %s: its request was preempted; its blocks are no longer offered", tid)
+            log.info("transfer %s: its request was preempted; nothing reads its blocks any more", tid)
 
     def take_load_errors(self) -> set[int]:
         return self._loading.take_errors() if self._loading is not None else set()
