@@ -139,7 +139,37 @@ class ProbeAnswer:
         return out
 
 
-AnyParams = PrefillParams | DecodeParams | ProbeParams
+@dataclass(frozen=True)
+class DiscardParams:
+    """Sent by the proxy to a decode instance, in a request of its own, for a transfer whose request will never
+    come (its client went away): the staged push is freed when it arrives, and blocks a prefill instance holds for
+    the pull are released, rather than either being held until expiry. With the prefill's answer (`of`) it says
+    where those blocks are; without one (the client went away during the prefill), only the transfer id."""
+
+    transfer_id: str
+    prefill_kv: Address | None = None
+    pull: bool = False
+    prefill_tp: int = 0
+    prefill_pp: int = 0
+
+    @classmethod
+    def of(cls, decode: DecodeParams) -> DiscardParams:
+        return cls(decode.transfer_id, decode.prefill_kv, decode.pull, decode.prefill_tp, decode.prefill_pp)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {MARKER: PARAMS_VERSION, "transfer_id": self.transfer_id, "discard_transfer": True}
+        if self.prefill_kv is not None:
+            out["prefill_kv_address"] = str(self.prefill_kv)
+        if self.prefill_tp:
+            out["prefill_tp_size"] = self.prefill_tp
+        if self.prefill_pp:
+            out["prefill_pp_size"] = self.prefill_pp
+        if self.pull:
+            out["send_type"] = "GET"
+        return out
+
+
+AnyParams = PrefillParams | DecodeParams | ProbeParams | DiscardParams
 
 
 def _pull(raw: dict[str, Any]) -> bool:
@@ -191,4 +221,11 @@ def parse_transfer_params(raw: Any) -> AnyParams | None:
         if params.pull and params.prefill_kv is None:
             raise ConfigError("kv_transfer_params: send_type GET needs prefill_kv_address")
         return params
-    raise ConfigError("kv_transfer_params: p2pkv params need do_remote_decode or load_remote_kv")
+    if raw.get("discard_transfer") is True:
+        prefill = raw.get("prefill_kv_address")
+        discard = DiscardParams(transfer_id, Address.parse(prefill) if isinstance(prefill, str) else None, _pull(raw),
+                                _size(raw, "prefill_tp_size"), _size(raw, "prefill_pp_size"))
+        if discard.pull and discard.prefill_kv is None:
+            raise ConfigError("kv_transfer_params: send_type GET needs prefill_kv_address")
+        return discard
+    raise ConfigError("kv_transfer_params: p2pkv params need do_remote_decode, load_remote_kv or discard_transfer")

@@ -24,17 +24,18 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from p2pkv.discovery import Announcement
-from p2pkv.params import Address, PrefillParams, ProbeParams
+from p2pkv.params import Address, DiscardParams, PrefillParams, ProbeParams
 from p2pkv.proxy.batch import batch_prompts, merge, trace_headers
+from p2pkv.proxy.discard import Discarder, discard_of
 from p2pkv.proxy.discovery import DiscoveryListener, start
 from p2pkv.proxy.instances import Instance, ProxyConfig
 from p2pkv.proxy.metrics import ProxyMetrics
+from p2pkv.proxy.prefill import Prefiller, prefill_body, whole_prompt_on_decode
 from p2pkv.proxy.registry import InstanceState, Policy, Pool, static_pool
 from p2pkv.proxy.trace import RequestTrace
 from p2pkv.proxy.upstream import Decoder, error_response
 
 log = logging.getLogger(__name__)
-_DROP_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
 async def _client_gone(request: Request) -> None:
@@ -46,29 +47,6 @@ async def _client_gone(request: Request) -> None:
 def _forward_headers(request: Request) -> dict[str, str]:
     auth = request.headers.get("authorization")
     return {"authorization": auth} if auth else {}
-
-
-def _prefill_body(body: dict[str, Any], params: PrefillParams) -> dict[str, Any]:
-    pre = dict(body)
-    pre.update(max_tokens=1, stream=False, kv_transfer_params=params.to_dict())
-    if "max_completion_tokens" in pre:
-        pre["max_completion_tokens"] = 1
-    if "n" in pre:
-        pre["n"] = 1  # one pass computes the prompt's KV; the decode instance samples `n` times from it
-    for key in _DROP_FOR_PREFILL:
-        pre.pop(key, None)
-    return pre
-
-
-def _whole_prompt_on_decode(body: dict[str, Any], path: str) -> bool:
-    """Whether vLLM must compute this prompt itself on the decode instance: it does for prompt logprobs (asked for
-    directly, or by `echo` with logprobs, as vLLM derives them), reading no cached or transferred KV for them."""
-    if body.get("prompt_logprobs") is not None:
-        return True
-    if not body.get("echo"):
-        return False
-    return body.get("top_logprobs", 0) is not None if path.endswith("chat/completions") else (
-        body.get("logprobs") is not None)
 
 
 class KvTarget(NamedTuple):
@@ -95,6 +73,8 @@ class Router:
         self._kv: dict[Instance, KvTarget] = {}  # learned KV address and parallel sizes
         self._decoder = Decoder(client, metrics)
         self._sizes: dict[Address, tuple[int, int]] = {}  # (tensor, pipeline) sizes heartbeats gave, by HTTP address
+        self._prefiller = Prefiller(config, client, metrics, self.prefill)
+        self._discarder = Discarder(client, metrics, config.connect_timeout_s + 10.0)
         for pool in (self.prefill, self.decode):
             metrics.instances.labels(pool.role).set_function(pool.count)
 
@@ -218,7 +198,7 @@ class Router:
         and decoded on another decode instance where there is one."""
         tried: set[Instance] = set()  # prefill instances, over every attempt
         failed: set[Instance] = set()  # decode instances that failed this request
-        if _whole_prompt_on_decode(body, path):
+        if whole_prompt_on_decode(body, path):
             # A prefill elsewhere would be wasted: the decode instance computes the prompt whatever it is sent.
             log.debug("transfer %s: prompt logprobs asked for; decode instance %s computes the prompt",
                       trace.transfer_id, decode.instance.http)
@@ -230,7 +210,12 @@ class Router:
         for attempt in range(self.config.transfer_retries + 1):
             target = await self._target(decode, headers)
             params = PrefillParams(trace.transfer_id, target.address, decode_tp=target.tp, decode_pp=target.pp)
-            outcome = await self._prefill(_prefill_body(body, params), path, headers, trace, tried)
+            try:
+                outcome = await self._prefiller.prefill(prefill_body(body, params), path, headers, trace, tried)
+            except asyncio.CancelledError:  # the client went away; the prefill may have pushed already
+                if target.address is not None:
+                    self._discarder.discard(decode.instance, DiscardParams(trace.transfer_id), body, headers)
+                raise
             if isinstance(outcome, Response):
                 self.metrics.requests.labels("prefill_rejected").inc()
                 trace.finish(outcome.status_code, "prefill_rejected")
@@ -245,7 +230,13 @@ class Router:
             else:
                 to_decode["kv_transfer_params"] = outcome
             last = attempt == self.config.transfer_retries
-            answer = await self._decoder.answer(decode, f"{decode.instance.url}{path}", to_decode, headers, trace, last)
+            try:
+                answer = await self._decoder.answer(decode, f"{decode.instance.url}{path}", to_decode, headers, trace,
+                                                    last)
+            except asyncio.CancelledError:  # the client went away, perhaps before the decode instance had the request
+                if outcome is not None:
+                    self._discarder.discard(decode.instance, discard_of(outcome, trace.transfer_id), body, headers)
+                raise
             if answer is not None:
                 return answer
             failed.add(decode.instance)
@@ -256,41 +247,6 @@ class Router:
                         "transfer %s (decode instance %s)", trace.transfer_id, transfer_id, decode.instance.http)
             trace.reroute(transfer_id, str(decode.instance.http))
         raise AssertionError("the last attempt always answers")
-
-    async def _prefill(self, body: dict[str, Any], path: str, headers: dict[str, str], trace: RequestTrace,
-                       tried: set[Instance]) -> dict[str, Any] | Response | None:
-        """The prefill's kv_transfer_params; a Response to pass on for a request the instance rejected (4xx);
-        None when every attempt failed, or every instance was `tried` (to which this adds the ones it tries)."""
-        for attempt in range(self.config.prefill_retries + 1):
-            state = self.prefill.pick(frozenset(tried))
-            if state is None:
-                return None
-            tried.add(state.instance)
-            trace.prefill_tries += 1
-            if attempt:
-                self.metrics.retries.inc()
-            started = time.monotonic()
-            with self.prefill.busy(state):
-                try:
-                    answer = await self.client.post(f"{state.instance.url}{path}", json=body, headers=headers,
-                                                    timeout=self.config.prefill_timeout_s)
-                except httpx.HTTPError as exc:
-                    state.failures += 1
-                    log.warning("prefill instance %s failed: %r", state.instance.http, exc)
-                    if isinstance(exc, httpx.ConnectError):
-                        state.refused()
-                    continue
-            self.metrics.prefill_seconds.observe(time.monotonic() - started)
-            if 400 <= answer.status_code < 500:
-                return Response(answer.content, status_code=answer.status_code, media_type="application/json")
-            params = answer.json().get("kv_transfer_params") if answer.status_code == 200 else None
-            if isinstance(params, dict):
-                trace.prefilled(str(state.instance.http), started)
-                return params
-            state.failures += 1
-            log.warning("prefill instance %s answered %d without kv_transfer_params", state.instance.http,
-                        answer.status_code)
-        return None
 
 
 def create_app(config: ProxyConfig) -> FastAPI:

@@ -34,6 +34,10 @@ class ProxyMetrics:
         self.decode_only = Counter("p2pkv_proxy_decode_only",
                                    "Requests sent to a decode instance alone because it computes their prompt anyway "
                                    "(prompt logprobs)", registry=r)
+        self.discards = Counter("p2pkv_proxy_discards",
+                                "Transfers a decode instance was told to free because their client went away before "
+                                "the decode request was answered, by outcome (sent, refused, failed)", ["outcome"],
+                                registry=r)
         self.heartbeats = Counter("p2pkv_proxy_heartbeats", "Discovery messages by outcome (accepted, refused)",
                                   ["outcome"], registry=r)
         self.instances = Gauge("p2pkv_proxy_instances", "Known instances by role", ["role"], registry=r)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 
 from p2pkv.blocks import BlockAccess
@@ -21,6 +22,8 @@ from p2pkv.tp import plan_pulls
 from p2pkv.vllm.metadata import Discard, LoadSpec
 
 log = logging.getLogger(__name__)
+# Why this side refused a push, for which the prefill instance then holds the blocks for a pull instead.
+_PULL_REASONS = (NO_SPACE, HEADS_DIFFER, PULL_INSTEAD)
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,9 @@ class Loads:
         self._at = at
         self._loads: dict[str, _Load] = {}
         self._errors: set[int] = set()
-        self._discards: dict[str, float] = {}  # transfer id -> until when to look for its staging
+        # transfer id (or pull key) -> until when to look for its staging, and where the prefill instance holds
+        # the blocks should this side refuse the push (None: it does not, or they are being released)
+        self._discards: dict[str, tuple[float, Address | None]] = {}
 
     @property
     def pending(self) -> bool:
@@ -90,14 +95,17 @@ class Loads:
         deadline = time.monotonic() + self._config.extra.transfer_timeout_s
         for discard in discards:
             if discard.release_from is None:
-                self._discards[discard.transfer_id] = deadline
-                continue
-            try:
-                self._release(discard, discard.release_from, deadline)
-            except P2pkvError as exc:  # layers that cannot be matched across stages: the lease runs out instead
-                log.warning("transfer %s: the blocks held for it cannot be released (%s)", discard.transfer_id, exc)
+                self._discards[discard.transfer_id] = deadline, discard.fallback_from
+            else:
+                self._release_safely(discard, discard.release_from, deadline)
         if self._discards:
             self._drop_discarded()
+
+    def _release_safely(self, discard: Discard, peer: Address, deadline: float) -> None:
+        try:
+            self._release(discard, peer, deadline)
+        except P2pkvError as exc:  # layers that cannot be matched across stages: the lease runs out instead
+            log.warning("transfer %s: the blocks held for it cannot be released (%s)", discard.transfer_id, exc)
 
     def _release(self, discard: Discard, peer: Address, deadline: float) -> None:
         """A pull of no heads from each prefill rank this rank would have pulled from, as the pull would have been
@@ -105,7 +113,7 @@ class Loads:
         tid = discard.transfer_id
         if not (discard.prefill_tp or discard.prefill_pp):  # our sizes: one whole offer per rank, ours
             key = f"{tid}#release"
-            self._discards[key] = deadline
+            self._discards[key] = deadline, None
             self._engine.pull(tid, peer.offset(self._at.slot), 0, 1, _no_sink, deadline, None,
                               HeadSlice((0, 0), 0, 1, 0, key))
             return
@@ -114,22 +122,27 @@ class Loads:
             for part in plan_pulls(self._at.rank, self._at.tp_size, prefill_tp, self._at.total_heads):
                 slot = stage.prefill_stage * prefill_tp + part.prefill_rank
                 key = f"{tid}@{slot}#release"
-                self._discards[key] = deadline
+                self._discards[key] = deadline, None
                 self._engine.pull(tid, peer.offset(slot), 0, 1, _no_sink, deadline, None,
                                   HeadSlice((0, 0), 0, part.pullers * stage.pullers, self._at.slot, key, stage.layers))
 
     def _drop_discarded(self) -> None:
         now = time.monotonic()
-        for key, deadline in list(self._discards.items()):
+        for key, (deadline, fallback) in list(self._discards.items()):
             if key.endswith("#release"):
                 result = self._engine.pull_result(key)
                 if result is not None and result.state is PullState.PENDING:
                     continue
                 self._engine.forget_pull(key)
-            elif self._engine.staged_state(key) in (StageState.COMPLETE, StageState.FAILED):
+            elif (state := self._engine.staged_state(key)) in (StageState.COMPLETE, StageState.FAILED):
+                refused = state is StageState.FAILED and self._engine.store.reason(key) in _PULL_REASONS
                 item = self._engine.take_staged(key)
                 if item is not None:
                     self._engine.release_staged(item)
+                if refused and fallback is not None:  # the prefill instance holds the blocks for a pull instead
+                    del self._discards[key]
+                    self._release_safely(Discard(key), fallback, deadline)
+                    continue
             elif now <= deadline:
                 continue
             del self._discards[key]
@@ -218,7 +231,10 @@ class Loads:
             self._engine.pull(tid, peer.offset(slot), spec.first_block, len(spec.block_ids), sink,
                              load.deadline, None, head_slice)
 
-    def finished(self) -> set[str]:
+    def finished(self, finished_req_ids: AbstractSet[str] = frozenset()) -> set[str]:
+        """The requests whose load settled (landed, or failed as load errors); `finished_req_ids`: the requests
+        vLLM ended since the last step (aborted ones among them)."""
+        abandoned = self._abandon(finished_req_ids & self._loads.keys()) if finished_req_ids else set()
         if self._discards:
             self._drop_discarded()
         done: set[str] = set()
@@ -248,6 +264,23 @@ class Loads:
                 done.add(req_id)
         for req_id in done:
             del self._loads[req_id]
+        return done | abandoned
+
+    def _abandon(self, req_ids: AbstractSet[str]) -> set[str]:
+        """Requests vLLM ended (their client went away) while their KV was on the way. One that awaits a push is
+        reported at once, with no load error: nothing writes into its blocks (a push lands in them only in
+        `finished`), and vLLM frees them, rather than once the deadline has passed. The push becomes a discard,
+        freed when it arrives. A pull in flight writes into the blocks: it is left to settle."""
+        done: set[str] = set()
+        for req_id in req_ids:
+            spec = self._loads[req_id].spec
+            if spec.pull_from is not None:
+                continue
+            log.info("transfer %s: request %s ended before its KV landed; the push is freed when it arrives",
+                     spec.transfer_id, req_id)
+            self.discard([Discard(spec.transfer_id, fallback_from=spec.fallback_from)])
+            del self._loads[req_id]
+            done.add(req_id)
         return done
 
     def _fall_back_to_pull(self, load: _Load) -> bool:
@@ -255,7 +288,7 @@ class Loads:
         pulls over a device path: pull the blocks straight into the cache instead."""
         spec = load.spec
         reason = self._engine.store.reason(spec.transfer_id)
-        if reason not in (NO_SPACE, HEADS_DIFFER, PULL_INSTEAD) or spec.fallback_from is None or not spec.block_ids:
+        if reason not in _PULL_REASONS or spec.fallback_from is None or not spec.block_ids:
             return False
         item = self._engine.take_staged(spec.transfer_id)
         if item is not None:

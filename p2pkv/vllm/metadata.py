@@ -39,22 +39,27 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class Discard:
-    """A transfer no request here loads (the prompt was in the local cache): its staging is freed once it arrives;
-    with `release_from` (GET mode) the prefill instance there is told to free the blocks it holds for the pull."""
+    """A transfer no request here loads (the prompt was in the local cache, or the client went away): its staging
+    is freed once it arrives; with `release_from` (GET mode) the prefill instance there is told to free the blocks
+    it holds for the pull, as it is with `fallback_from` should this side refuse the push (it then holds them)."""
 
     transfer_id: str
     release_from: Address | None = None
     prefill_tp: int = 0  # the prefill instance's sizes, when they differ from ours (as in LoadSpec)
     prefill_pp: int = 0
+    fallback_from: Address | None = None
 
 
 @dataclass
 class P2pkvMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
-    # Transfers this instance will not load (the prompt was in its own cache): their staging is freed once they
-    # arrive. No request waits on them, so they are never reported to vLLM as finished loads.
+    # Transfers this instance will not load (the prompt was in its own cache, or the client went away): their
+    # staging is freed once they arrive. No request waits on them, so they are never reported to vLLM as finished loads.
     discards: list[Discard] = field(default_factory=list)
     # Transfers whose saved request vLLM preempted this step: their blocks are free and this step may overwrite them.
     preempted: list[str] = field(default_factory=list)
+    # Transfers whose saved request was aborted (its client went away): nobody got its parameters, so nobody will
+    # pull it. Its blocks are no longer offered; vLLM frees them once a push in flight is done.
+    abandoned: list[str] = field(default_factory=list)
     idle: bool = False  # the step computes nothing (vLLM steps on while transfers are in flight)

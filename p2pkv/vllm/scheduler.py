@@ -14,6 +14,7 @@ from p2pkv.params import (
     Address,
     AnyParams,
     DecodeParams,
+    DiscardParams,
     PrefillParams,
     ProbeAnswer,
     ProbeParams,
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+# How vLLM ends a request whose answer never reaches the client: aborted (the client went away), or failed.
+_UNANSWERED = ("FINISHED_ABORTED", "FINISHED_ERROR")
 
 
 @dataclass
@@ -80,6 +83,7 @@ class SchedulerSide:
         self._claims: dict[str, _Claim] = {}  # transfer id -> its claim, in the order they were made
         self._loads: list[LoadSpec] = []
         self._discards: list[Discard] = []
+        self._abandoned: list[str] = []
         # A claim is kept a while after its load, so that late samples of the same request do not wait for KV
         # that was already taken; a sample waits for a claim's load at most this long.
         self._claim_wait_s = config.extra.transfer_timeout_s + 10.0
@@ -94,6 +98,9 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = _params(request)
+        if isinstance(params, DiscardParams) and self._config.role is not Role.PRODUCER:
+            self._discard(params.transfer_id, params.prefill_kv, params.pull, params.prefill_tp, params.prefill_pp)
+            return 0, False  # the request itself (the proxy's, of one token) is computed as any other
         if not isinstance(params, DecodeParams) or request.request_id in self._consumed:
             return 0, False
         if self._config.role is Role.PRODUCER:
@@ -157,17 +164,9 @@ class SchedulerSide:
         if not self._same_prompt(request, params):
             return  # nothing of the transfer is this request's to load or to free
         if num_external_tokens <= 0:
-            if params.transfer_id not in self._claims:
-                # Nothing to load (the prompt was in the local cache): free the staged bytes when they arrive
-                # instead of at expiry. No load is reported for it: vLLM does not wait for one.
-                self._claims[params.transfer_id] = _Claim(None, time.monotonic())
-                # A prefill instance holds the blocks for our pull (GET, or another size): each rank releases
-                # what it would have pulled.
-                prefill_tp = params.prefill_tp if params.prefill_tp not in (0, self._tp_size) else 0
-                prefill_pp = params.prefill_pp if params.prefill_pp not in (0, self._pp_size) else 0
-                pulled = params.pull or bool(prefill_tp or prefill_pp)
-                self._discards.append(Discard(params.transfer_id, params.prefill_kv if pulled else None, prefill_tp,
-                                              prefill_pp))
+            # Nothing to load (the prompt was in the local cache). No load is reported for it: vLLM does not wait
+            # for one.
+            self._discard(params.transfer_id, params.prefill_kv, params.pull, params.prefill_tp, params.prefill_pp)
             return
         self._claims[params.transfer_id] = _Claim(request, time.monotonic())
         num_prompt = len(request.prompt_token_ids or ())
@@ -184,10 +183,25 @@ class SchedulerSide:
                                     params.test_corrupt, params.prefill_kv if pulled else None,
                                     params.prefill_kv, prefill_tp, prefill_pp))
 
+    def _discard(self, transfer_id: str, prefill_kv: Address | None, pull: bool, prefill_tp: int,
+                 prefill_pp: int) -> None:
+        """No request here loads this transfer: its staged bytes are freed when they arrive, instead of at expiry,
+        and blocks a prefill instance holds for our pull (GET, or another size; or a push this side refuses) are
+        released, each rank releasing what it would have pulled. Once per transfer; none for a transfer a request
+        here has claimed (its load frees what it took)."""
+        if transfer_id in self._claims:
+            return
+        self._claims[transfer_id] = _Claim(None, time.monotonic())
+        prefill_tp = prefill_tp if prefill_tp not in (0, self._tp_size) else 0
+        prefill_pp = prefill_pp if prefill_pp not in (0, self._pp_size) else 0
+        pulled = pull or bool(prefill_tp or prefill_pp)
+        self._discards.append(Discard(transfer_id, prefill_kv if pulled else None, prefill_tp, prefill_pp,
+                                      None if pulled else prefill_kv))
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pkvMetadata:
-        meta = P2pkvMetadata(loads=self._loads, discards=self._discards,
+        meta = P2pkvMetadata(loads=self._loads, discards=self._discards, abandoned=self._abandoned,
                              idle=not scheduler_output.total_num_scheduled_tokens)
-        self._loads, self._discards = [], []
+        self._loads, self._discards, self._abandoned = [], [], []
         self._forget_claims(time.monotonic())
         if not self._producers:
             return meta
@@ -255,6 +269,10 @@ class SchedulerSide:
         producer = self._producers.pop(req_id, None)
         if producer is None or not producer.saved:
             return False, None
+        if getattr(request.status, "name", "") in _UNANSWERED:
+            # Its answer, which names the transfer, goes to nobody: no decode instance will pull the blocks. The
+            # workers stop offering them (a push in flight still reads them: they go when it is done).
+            self._abandoned.append(producer.transfer_id)
         # Keep the blocks until the workers report the push finished or the pull served (finished_sending).
         return True, self._answer(producer)
 

@@ -128,6 +128,20 @@ class WorkerSide:
         self._left = set()
         self.loading.start(meta.loads)
         self.loading.discard(meta.discards)
+        if meta.abandoned:
+            self._abandon(meta.abandoned)
+
+    def _abandon(self, transfer_ids: list[str]) -> None:
+        """Transfers whose request was aborted: nobody will pull them, so their blocks are no longer offered (nor
+        offered later, should the push be refused) and go back to vLLM once a push in flight is done."""
+        sending = set(self._sending.values())
+        for tid in transfer_ids:
+            if tid not in sending:
+                continue
+            self._withdrawn.add(tid)
+            if not self.engine.offers.withdraw(tid, time.monotonic()):
+                log.info("transfer %s: a pull reads the blocks of an aborted request; they go when it is done", tid)
+            log.info("transfer %s: its request was aborted; nothing will pull its blocks", tid)
 
     def save_layer(self, layer_name: str) -> None:
         """A layer of this step's forward is computed: its blocks are pushed now, so that the device copy (KV on a
@@ -221,7 +235,7 @@ class WorkerSide:
         if self._engine is None:
             return None, None
         self._engine.housekeeping()
-        sent, loaded = self._finished_sending(finished_req_ids), self.loading.finished()
+        sent, loaded = self._finished_sending(finished_req_ids), self.loading.finished(finished_req_ids)
         if self._meta.idle and not sent and not loaded and (self._sending or self.loading.pending):
             # vLLM steps without pause while transfers are in flight, even with nothing to compute: on such an
             # empty step, wait a moment for a transfer to finish instead of returning at once. Each spinning step

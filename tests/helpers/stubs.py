@@ -107,6 +107,7 @@ class Observed:
     release: threading.Event = field(default_factory=threading.Event)  # lets a held stream finish
     cancelled: threading.Event = field(default_factory=threading.Event)
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    discards: list[dict[str, Any]] = field(default_factory=list)  # the proxy's discard requests, answered at once
 
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
@@ -135,6 +136,9 @@ def stub_slow(obs: Observed, kv_port: int = 23456) -> FastAPI:
         body = await request.json()
         if (body.get("kv_transfer_params") or {}).get("probe"):
             return {"choices": [{"text": ""}], "kv_transfer_params": {"p2pkv": 1, "kv_port": kv_port, "kv_host": ""}}
+        if (body.get("kv_transfer_params") or {}).get("discard_transfer"):
+            obs.discards.append(body)
+            return {"choices": [{"text": "x"}]}
         obs.bodies.append(body)
         obs.started.set()
         if not body.get("stream"):

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
+from p2pkv.params import Address, DecodeParams, DiscardParams, PrefillParams, parse_transfer_params
 from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, TRANSFER_HEADER
 from tests.integration.conftest import (
     BLOCK_SIZE,
@@ -197,6 +197,127 @@ def test_kv_that_never_arrives_is_recomputed_after_the_deadline_without_delaying
     assert ids_and_logprobs(result["answer"])[0] == ids_and_logprobs(reference)[0]
     failed_after = metric(decode["metrics"], 'p2pkv_transfers_total{direction="load",outcome="failed"}')
     assert failed_after - failed_before == 1
+
+
+def _until(check: Any, limit_s: float) -> bool:
+    """Whether `check()` comes true within `limit_s` (polled)."""
+    deadline = time.monotonic() + limit_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_decode_request_whose_client_leaves_while_it_waits_for_kv_frees_its_blocks_at_once(
+        up_cluster: UpCluster) -> None:
+    """A decode request waits for KV that does not come; its client goes away. vLLM holds the request's blocks
+    until its load is reported: it is reported at once (no load error, no failed load), rather than at the
+    transfer's deadline (5 s here)."""
+    import threading
+
+    decode = up_cluster.instance("kv_consumer")
+    failed_before = metric(decode["metrics"], LOAD_FAILED)
+    lost = DecodeParams(uuid.uuid4().hex, 300, None)
+    body = {"model": up_cluster.model, "prompt": prompt("left-waiting", 300), "max_tokens": MAX_TOKENS,
+            "stream": True, "kv_transfer_params": lost.to_dict()}
+    held: list[float] = []
+
+    def leave_early() -> None:
+        try:
+            with httpx.stream("POST", f"http://{decode['http']}/v1/completions", json=body, timeout=1.0) as resp:
+                for _ in resp.iter_raw():
+                    pass
+        except httpx.TimeoutException:
+            return
+
+    started = time.monotonic()
+    client = threading.Thread(target=leave_early)
+    client.start()
+    time.sleep(0.5)
+    held.append(metric(decode["http"], "vllm:kv_cache_usage_perc"))
+    client.join(timeout=30)
+    assert held[0] > 0, "the waiting request holds no blocks: nothing to check"
+    assert _until(lambda: metric(decode["http"], "vllm:kv_cache_usage_perc") == 0, 1.5), (
+        "the blocks of a request whose client left were held")
+    assert time.monotonic() - started < TRANSFER_TIMEOUT_S - 1
+    time.sleep(TRANSFER_TIMEOUT_S)  # past the deadline: the load was not failed after all
+    assert metric(decode["metrics"], LOAD_FAILED) == failed_before
+
+
+@pytest.mark.parametrize(("pull", "discarded"), [(False, True), (True, True), (False, False)])
+def test_a_transfer_whose_request_will_not_come_is_freed_when_the_proxy_says_so(up_cluster: UpCluster, pull: bool,
+                                                                                 discarded: bool) -> None:
+    """The proxy's client went away after its prefill and before the decode instance had the request: the proxy
+    sends the decode instance a discard (a request of one token naming the transfer). Pushed, the staged bytes
+    are freed; held for a pull (GET), the prefill instance's blocks are released; either at once, where they were
+    held for 120 s (staging expiry) or 30 s (lease). The control, with no discard, still holds the staged bytes
+    after 3 s (then it is sent, so that the shared cluster holds nothing)."""
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    text = prompt(f"gone-{pull}-{discarded}", 3 * BLOCK_SIZE)
+    params = PrefillParams(uuid.uuid4().hex, None if pull else Address.parse(decode["kv"]), pull=pull)
+    body = {"model": up_cluster.model, "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
+    returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
+    assert isinstance(returned, DecodeParams)
+
+    def held() -> bool:
+        if pull:
+            return metric(prefill["http"], "vllm:kv_cache_usage_perc") > 0
+        return metric(decode["metrics"], "p2pkv_staging_bytes") > 0
+
+    assert _until(held, 5), "nothing was held for the transfer: nothing to check"
+    discard = {"model": up_cluster.model, "prompt": [0], "max_tokens": 1,
+               "kv_transfer_params": DiscardParams.of(returned).to_dict()}
+    if not discarded:
+        time.sleep(3)
+        assert held()
+    complete(f"http://{decode['http']}", discard)
+    assert _until(lambda: not held(), 3)
+    # The decode instance serves on, and a request naming the discarded transfer computes its prompt itself.
+    late = {"model": up_cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": returned.to_dict()}
+    started = time.monotonic()
+    answer = complete(f"http://{decode['http']}", late)
+    assert time.monotonic() - started < TRANSFER_TIMEOUT_S
+    assert ids_and_logprobs(answer)[0] == ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, text))[0]
+
+
+def test_a_prefill_request_aborted_after_its_prompt_was_saved_stops_holding_its_blocks(up_cluster: UpCluster) -> None:
+    """GET: a prefill request that goes on decoding (as with `kv_both`, or a proxy that does not cap the prefill at
+    one token) is aborted after its prompt was saved and offered: its answer, which names the transfer, reaches
+    nobody, so nobody will pull. Its blocks go back to vLLM at once, not when the lease (30 s) runs out."""
+    prefill = up_cluster.instance("kv_producer")
+    params = PrefillParams(uuid.uuid4().hex, None, pull=True)
+    body = {"model": up_cluster.model, "prompt": prompt("aborted-prefill", 300), "max_tokens": 2000,
+            "ignore_eos": True, "stream": True, "kv_transfer_params": params.to_dict()}
+    with httpx.stream("POST", f"http://{prefill['http']}/v1/completions", json=body, timeout=30) as resp:
+        events = (line for line in resp.iter_lines() if line.startswith("data: "))
+        for _ in range(3):  # tokens are coming: the prompt was saved, and its blocks are offered
+            next(events)
+    left = time.monotonic()
+    assert _until(lambda: metric(prefill["http"], "vllm:kv_cache_usage_perc") == 0, 3), (
+        "an aborted prefill request's blocks are still held for a pull nobody will make")
+    assert time.monotonic() - left < 5
+
+
+def test_clients_that_leave_through_the_proxy_leave_nothing_held(up_cluster: UpCluster) -> None:
+    """Clients go away through the proxy at points through the prefill (of a long prompt, in chunks) and the
+    decode: each transfer is discarded on the decode instance, and afterwards neither instance holds anything."""
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    proxy = up_cluster.proxy.removeprefix("http://")
+    sent_before = metric(proxy, 'p2pkv_proxy_discards_total{outcome="sent"}')
+    cut = 0
+    for i, wait_s in enumerate((0.05, 0.1, 0.2, 0.3, 0.45, 0.6)):
+        body = {"model": up_cluster.model, "prompt": prompt(f"leave{i}", 2000), "max_tokens": 64, "ignore_eos": True}
+        try:
+            httpx.post(f"{up_cluster.proxy}/v1/completions", json=body, timeout=wait_s)
+        except httpx.TimeoutException:
+            cut += 1
+    assert cut >= 3
+    assert _until(lambda: metric(proxy, 'p2pkv_proxy_discards_total{outcome="sent"}') - sent_before == cut, 10)
+    assert _until(lambda: metric(decode["metrics"], "p2pkv_staging_bytes") == 0, 5)
+    for instance in (prefill, decode):
+        assert _until(lambda i=instance: metric(i["http"], "vllm:kv_cache_usage_perc") == 0, 5)
 
 
 def test_get_mode_decode_pulls_from_prefill(up_cluster: UpCluster) -> None:

@@ -4,6 +4,7 @@ from p2pkv.errors import ConfigError
 from p2pkv.params import (
     Address,
     DecodeParams,
+    DiscardParams,
     PrefillParams,
     ProbeAnswer,
     ProbeParams,
@@ -26,6 +27,17 @@ def test_prefill_and_decode_params_round_trip() -> None:
     assert parse_transfer_params(sized_back.to_dict()) == sized_back
     digested = DecodeParams("abc123", 3, None, prompt=prompt_digest([5, 6, 7]))
     assert parse_transfer_params(digested.to_dict()) == digested
+
+
+def test_discard_params_round_trip_and_follow_the_prefill_answer() -> None:
+    bare = DiscardParams("abc123")
+    assert bare.to_dict() == {"p2pkv": 1, "transfer_id": "abc123", "discard_transfer": True}
+    assert parse_transfer_params(bare.to_dict()) == bare
+    answer = DecodeParams("abc123", 300, Address("10.0.0.2", 21001), pull=True, prefill_tp=2, prefill_pp=1,
+                          prompt=prompt_digest([1]))
+    discard = DiscardParams.of(answer)
+    assert discard == DiscardParams("abc123", Address("10.0.0.2", 21001), True, 2, 1)
+    assert parse_transfer_params(discard.to_dict()) == discard
 
 
 def test_prompt_digest_tells_prompts_apart() -> None:
@@ -55,6 +67,9 @@ def test_foreign_params_are_not_ours() -> None:
         {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prefill_pp_size": "2"},
         {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prompt_digest": 7},
         {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prompt_digest": "XYZ"},
+        {"p2pkv": 1, "transfer_id": "x", "discard_transfer": True, "send_type": "GET"},  # GET: from where?
+        {"p2pkv": 1, "transfer_id": "x", "discard_transfer": True, "prefill_tp_size": 0.5},
+        {"p2pkv": 1, "transfer_id": "x", "discard_transfer": "yes"},
     ],
 )
 def test_malformed_p2pkv_params_raise(raw: dict[str, object]) -> None:

@@ -352,6 +352,8 @@ def test_a_client_leaving_a_stream_cancels_the_decode_request(backends: Any) -> 
             next(line for line in resp.iter_lines() if line.startswith("data: "))
         assert wait_set(obs.cancelled), "the decode backend still streams to a client that left"
         wait_idle(proxy)
+        time.sleep(0.3)
+        assert obs.discards == []  # the decode instance had the request (it answered): nothing to discard
 
 
 def test_a_client_leaving_a_plain_request_cancels_the_decode_request(backends: Any) -> None:
@@ -359,10 +361,39 @@ def test_a_client_leaving_a_plain_request_cancels_the_decode_request(backends: A
     obs = Observed()
     with serve(stub_slow(obs)) as slow, serve(proxy_for(p, slow)) as proxy:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "hi"}, timeout=1.0)
+            httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "hi", "model": "tiny"}, timeout=1.0)
         assert wait_set(obs.cancelled), "the decode backend still works for a client that left"
         wait_idle(proxy)
         assert 'p2pkv_proxy_requests_total{outcome="client_gone"} 1.0' in httpx.get(f"http://{proxy}/metrics").text
+        # The decode request may not have got there: the decode instance is told to free the transfer, with what
+        # the prefill instance answered for it.
+        (discard,) = wait_for(lambda: obs.discards)
+        (decoded,) = obs.bodies
+        assert discard["kv_transfer_params"] == {"p2pkv": 1, "transfer_id": decoded["kv_transfer_params"][
+            "transfer_id"], "discard_transfer": True}
+        assert (discard["prompt"], discard["max_tokens"], discard["model"]) == ([0], 1, "tiny")
+        assert 'p2pkv_proxy_discards_total{outcome="sent"} 1.0' in httpx.get(f"http://{proxy}/metrics").text
+
+
+def wait_for(found: Any, timeout_s: float = 5.0) -> Any:
+    """What `found()` returns once it is not empty (the proxy's discard requests go in the background)."""
+    deadline = time.monotonic() + timeout_s
+    while not found():
+        assert time.monotonic() < deadline, "nothing came"
+        time.sleep(0.02)
+    time.sleep(0.1)  # and nothing more comes
+    return found()
+
+
+def test_a_client_that_stays_leaves_nothing_to_discard(backends: Any) -> None:
+    p, d, _, d_seen = backends
+    with serve(proxy_for(p, d)) as proxy:
+        assert httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "hi"}, timeout=10).status_code == 200
+        with httpx.stream("POST", f"http://{proxy}/v1/completions", json={"prompt": "hi", "stream": True},
+                          timeout=10) as resp:
+            assert list(resp.iter_lines())[-2] == "data: [DONE]"
+        time.sleep(0.3)
+    assert len(d_seen) == 2 and not any(b["kv_transfer_params"].get("discard_transfer") for b in d_seen)
 
 
 def test_a_client_leaving_during_prefill_cancels_the_prefill_request(backends: Any) -> None:
@@ -373,7 +404,12 @@ def test_a_client_leaving_during_prefill_cancels_the_prefill_request(backends: A
             httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "hi"}, timeout=1.0)
         assert wait_set(obs.cancelled), "the prefill backend still works for a client that left"
         wait_idle(proxy)
-    assert d_seen == []
+        # No decode request; only, in case the prefill pushed before it was cancelled, the transfer's discard.
+        (discard,) = wait_for(lambda: d_seen)
+    (prefilled,) = obs.bodies
+    assert discard["kv_transfer_params"] == {"p2pkv": 1, "transfer_id": prefilled["kv_transfer_params"][
+        "transfer_id"], "discard_transfer": True}
+    assert "model" not in discard  # the client named none; vLLM takes the one it serves
 
 
 def wait_idle(proxy: str, timeout_s: float = 5.0) -> None:

@@ -11,7 +11,14 @@ import pytest
 pytest.importorskip("vllm", reason="the scheduler side imports vLLM's connector base class")
 
 from p2pkv.config import parse_connector_config
-from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params, prompt_digest
+from p2pkv.params import (
+    Address,
+    DecodeParams,
+    DiscardParams,
+    PrefillParams,
+    parse_transfer_params,
+    prompt_digest,
+)
 from p2pkv.vllm.metadata import Discard
 from p2pkv.vllm.scheduler import SchedulerSide
 
@@ -121,7 +128,8 @@ def test_full_local_hit_discards_the_staged_transfer_without_a_load() -> None:
     (True, 0, Discard("t1", Address("127.0.0.1", 24001))),
     (True, 2, Discard("t1", Address("127.0.0.1", 24001), prefill_tp=2)),
     (False, 2, Discard("t1", Address("127.0.0.1", 24001), prefill_tp=2)),  # another size: pulled whatever the mode
-    (False, 1, Discard("t1")),  # pushed: only the staging to free
+    # pushed: the staging to free, or, should this side refuse the push, the blocks then held for a pull
+    (False, 1, Discard("t1", fallback_from=Address("127.0.0.1", 24001))),
 ])
 def test_full_local_hit_releases_the_blocks_held_for_a_pull(pull: bool, prefill_tp: int, discard: Discard) -> None:
     s = side("kv_consumer")
@@ -334,3 +342,78 @@ def test_steps_that_compute_nothing_are_marked_idle() -> None:
     s = side("kv_consumer")
     assert s.build_connector_meta(step()).idle
     assert not s.build_connector_meta(step(scheduled={"r": 3})).idle
+
+
+@pytest.mark.parametrize(("discard", "expected"), [
+    (DiscardParams("t1"), Discard("t1")),  # the client went away during the prefill: only the id is known
+    (DiscardParams("t1", Address("127.0.0.1", 24001)), Discard("t1", fallback_from=Address("127.0.0.1", 24001))),
+    (DiscardParams("t1", Address("127.0.0.1", 24001), pull=True), Discard("t1", Address("127.0.0.1", 24001))),
+    (DiscardParams("t1", Address("127.0.0.1", 24001), prefill_tp=2),
+     Discard("t1", Address("127.0.0.1", 24001), prefill_tp=2)),
+])
+def test_a_discard_request_frees_a_transfer_whose_request_will_not_come(discard: DiscardParams,
+                                                                        expected: Discard) -> None:
+    """The proxy's request of one token for a transfer whose client went away: the transfer is discarded (once),
+    the request itself computed as any other; a request naming that transfer that comes after all the same computes
+    its prompt here rather than waiting for KV that was freed."""
+    s = side("kv_consumer")
+    proxy = Req("discard", [0], discard.to_dict())
+    assert s.get_num_new_matched_tokens(proxy, 0) == (0, False)
+    assert s.get_num_new_matched_tokens(proxy, 0) == (0, False)
+    s.update_state_after_alloc(proxy, Blocks([1]), 0)
+    meta = s.build_connector_meta(step())
+    assert meta.loads == [] and meta.discards == [expected]
+    assert s.request_finished(proxy, [1]) == (False, None)
+    late = decode_req(300)
+    assert s.get_num_new_matched_tokens(late, 0) == (0, False)
+    s.update_state_after_alloc(late, Blocks([5, 6, 7]), 0)
+    meta = s.build_connector_meta(step())
+    assert meta.loads == [] and meta.discards == []
+
+
+def test_a_discard_after_the_transfer_was_claimed_changes_nothing() -> None:
+    """The decode request got there first (its client went away as it was sent): its load frees the push; the
+    discard that follows is ignored."""
+    s = side("kv_consumer")
+    req = decode_req(300)
+    assert s.get_num_new_matched_tokens(req, 0) == (299, True)
+    s.update_state_after_alloc(req, Blocks([5, 6, 7]), 299)
+    assert len(s.build_connector_meta(step()).loads) == 1
+    assert s.get_num_new_matched_tokens(Req("discard", [0], DiscardParams("t1").to_dict()), 0) == (0, False)
+    assert s.build_connector_meta(step()).discards == []
+
+
+def test_a_producer_ignores_discards() -> None:
+    s = side("kv_producer")
+    assert s.get_num_new_matched_tokens(Req("discard", [0], DiscardParams("t1").to_dict()), 0) == (0, False)
+    assert s.build_connector_meta(step()).discards == []
+
+
+@pytest.mark.parametrize(("status", "abandoned"), [
+    ("FINISHED_ABORTED", True), ("FINISHED_ERROR", True), ("FINISHED_LENGTH_CAPPED", False),
+    ("FINISHED_STOPPED", False),
+])
+def test_a_saved_prefill_request_that_was_aborted_is_abandoned(status: str, abandoned: bool) -> None:
+    """A prefill request aborted after its prompt was saved (the client went away): its answer, which names the
+    transfer, reaches nobody, so the workers stop holding its blocks for a pull. One that finished as usual keeps
+    them for the decode side."""
+    s = side("kv_producer")
+    req = Req("p", list(range(300)), PrefillParams("t1", None).to_dict())
+    s.update_state_after_alloc(req, Blocks([1, 2, 3]), 0)
+    meta = s.build_connector_meta(step([SimpleNamespace(req_id="p", block_ids=([1, 2, 3],), num_computed_tokens=0)],
+                                       scheduled={"p": 300}))
+    assert len(meta.saves) == 1 and meta.abandoned == []
+    req.set_status(status)
+    delay, params = s.request_finished(req, [1, 2, 3])
+    assert delay and params is not None  # the blocks go once the workers say so, either way
+    assert s.build_connector_meta(step()).abandoned == (["t1"] if abandoned else [])
+    assert s.build_connector_meta(step()).abandoned == []
+
+
+def test_an_unsaved_prefill_request_that_was_aborted_is_not_abandoned() -> None:
+    s = side("kv_producer")
+    req = Req("p", list(range(300)), PrefillParams("t1", None).to_dict())
+    s.update_state_after_alloc(req, Blocks([1, 2, 3]), 0)
+    req.set_status("FINISHED_ABORTED")
+    assert s.request_finished(req, [1, 2, 3]) == (False, None)  # nothing was offered: the blocks go at once
+    assert s.build_connector_meta(step()).abandoned == []

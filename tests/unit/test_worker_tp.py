@@ -482,3 +482,102 @@ def test_decode_ranks_of_tp_2_release_what_a_tp_1_prefill_worker_holds_for_them(
         time.sleep(0.01)
     assert (sent == {"p-req"}) is (releasing == 2)
     assert all(d.take_load_errors() == set() for d in decode)
+
+
+def push(prefill: WorkerSide, p_kv: dict[str, torch.Tensor], tid: str, d_port: int, src: tuple[int, ...]) -> None:
+    """The prefill worker saves blocks `src` and pushes them to the decode worker at `d_port`; waits until sent."""
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", tid, Address("127.0.0.1", d_port), src)]))
+    for name in p_kv:
+        prefill.save_layer(name)
+    prefill.wait_for_save()
+    settle(prefill, "p-req", sending=True)
+
+
+@pytest.mark.parametrize("ended", [True, False])
+def test_a_load_whose_request_ended_is_reported_at_once_and_its_push_freed_on_arrival(sides: list[WorkerSide],
+                                                                                      ended: bool) -> None:
+    """vLLM ended a decode request while it waited for its push (its client went away): vLLM holds its blocks
+    until the load is reported, so it is reported at once, with no load error, not at the transfer's deadline; the
+    push, when it arrives, is freed and lands nowhere. The control, not ended, waits for the push and lands it."""
+    prefill, decode, p_kv, d_kv, _, d_port = one_to_one(sides, 100)
+    before = {name: t.clone() for name, t in d_kv.items()}
+    src, dst = (1, 3), (4, 0)
+    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid13", 0, dst)]))
+    assert decode.get_finished(set()) == (None, None)  # waiting for the push
+    if ended:
+        assert decode.get_finished({"d-req"}) == (None, {"d-req"})
+        assert decode.get_finished(set()) == (None, None)  # reported once
+    push(prefill, p_kv, "tid13", d_port, src)
+    if not ended:
+        settle(decode, "d-req", sending=False)
+        assert all(torch.equal(d_kv[n][list(dst)], p_kv[n][list(src)]) for n in d_kv)
+    else:
+        deadline = time.monotonic() + 10
+        while decode.engine.store.bytes_in_use and time.monotonic() < deadline:
+            assert decode.get_finished(set()) == (None, None)
+            time.sleep(0.01)
+        assert decode.engine.store.bytes_in_use == 0 and decode.engine.staged_state("tid13") is None
+        assert all(torch.equal(d_kv[name], before[name]) for name in d_kv)
+    assert decode.take_load_errors() == set()
+
+
+def test_a_pull_whose_request_ended_is_left_to_finish(sides: list[WorkerSide]) -> None:
+    """A pull writes into the blocks as it goes: a request ended while its pull is in flight is reported only once
+    the pull has settled (vLLM may reuse the blocks then)."""
+    prefill, decode, p_kv, d_kv, p_port, _ = one_to_one(sides, 110)
+    src, dst = (1, 3), (4, 0)
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid14", None, src)]))
+    prefill.wait_for_save()
+    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid14", 0, dst, pull_from=Address("127.0.0.1", p_port))]))
+    decode.engine.wait_pull("tid14", 10)
+    assert decode.get_finished({"d-req"}) == (None, {"d-req"})  # reported as the pull it was: settled, landed
+    assert decode.take_load_errors() == set()
+    assert all(torch.equal(d_kv[n][list(dst)], p_kv[n][list(src)]) for n in d_kv)
+
+
+@pytest.mark.parametrize("aborted", [True, False])
+def test_blocks_of_an_aborted_prefill_request_are_no_longer_held_for_a_pull(sides: list[WorkerSide],
+                                                                           aborted: bool) -> None:
+    """GET: the prefill request was aborted after its blocks were offered (its client went away, so nobody has
+    its parameters): the offer is withdrawn and the blocks go back to vLLM at once, not when the lease runs out.
+    The control, finished as usual, holds them for the pull."""
+    prefill, decode, _, _, p_port, _ = one_to_one(sides, 120)
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid15", None, (1, 3))]))
+    prefill.wait_for_save()
+    assert prefill.get_finished({"p-req"}) == (None, None)
+    prefill.bind(P2pkvMetadata(abandoned=["tid15"] if aborted else []))
+    deadline, sent = time.monotonic() + 2, None
+    while sent is None and time.monotonic() < deadline:
+        sent = prefill.get_finished(set())[0]
+        time.sleep(0.01)
+    assert (sent == {"p-req"}) is aborted
+    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid15", 0, (4, 0),
+                                              pull_from=Address("127.0.0.1", p_port))]))
+    settle(decode, "d-req", sending=False)
+    assert (decode.take_load_errors() == {4, 0}) is aborted  # withdrawn: the pull finds nothing
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+def test_a_discarded_push_that_was_refused_releases_the_blocks_held_for_it(sides: list[WorkerSide],
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          fallback: bool) -> None:
+    """The decode side refused a push (here it asks for a pull instead), so the prefill worker holds the blocks
+    for a pull; the transfer is then discarded (nothing here loads it). Knowing where the prefill instance is, the
+    decode worker releases them at once; the control, not knowing, leaves them held until the lease runs out."""
+    monkeypatch.setenv(STAGE_ENV, "1")
+    prefill, decode, _, _, p_port, d_port = one_to_one(sides, 130)
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid16", Address("127.0.0.1", d_port), (1, 3))]))
+    prefill.wait_for_save()
+    assert decode.engine.wait_staged("tid16", 10) is StageState.FAILED
+    out = prefill.engine.wait_outgoing("tid16", 10)
+    assert out is not None and out.state is OutState.REFUSED
+    assert prefill.get_finished({"p-req"}) == (None, None)  # held for a pull now
+    decode.bind(P2pkvMetadata(discards=[Discard("tid16", fallback_from=Address("127.0.0.1", p_port) if fallback
+                                                else None)]))
+    deadline, sent = time.monotonic() + 3, None
+    while sent is None and time.monotonic() < deadline:
+        assert decode.get_finished(set()) == (None, None)
+        sent = prefill.get_finished(set())[0]
+        time.sleep(0.01)
+    assert (sent == {"p-req"}) is fallback
+    assert decode.take_load_errors() == set()

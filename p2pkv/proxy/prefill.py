@@ -1,0 +1,87 @@
+"""The prefill request: the client's request cut to one token, sent to a prefill instance, retried on another
+a bounded number of times; its answer's `kv_transfer_params` say where the KV is."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import httpx
+from fastapi.responses import Response
+
+from p2pkv.params import PrefillParams
+from p2pkv.proxy.instances import Instance, ProxyConfig
+from p2pkv.proxy.metrics import ProxyMetrics
+from p2pkv.proxy.registry import Pool
+from p2pkv.proxy.trace import RequestTrace
+
+log = logging.getLogger(__name__)
+_DROP_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+def prefill_body(body: dict[str, Any], params: PrefillParams) -> dict[str, Any]:
+    """The prefill request: one token, not streamed, one sample, carrying the transfer's params."""
+    pre = dict(body)
+    pre.update(max_tokens=1, stream=False, kv_transfer_params=params.to_dict())
+    if "max_completion_tokens" in pre:
+        pre["max_completion_tokens"] = 1
+    if "n" in pre:
+        pre["n"] = 1  # one pass computes the prompt's KV; the decode instance samples `n` times from it
+    for key in _DROP_FOR_PREFILL:
+        pre.pop(key, None)
+    return pre
+
+
+def whole_prompt_on_decode(body: dict[str, Any], path: str) -> bool:
+    """Whether vLLM must compute this prompt itself on the decode instance: it does for prompt logprobs (asked for
+    directly, or by `echo` with logprobs, as vLLM derives them), reading no cached or transferred KV for them."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    if not body.get("echo"):
+        return False
+    return body.get("top_logprobs", 0) is not None if path.endswith("chat/completions") else (
+        body.get("logprobs") is not None)
+
+
+class Prefiller:
+    def __init__(self, config: ProxyConfig, client: httpx.AsyncClient, metrics: ProxyMetrics, pool: Pool) -> None:
+        self.config = config
+        self.client = client
+        self.metrics = metrics
+        self.pool = pool
+
+    async def prefill(self, body: dict[str, Any], path: str, headers: dict[str, str], trace: RequestTrace,
+                      tried: set[Instance]) -> dict[str, Any] | Response | None:
+        """The prefill's kv_transfer_params; a Response to pass on for a request the instance rejected (4xx);
+        None when every attempt failed, or every instance was `tried` (to which this adds the ones it tries)."""
+        for attempt in range(self.config.prefill_retries + 1):
+            state = self.pool.pick(frozenset(tried))
+            if state is None:
+                return None
+            tried.add(state.instance)
+            trace.prefill_tries += 1
+            if attempt:
+                self.metrics.retries.inc()
+            started = time.monotonic()
+            with self.pool.busy(state):
+                try:
+                    answer = await self.client.post(f"{state.instance.url}{path}", json=body, headers=headers,
+                                                    timeout=self.config.prefill_timeout_s)
+                except httpx.HTTPError as exc:
+                    state.failures += 1
+                    log.warning("prefill instance %s failed: %r", state.instance.http, exc)
+                    if isinstance(exc, httpx.ConnectError):
+                        state.refused()
+                    continue
+            self.metrics.prefill_seconds.observe(time.monotonic() - started)
+            if 400 <= answer.status_code < 500:
+                return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+            params = answer.json().get("kv_transfer_params") if answer.status_code == 200 else None
+            if isinstance(params, dict):
+                trace.prefilled(str(state.instance.http), started)
+                return params
+            state.failures += 1
+            log.warning("prefill instance %s answered %d without kv_transfer_params", state.instance.http,
+                        answer.status_code)
+        return None
