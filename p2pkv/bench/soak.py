@@ -31,6 +31,8 @@ class SoakResult:
     pool_bytes: float = 0.0
     received: dict[str, float] = field(default_factory=dict)  # decode's bytes received, by transport
     digests: dict[str, float] = field(default_factory=dict)  # with integrity_check: decode's digests by outcome
+    left: int = 0  # requests whose client went away on purpose before the answer (the mixed soak's "leave")
+    kv_usage: dict[str, float] = field(default_factory=dict)  # vLLM's KV cache usage of each instance at the end
 
     def growth(self, name: str) -> float:
         return self.rss_end_mb[name] / self.rss_mark_mb[name] - 1.0
@@ -39,6 +41,7 @@ class SoakResult:
     def ok(self) -> bool:
         mismatches = sum(v for k, v in self.digests.items() if 'outcome="mismatch"' in k)
         return (self.failures == 0 and self.staging_bytes == 0 and self.pool_bytes == 0 and mismatches == 0
+                and not any(self.kv_usage.values())
                 and all(self.growth(n) < RSS_GROWTH_LIMIT for n in self.rss_mark_mb if n in self.rss_end_mb))
 
 
@@ -60,13 +63,16 @@ def tree_rss_mb(proc: Process) -> dict[str, float]:
 
 def _metric(text: str, name: str) -> float:
     for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 
+_USAGE = "vllm:kv_cache_usage_perc"
+
+
 # Request shapes of a mixed soak, in turn: each takes its own path through the proxy and the connector.
-SHAPES = ("plain", "samples", "batch", "one_token", "whole", "prompt_logprobs", "stream")
+SHAPES = ("plain", "samples", "batch", "one_token", "whole", "prompt_logprobs", "stream", "leave")
 _LETTERS = "abcdefghijklmnopqrstuvwxyz "
 # Two blocks of vLLM's CPU default (128 tokens) and one token, with the tiny model's one-byte tokens, sent again and
 # again: the decode instance soon holds it whole in its prefix cache and loads nothing.
@@ -90,7 +96,17 @@ def request_body(i: int, rng: random.Random, model: str, mixed: bool) -> dict[st
         body["prompt_logprobs"] = 1
     elif shape == "stream":
         body["stream"] = True
+    elif shape == "leave":  # a long prompt and answer, which the client does not wait for (`leave_after`)
+        body.update(prompt=text + text[::-1], max_tokens=64, ignore_eos=True)
     return body
+
+
+def leave_after(i: int, mixed: bool) -> float | None:
+    """How long the client of request `i` waits before it goes away (None: until the answer). The mixed soak's
+    "leave" requests go away at points through the prefill and the decode, 0.05 to 0.5 s after they were sent."""
+    if not mixed or SHAPES[i % len(SHAPES)] != "leave":
+        return None
+    return 0.05 + 0.075 * ((i // len(SHAPES)) % 7)
 
 
 def answered(body: dict[str, Any], resp: httpx.Response) -> bool:
@@ -114,11 +130,18 @@ async def _drive(proxy: str, model: str, requests: int, concurrency: int, mark: 
         async def one(i: int) -> None:
             nonlocal done
             body = request_body(i, rng, model, mixed)
+            leave = leave_after(i, mixed)
             async with sem:
                 try:
-                    resp = await client.post(f"{proxy}/v1/completions", json=body)
+                    resp = await client.post(f"{proxy}/v1/completions", json=body,
+                                             timeout=leave if leave is not None else client.timeout)
                     if not answered(body, resp):
                         result.failures += 1
+                except httpx.TimeoutException:
+                    if leave is None:
+                        result.failures += 1
+                    else:
+                        result.left += 1
                 except (httpx.HTTPError, ValueError):  # ValueError: a body that is not JSON
                     result.failures += 1
             done += 1
@@ -166,7 +189,17 @@ def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_ty
         result.seconds = time.monotonic() - started
         time.sleep(1.0)  # let the last transfers' bookkeeping settle
         result.rss_end_mb = {**tree_rss_mb(prefill), **tree_rss_mb(decode)}
-        text = httpx.get(f"http://127.0.0.1:{d_metrics}/metrics", timeout=10).text
+        # What is held for requests that went away is freed at once (within a step or two, and the proxy's discard
+        # goes in the background), not at expiry (120 s) or the end of a lease (30 s): a few seconds at most.
+        deadline = time.monotonic() + (5.0 if result.left else 0.0)
+        while True:
+            text = httpx.get(f"http://127.0.0.1:{d_metrics}/metrics", timeout=10).text
+            result.kv_usage = {name: _metric(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text,
+                                             _USAGE) for name, port in (("prefill", p_http), ("decode", d_http))}
+            if ((not _metric(text, "p2pkv_staging_bytes") and not any(result.kv_usage.values()))
+                    or time.monotonic() > deadline):
+                break
+            time.sleep(0.2)
         result.staging_bytes = _metric(text, "p2pkv_staging_bytes")
         result.pool_bytes = _metric(text, "p2pkv_pool_bytes")
         result.received = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
@@ -191,7 +224,11 @@ def main(model: str | None, requests: int, concurrency: int, send_type: str = "P
     print(f"{'requests':<46}{r.requests:>14}")
     print(f"{'failed requests':<46}{r.failures:>14}")
     print(f"{'requests per second':<46}{r.requests / r.seconds:>14.1f}")
+    if r.left:
+        print(f"{'requests whose client went away (on purpose)':<46}{r.left:>14}")
     print(f"{'decode staging bytes at the end':<46}{r.staging_bytes:>14.0f}")
+    for name, usage in sorted(r.kv_usage.items()):
+        print(f"{name + ' KV cache usage at the end':<46}{usage:>14.4f}")
     print(f"{'decode pool bytes at the end':<46}{r.pool_bytes:>14.0f}")
     for series, value in sorted(r.received.items()) + sorted(r.digests.items()):
         print(f"{'decode ' + series.removeprefix('p2pkv_'):<46}{value:>14.0f}")

@@ -99,12 +99,16 @@ class _ShapesStub(_Handler):
 
     def answer(self, body: dict[str, object]) -> bytes:
         _ShapesStub.bodies.append(body)
-        prompts = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
-        if body.get("stream"):
-            return b'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n'
-        samples = body.get("n", 1)
-        choices = prompts * (samples if isinstance(samples, int) else 1)
-        return json.dumps({"choices": [{"text": "x"}] * choices}).encode()
+        return _in_full(body)
+
+
+def _in_full(body: dict[str, object]) -> bytes:
+    prompts = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
+    if body.get("stream"):
+        return b'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n'
+    samples = body.get("n", 1)
+    choices = prompts * (samples if isinstance(samples, int) else 1)
+    return json.dumps({"choices": [{"text": "x"}] * choices}).encode()
 
 
 def test_a_mixed_soak_sends_every_shape_and_checks_each_answer_whole() -> None:
@@ -114,9 +118,10 @@ def test_a_mixed_soak_sends_every_shape_and_checks_each_answer_whole() -> None:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        result = SoakResult(14, 0, 0.0)
+        n = 2 * len(SHAPES)
+        result = SoakResult(n, 0, 0.0)
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        asyncio.run(asyncio.wait_for(_drive(url, "m", 14, 3, 7, asyncio.Event(), result, mixed=True), 30))
+        asyncio.run(asyncio.wait_for(_drive(url, "m", n, 3, 7, asyncio.Event(), result, mixed=True), 30))
     finally:
         server.shutdown()
         thread.join(5)
@@ -128,6 +133,43 @@ def test_a_mixed_soak_sends_every_shape_and_checks_each_answer_whole() -> None:
     assert sum("prompt_logprobs" in b for b in bodies) == 2
     whole = [b["prompt"] for b in bodies if isinstance(b["prompt"], str) and b["prompt"].startswith("whole")]
     assert len(whole) == 2 and len(whole[0]) == 257
+    assert sum(b.get("max_tokens") == 64 and b.get("ignore_eos") is True for b in bodies) == 2  # "leave"
+    assert result.left == 0  # answered at once here: nobody had to leave
+
+
+class _SlowStub(_Handler):
+    """Answers every request in full after 1 s."""
+
+    def answer(self, body: dict[str, object]) -> bytes:
+        import time
+
+        time.sleep(1.0)
+        return _in_full(body)
+
+
+def test_clients_that_leave_on_purpose_are_counted_apart_from_failures() -> None:
+    from p2pkv.bench.soak import SHAPES, leave_after
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowStub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        n = 2 * len(SHAPES)
+        result = SoakResult(n, 0, 0.0)
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        asyncio.run(asyncio.wait_for(_drive(url, "m", n, n, n, asyncio.Event(), result, mixed=True), 30))
+    finally:
+        server.shutdown()
+        thread.join(5)
+    assert result.left == 2 and result.failures == 0
+    waits = [w for i in range(7 * len(SHAPES)) if (w := leave_after(i, True)) is not None]
+    assert len(set(waits)) == 7 and 0.05 <= min(waits) and max(waits) <= 0.5
+    assert leave_after(SHAPES.index("leave"), False) is None
+
+
+def test_kv_held_at_the_end_fails_the_soak() -> None:
+    assert SoakResult(10, 0, 1.0, kv_usage={"prefill": 0.0, "decode": 0.0}).ok
+    assert not SoakResult(10, 0, 1.0, kv_usage={"prefill": 0.0, "decode": 0.002}).ok
 
 
 def test_an_answer_short_of_a_choice_or_a_stream_cut_short_is_a_failure() -> None:
