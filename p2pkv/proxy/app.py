@@ -73,8 +73,8 @@ class Router:
         self._kv: dict[Instance, KvTarget] = {}  # learned KV address and parallel sizes
         self._decoder = Decoder(client, metrics)
         self._sizes: dict[Address, tuple[int, int]] = {}  # (tensor, pipeline) sizes heartbeats gave, by HTTP address
-        self._prefiller = Prefiller(config, client, metrics, self.prefill)
         self._discarder = Discarder(client, metrics, config.connect_timeout_s + 10.0)
+        self._prefiller = Prefiller(config, client, metrics, self.prefill, self._discarder)
         for pool in (self.prefill, self.decode):
             metrics.instances.labels(pool.role).set_function(pool.count)
 

@@ -1,6 +1,7 @@
-"""Telling a decode instance that a transfer's request will not come (its client went away after the prefill
-began and before the decode answer): it frees the push when it arrives, and has a prefill instance release blocks
-held for its pull, rather than holding them until they expire. The message is a request of one token whose
+"""Telling an instance that a transfer's request will not come: its client went away after the prefill began
+and before the decode answer. The decode instance frees the push when it arrives, and has a prefill instance
+release blocks held for its pull; a prefill instance stops holding blocks for a pull nobody will make (its answer
+went to nobody). Otherwise they would be held until they expire. The message is a request of one token whose
 `kv_transfer_params` are `DiscardParams`, sent in the background (the client's request is over). Harmless if the
 decode request did get there: the transfer is that request's, and the decode instance ignores the discard."""
 
@@ -52,12 +53,12 @@ class Discarder:
             answer = await self.client.post(f"{instance.url}/v1/completions", json=request, headers=headers,
                                             timeout=self.timeout_s)
         except httpx.HTTPError as exc:
-            log.warning("transfer %s: decode instance %s was not told to free it: %r", tid, instance.http, exc)
+            log.warning("transfer %s: instance %s was not told to free it: %r", tid, instance.http, exc)
             self.metrics.discards.labels("failed").inc()
             return
         if answer.status_code != 200:
-            log.warning("transfer %s: decode instance %s answered %d to the discard", tid, instance.http,
+            log.warning("transfer %s: instance %s answered %d to the discard", tid, instance.http,
                         answer.status_code)
         else:
-            log.info("transfer %s: its client went away; decode instance %s frees it", tid, instance.http)
+            log.info("transfer %s: its client went away; instance %s frees it", tid, instance.http)
         self.metrics.discards.labels("sent" if answer.status_code == 200 else "refused").inc()

@@ -35,8 +35,8 @@ class ProxyMetrics:
                                    "Requests sent to a decode instance alone because it computes their prompt anyway "
                                    "(prompt logprobs)", registry=r)
         self.discards = Counter("p2pkv_proxy_discards",
-                                "Transfers a decode instance was told to free because their client went away before "
-                                "the decode request was answered, by outcome (sent, refused, failed)", ["outcome"],
+                                "Discards sent to instances (a transfer to free: its client went away before the "
+                                "decode answer), by outcome (sent, refused, failed)", ["outcome"],
                                 registry=r)
         self.heartbeats = Counter("p2pkv_proxy_heartbeats", "Discovery messages by outcome (accepted, refused)",
                                   ["outcome"], registry=r)

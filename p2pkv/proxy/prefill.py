@@ -3,6 +3,7 @@ a bounded number of times; its answer's `kv_transfer_params` say where the KV is
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -10,7 +11,8 @@ from typing import Any
 import httpx
 from fastapi.responses import Response
 
-from p2pkv.params import PrefillParams
+from p2pkv.params import DiscardParams, PrefillParams
+from p2pkv.proxy.discard import Discarder
 from p2pkv.proxy.instances import Instance, ProxyConfig
 from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.registry import Pool
@@ -45,11 +47,13 @@ def whole_prompt_on_decode(body: dict[str, Any], path: str) -> bool:
 
 
 class Prefiller:
-    def __init__(self, config: ProxyConfig, client: httpx.AsyncClient, metrics: ProxyMetrics, pool: Pool) -> None:
+    def __init__(self, config: ProxyConfig, client: httpx.AsyncClient, metrics: ProxyMetrics, pool: Pool,
+                 discarder: Discarder) -> None:
         self.config = config
         self.client = client
         self.metrics = metrics
         self.pool = pool
+        self.discarder = discarder
 
     async def prefill(self, body: dict[str, Any], path: str, headers: dict[str, str], trace: RequestTrace,
                       tried: set[Instance]) -> dict[str, Any] | Response | None:
@@ -68,6 +72,12 @@ class Prefiller:
                 try:
                     answer = await self.client.post(f"{state.instance.url}{path}", json=body, headers=headers,
                                                     timeout=self.config.prefill_timeout_s)
+                except asyncio.CancelledError:
+                    # The client went away. vLLM aborts the prefill if it is still running; if it had finished, its
+                    # answer goes to nobody, and blocks it holds for a pull would wait for their lease: the prefill
+                    # instance is told to stop holding them.
+                    self.discarder.discard(state.instance, DiscardParams(trace.transfer_id), body, headers)
+                    raise
                 except httpx.HTTPError as exc:
                     state.failures += 1
                     log.warning("prefill instance %s failed: %r", state.instance.http, exc)

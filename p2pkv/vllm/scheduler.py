@@ -42,6 +42,7 @@ class _Producer:
     prompt: str  # its prompt_digest
     block_ids: list[int] = field(default_factory=list)
     saved: bool = False
+    abandoned: bool = False  # nobody will get its answer (aborted, or the proxy said so): nothing to hold for a pull
 
 
 @dataclass
@@ -98,8 +99,14 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = _params(request)
-        if isinstance(params, DiscardParams) and self._config.role is not Role.PRODUCER:
-            self._discard(params.transfer_id, params.prefill_kv, params.pull, params.prefill_tp, params.prefill_pp)
+        if isinstance(params, DiscardParams):
+            if self._config.role is not Role.PRODUCER:
+                self._discard(params.transfer_id, params.prefill_kv, params.pull, params.prefill_tp,
+                              params.prefill_pp)
+            if self._config.role is not Role.CONSUMER:
+                producing = self._producing.get(params.transfer_id)
+                if producing is not None:
+                    self._abandon(producing[0])
             return 0, False  # the request itself (the proxy's, of one token) is computed as any other
         if not isinstance(params, DecodeParams) or request.request_id in self._consumed:
             return 0, False
@@ -183,6 +190,16 @@ class SchedulerSide:
                                     params.test_corrupt, params.prefill_kv if pulled else None,
                                     params.prefill_kv, prefill_tp, prefill_pp))
 
+    def _abandon(self, producer: _Producer) -> None:
+        """Nobody will get this transfer's answer (its request was aborted, or its client went away and the proxy
+        said so): no decode instance will pull its blocks. Saved, the workers stop offering them (a push in flight
+        still reads them: they go when it is done); not saved yet, it will not be."""
+        if producer.abandoned:
+            return
+        producer.abandoned = True
+        if producer.saved:
+            self._abandoned.append(producer.transfer_id)
+
     def _discard(self, transfer_id: str, prefill_kv: Address | None, pull: bool, prefill_tp: int,
                  prefill_pp: int) -> None:
         """No request here loads this transfer: its staged bytes are freed when they arrive, instead of at expiry,
@@ -229,7 +246,7 @@ class SchedulerSide:
         for req_id, computed in progress.items():
             producer = self._producers[req_id]
             done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            if producer.saved or done < producer.num_prompt_tokens:
+            if producer.saved or producer.abandoned or done < producer.num_prompt_tokens:
                 continue
             # The prompt completes in this step: every block of it holds final KV once the forward has run.
             producer.saved = True
@@ -270,9 +287,7 @@ class SchedulerSide:
         if producer is None or not producer.saved:
             return False, None
         if getattr(request.status, "name", "") in _UNANSWERED:
-            # Its answer, which names the transfer, goes to nobody: no decode instance will pull the blocks. The
-            # workers stop offering them (a push in flight still reads them: they go when it is done).
-            self._abandoned.append(producer.transfer_id)
+            self._abandon(producer)
         # Keep the blocks until the workers report the push finished or the pull served (finished_sending).
         return True, self._answer(producer)
 

@@ -245,16 +245,19 @@ def test_a_decode_request_whose_client_leaves_while_it_waits_for_kv_frees_its_bl
     assert metric(decode["metrics"], LOAD_FAILED) == failed_before
 
 
-@pytest.mark.parametrize(("pull", "discarded"), [(False, True), (True, True), (False, False)])
+@pytest.mark.parametrize(("pull", "discarded", "to"), [(False, True, "kv_consumer"), (True, True, "kv_consumer"),
+                                                       (True, True, "kv_producer"), (False, False, "kv_consumer")])
 def test_a_transfer_whose_request_will_not_come_is_freed_when_the_proxy_says_so(up_cluster: UpCluster, pull: bool,
-                                                                                 discarded: bool) -> None:
+                                                                                 discarded: bool, to: str) -> None:
     """The proxy's client went away after its prefill and before the decode instance had the request: the proxy
     sends the decode instance a discard (a request of one token naming the transfer). Pushed, the staged bytes
     are freed; held for a pull (GET), the prefill instance's blocks are released; either at once, where they were
-    held for 120 s (staging expiry) or 30 s (lease). The control, with no discard, still holds the staged bytes
-    after 3 s (then it is sent, so that the shared cluster holds nothing)."""
+    held for 120 s (staging expiry) or 30 s (lease). When the client went away before the prefill answered, the
+    prefill instance gets the discard too, with only the transfer id: it stops holding the blocks itself. The
+    control, with no discard, still holds the staged bytes after 3 s (then it is sent, so that the shared cluster
+    holds nothing)."""
     prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
-    text = prompt(f"gone-{pull}-{discarded}", 3 * BLOCK_SIZE)
+    text = prompt(f"gone-{pull}-{discarded}-{to}", 3 * BLOCK_SIZE)
     params = PrefillParams(uuid.uuid4().hex, None if pull else Address.parse(decode["kv"]), pull=pull)
     body = {"model": up_cluster.model, "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
     returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
@@ -266,13 +269,18 @@ def test_a_transfer_whose_request_will_not_come_is_freed_when_the_proxy_says_so(
         return metric(decode["metrics"], "p2pkv_staging_bytes") > 0
 
     assert _until(held, 5), "nothing was held for the transfer: nothing to check"
-    discard = {"model": up_cluster.model, "prompt": [0], "max_tokens": 1,
-               "kv_transfer_params": DiscardParams.of(returned).to_dict()}
+    told = DiscardParams.of(returned) if to == "kv_consumer" else DiscardParams(returned.transfer_id)
+    discard = {"model": up_cluster.model, "prompt": [0], "max_tokens": 1, "kv_transfer_params": told.to_dict()}
     if not discarded:
         time.sleep(3)
         assert held()
-    complete(f"http://{decode['http']}", discard)
+    complete(f"http://{up_cluster.instance(to)['http']}", discard)
     assert _until(lambda: not held(), 3)
+    if to == "kv_producer":  # nobody is to load it (the decode request will not come); the instances serve on
+        again = prompt(f"after-gone-{to}", 200)
+        assert ids_and_logprobs(greedy(up_cluster.proxy, up_cluster.model, again))[0] == ids_and_logprobs(
+            greedy(up_cluster.colocated, up_cluster.model, again))[0]
+        return
     # The decode instance serves on, and a request naming the discarded transfer computes its prompt itself.
     late = {"model": up_cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
             "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": returned.to_dict()}
@@ -314,7 +322,14 @@ def test_clients_that_leave_through_the_proxy_leave_nothing_held(up_cluster: UpC
         except httpx.TimeoutException:
             cut += 1
     assert cut >= 3
-    assert _until(lambda: metric(proxy, 'p2pkv_proxy_discards_total{outcome="sent"}') - sent_before == cut, 10)
+    # One discard to the decode instance per client that left, and one to the prefill instance for each that left
+    # before its prefill answered.
+    sent = 'p2pkv_proxy_discards_total{outcome="sent"}'
+    assert _until(lambda: metric(proxy, sent) - sent_before >= cut, 10)
+    time.sleep(1)
+    assert metric(proxy, sent) - sent_before <= 2 * cut
+    assert metric(proxy, 'p2pkv_proxy_discards_total{outcome="failed"}') == 0
+    assert metric(proxy, 'p2pkv_proxy_discards_total{outcome="refused"}') == 0
     assert _until(lambda: metric(decode["metrics"], "p2pkv_staging_bytes") == 0, 5)
     for instance in (prefill, decode):
         assert _until(lambda i=instance: metric(i["http"], "vllm:kv_cache_usage_perc") == 0, 5)

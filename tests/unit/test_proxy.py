@@ -404,12 +404,15 @@ def test_a_client_leaving_during_prefill_cancels_the_prefill_request(backends: A
             httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "hi"}, timeout=1.0)
         assert wait_set(obs.cancelled), "the prefill backend still works for a client that left"
         wait_idle(proxy)
-        # No decode request; only, in case the prefill pushed before it was cancelled, the transfer's discard.
+        # No decode request; only, in case the prefill pushed before it was cancelled, the transfer's discard. The
+        # prefill instance gets one too: had it finished, its answer went to nobody.
         (discard,) = wait_for(lambda: d_seen)
+        (to_prefill,) = wait_for(lambda: obs.discards)
     (prefilled,) = obs.bodies
-    assert discard["kv_transfer_params"] == {"p2pkv": 1, "transfer_id": prefilled["kv_transfer_params"][
-        "transfer_id"], "discard_transfer": True}
-    assert "model" not in discard  # the client named none; vLLM takes the one it serves
+    for sent in (discard, to_prefill):
+        assert sent["kv_transfer_params"] == {"p2pkv": 1, "transfer_id": prefilled["kv_transfer_params"][
+            "transfer_id"], "discard_transfer": True}
+        assert "model" not in sent  # the client named none; vLLM takes the one it serves
 
 
 def wait_idle(proxy: str, timeout_s: float = 5.0) -> None:

@@ -417,3 +417,50 @@ def test_an_unsaved_prefill_request_that_was_aborted_is_not_abandoned() -> None:
     req.set_status("FINISHED_ABORTED")
     assert s.request_finished(req, [1, 2, 3]) == (False, None)  # nothing was offered: the blocks go at once
     assert s.build_connector_meta(step()).abandoned == []
+
+
+def _saved_producer(s: SchedulerSide) -> Req:
+    req = Req("p", list(range(300)), PrefillParams("t1", None).to_dict())
+    s.update_state_after_alloc(req, Blocks([1, 2, 3]), 0)
+    meta = s.build_connector_meta(step([SimpleNamespace(req_id="p", block_ids=([1, 2, 3],), num_computed_tokens=0)],
+                                       scheduled={"p": 300}))
+    assert len(meta.saves) == 1
+    return req
+
+
+@pytest.mark.parametrize("finished_first", [True, False])
+def test_a_discard_sent_to_the_prefill_instance_abandons_the_saved_transfer(finished_first: bool) -> None:
+    """The proxy's client went away during the prefill: had the prefill finished, its answer went to nobody. The
+    discard the proxy sends the prefill instance makes the workers stop holding the blocks for a pull; once."""
+    s = side("kv_producer")
+    req = _saved_producer(s)
+    if finished_first:
+        req.set_status("FINISHED_LENGTH_CAPPED")
+        assert s.request_finished(req, [1, 2, 3])[0]
+    discard = Req("discard", [0], DiscardParams("t1").to_dict())
+    assert s.get_num_new_matched_tokens(discard, 0) == (0, False)
+    assert s.get_num_new_matched_tokens(discard, 0) == (0, False)
+    meta = s.build_connector_meta(step())
+    assert meta.abandoned == ["t1"] and meta.discards == []
+    req.set_status("FINISHED_ABORTED")
+    s.request_finished(req, [1, 2, 3])
+    assert s.build_connector_meta(step()).abandoned == []
+
+
+def test_a_transfer_abandoned_before_its_prompt_is_saved_is_not_saved() -> None:
+    s = side("kv_producer")
+    req = Req("p", list(range(300)), PrefillParams("t1", None).to_dict())
+    s.update_state_after_alloc(req, Blocks([1, 2, 3]), 0)
+    assert s.get_num_new_matched_tokens(Req("discard", [0], DiscardParams("t1").to_dict()), 0) == (0, False)
+    meta = s.build_connector_meta(step([SimpleNamespace(req_id="p", block_ids=([1, 2, 3],), num_computed_tokens=0)],
+                                       scheduled={"p": 300}))
+    assert meta.saves == [] and meta.abandoned == []
+    assert s.request_finished(req, [1, 2, 3]) == (False, None)  # nothing held: the blocks go at once
+
+
+def test_a_consumer_leaves_its_own_transfers_alone_on_a_discard() -> None:
+    """A decode instance is not where the transfer was produced: a discard there frees staging, nothing else."""
+    s = side("kv_consumer")
+    assert s.get_num_new_matched_tokens(Req("discard", [0], DiscardParams("t1").to_dict()), 0) == (0, False)
+    meta = s.build_connector_meta(step())
+    assert meta.abandoned == [] and meta.discards == [Discard("t1")]
