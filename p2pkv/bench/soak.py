@@ -72,7 +72,7 @@ _USAGE = "vllm:kv_cache_usage_perc"
 
 
 # Request shapes of a mixed soak, in turn: each takes its own path through the proxy and the connector.
-SHAPES = ("plain", "samples", "batch", "one_token", "whole", "prompt_logprobs", "stream", "leave")
+SHAPES = ("plain", "samples", "batch", "one_token", "whole", "prompt_logprobs", "stream", "leave", "stream_batch")
 _LETTERS = "abcdefghijklmnopqrstuvwxyz "
 # Two blocks of vLLM's CPU default (128 tokens) and one token, with the tiny model's one-byte tokens, sent again and
 # again: the decode instance soon holds it whole in its prefix cache and loads nothing.
@@ -96,6 +96,8 @@ def request_body(i: int, rng: random.Random, model: str, mixed: bool) -> dict[st
         body["prompt_logprobs"] = 1
     elif shape == "stream":
         body["stream"] = True
+    elif shape == "stream_batch":
+        body.update(prompt=[text, f"{i} and a short one"], stream=True)
     elif shape == "leave":  # a long prompt and answer, which the client does not wait for (`leave_after`)
         body.update(prompt=text + text[::-1], max_tokens=64, ignore_eos=True)
     return body

@@ -156,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the instances check payload digests (integrity_check); any mismatch fails the soak")
     soak.add_argument("--mixed", action="store_true",
                       help="requests of every shape in turn: plain, n=3, batches of 3 prompts, one-token prompts, a "
-                           "prompt the decode instance holds whole, prompt logprobs, streams, and clients that go "
-                           "away before their answer")
+                           "prompt the decode instance holds whole, prompt logprobs, streams, streamed batches, and "
+                           "clients that go away before their answer")
     soak.set_defaults(func=_bench_soak)
     btransfer = bench.add_parser("transfer", help="engine transfers per transport against same-run baselines")
     btransfer.add_argument("--sizes", nargs="+", default=None, metavar="BYTES",

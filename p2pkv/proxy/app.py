@@ -20,12 +20,12 @@ from typing import Any, NamedTuple
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from p2pkv.discovery import Announcement
 from p2pkv.params import Address, DiscardParams, PrefillParams, ProbeParams
-from p2pkv.proxy.batch import batch_prompts, merge, trace_headers
+from p2pkv.proxy.batch import batch_prompts, merge, merge_streams, trace_headers
 from p2pkv.proxy.discard import Discarder, discard_of
 from p2pkv.proxy.discovery import DiscoveryListener, start
 from p2pkv.proxy.instances import Instance, ProxyConfig
@@ -33,7 +33,7 @@ from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.prefill import Prefiller, prefill_body, whole_prompt_on_decode
 from p2pkv.proxy.registry import InstanceState, Policy, Pool, static_pool
 from p2pkv.proxy.trace import RequestTrace
-from p2pkv.proxy.upstream import Decoder, error_response
+from p2pkv.proxy.upstream import Decoder, Relay, error_response
 
 log = logging.getLogger(__name__)
 
@@ -171,10 +171,21 @@ class Router:
                      started: float) -> Response:
         """Each prompt of a batch as a request of its own (p2pkv.proxy.batch); the first failure is the answer."""
         answers = await asyncio.gather(*(self._one({**body, "prompt": p}, path, headers, started) for p in prompts))
-        for answer in answers:
-            if answer.status_code != 200:
-                return answer
+        relays = [a.body_iterator for a in answers
+                  if isinstance(a, StreamingResponse) and isinstance(a.body_iterator, Relay)]
+        failed = next((a for a in answers if a.status_code != 200), None)
+        if failed is not None:
+            for relay in relays:  # the other prompts' streams are not needed
+                await relay.aclose()
+            return failed
         headers = trace_headers([dict(a.headers) for a in answers])
+        if body.get("stream"):
+            if len(relays) != len(answers):
+                return error_response(502, "an answer to a prompt of the batch is not a stream")
+            n = body.get("n")
+            samples = n if isinstance(n, int) and n > 0 else 1
+            return StreamingResponse(merge_streams(relays, samples), media_type="text/event-stream",
+                                     headers=headers)
         try:
             merged = merge([bytes(a.body) for a in answers])
         except (ValueError, TypeError, AttributeError) as exc:

@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import httpx
@@ -83,6 +83,55 @@ def error_response(status: int, message: str, kind: str = "proxy_error",
                         headers=trace.headers() if trace is not None else None)
 
 
+class Relay:
+    """A decode stream on its way to the client: the chunks read ahead (`head`), then the rest as it comes. Its
+    upstream request is closed, and its instance's count of requests in flight taken back, once: when it has been
+    read to its end, or broke off, or is closed (`aclose`, which also works for one never read: a batch's prompt
+    whose stream is not needed)."""
+
+    def __init__(self, head: list[bytes], raw: AsyncIterator[bytes], upstream: httpx.Response, state: InstanceState,
+                 metrics: ProxyMetrics, trace: RequestTrace) -> None:
+        self._chunks = self._read(head, raw)
+        self._upstream, self._state, self._metrics, self._trace = upstream, state, metrics, trace
+        self._timed = bool(head)
+        self._closed = False
+
+    def __aiter__(self) -> Relay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await anext(self._chunks)
+
+    async def _read(self, head: list[bytes], raw: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
+        # Cancelled when the client goes away, which closes the upstream request too.
+        outcome = "broken_off"
+        try:
+            for chunk in head:
+                yield chunk
+            async for chunk in raw:
+                if not self._timed:  # a stream's headers come before its first token (vLLM sends them at once)
+                    self._timed = True
+                    self._metrics.ttft_seconds.observe(time.monotonic() - self._trace.started)
+                yield chunk
+            self._metrics.requests.labels("ok").inc()
+            outcome = "ok"
+        finally:
+            await self._release(outcome)
+
+    async def _release(self, outcome: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._upstream.aclose()
+        self._state.in_flight -= 1
+        self._metrics.decode_seconds.observe(time.monotonic() - self._trace.started)
+        self._trace.finish(200, outcome)
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()  # runs `_read`'s cleanup if it began
+        await self._release("broken_off")
+
+
 class Decoder:
     """Sends decode requests and passes their answers on."""
 
@@ -150,26 +199,8 @@ class Decoder:
                 return None
             self.metrics.ttft_seconds.observe(time.monotonic() - started)
 
-        async def chunks() -> AsyncIterator[bytes]:
-            # Cancelled when the client goes away, which closes the upstream request too.
-            outcome, timed = "broken_off", bool(head)
-            try:
-                for chunk in head:
-                    yield chunk
-                async for chunk in raw:
-                    if not timed:  # a stream's headers come before its first token (vLLM sends them at once)
-                        timed = True
-                        self.metrics.ttft_seconds.observe(time.monotonic() - started)
-                    yield chunk
-                self.metrics.requests.labels("ok").inc()
-                outcome = "ok"
-            finally:
-                await upstream.aclose()
-                state.in_flight -= 1
-                self.metrics.decode_seconds.observe(time.monotonic() - started)
-                trace.finish(200, outcome)
-
-        return StreamingResponse(chunks(), media_type="text/event-stream", headers=trace.headers())
+        relay = Relay(head, raw, upstream, state, self.metrics, trace)
+        return StreamingResponse(relay, media_type="text/event-stream", headers=trace.headers())
 
     @staticmethod
     async def _stream_start(raw: AsyncIterator[bytes], head: list[bytes]) -> int:

@@ -87,7 +87,10 @@ def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0, 
                     if failure == "error" or (failure == "late" and i == 1):
                         yield f"data: {json.dumps(ENGINE_ERROR)}\n\n".encode()
                         break
-                    yield f"data: {json.dumps({'choices': [{'text': word}]})}\n\n".encode()
+                    choice = {"text": word, "index": 0, "prompt_seen": body.get("prompt")}
+                    yield f"data: {json.dumps({'id': f'cmpl-{id(body)}', 'choices': [choice]})}\n\n".encode()
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    yield f"data: {json.dumps({'id': 'u', 'choices': [], 'usage': USAGE})}\n\n".encode()
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")

@@ -502,6 +502,46 @@ def test_a_batch_of_prompts_through_the_proxy_goes_as_one_transfer_per_prompt(up
         (length - 1) / BLOCK_SIZE) * per_block
 
 
+def _streamed_batch(base: str, body: dict[str, Any]) -> tuple[dict[int, str], dict[str, Any], int]:
+    """A streamed batch's text by choice index, its final usage, and how many times it said [DONE]."""
+    import json
+
+    texts: dict[int, str] = {}
+    usage: dict[str, Any] = {}
+    done = 0
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line == "data: [DONE]":
+                done += 1
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                usage = event.get("usage") or usage
+                for choice in event["choices"]:
+                    texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    return texts, usage, done
+
+
+def test_a_streamed_batch_through_the_proxy_goes_as_one_transfer_per_prompt(up_cluster: UpCluster) -> None:
+    """A streamed batch of three prompts, two samples each: through the proxy each prompt loads a transfer of its
+    own, and the merged stream says what the colocated instance's stream of the whole batch says, choice by choice
+    (prompt i's sample j is choice 2i + j)."""
+    decode = up_cluster.instance("kv_consumer")
+    length = 300
+    body = {"model": up_cluster.model, "prompt": [prompt(f"stream-batch-{i}", length) for i in range(3)],
+            "max_tokens": MAX_TOKENS, "temperature": 1.0, "top_k": 1, "n": 2, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
+    texts, usage, done = _streamed_batch(up_cluster.proxy, body)
+    reference, reference_usage, _ = _streamed_batch(up_cluster.colocated, body)
+    assert sorted(texts) == list(range(6)) and texts == reference and done == 1
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (
+        reference_usage["prompt_tokens"], reference_usage["completion_tokens"]) == (3 * length, 6 * MAX_TOKENS)
+    per_block = kv_bytes_per_block_and_layer() * LAYERS
+    assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") - loaded_before == 3 * math.ceil(
+        (length - 1) / BLOCK_SIZE) * per_block
+
+
 def test_a_batch_sent_as_one_transfer_loads_only_the_prompt_it_holds(up_cluster: UpCluster) -> None:
     """A proxy that sends a list of prompts as one request (vLLM's example proxies do): vLLM runs one request per
     prompt, all with the one transfer. Only the prompt whose digest the transfer carries loads it; the others (of

@@ -108,17 +108,79 @@ def test_a_batch_of_prompts_goes_as_one_transfer_per_prompt(backends: Any) -> No
 @pytest.mark.parametrize("body", [
     {"prompt": [1, 2, 3]},  # token ids: one prompt
     {"prompt": ["one"]},
-    {"prompt": ["one", "two"], "stream": True},  # streams are left whole
+    {"prompt": [[1, 2], [3]], "stream": True},  # a batch, but through the chat endpoint: not a completion
 ])
 def test_what_is_not_split(backends: Any, body: dict[str, Any]) -> None:
     p, d, p_seen, _ = backends
+    path = "/v1/chat/completions" if body.get("stream") else "/v1/completions"
     with serve(proxy_for(p, d)) as proxy:
         if body.get("stream"):
-            with httpx.stream("POST", f"http://{proxy}/v1/completions", json=body) as resp:
+            with httpx.stream("POST", f"http://{proxy}{path}", json=body) as resp:
                 assert resp.status_code == 200 and list(resp.iter_lines())
         else:
-            assert httpx.post(f"http://{proxy}/v1/completions", json=body).status_code == 200
+            assert httpx.post(f"http://{proxy}{path}", json=body).status_code == 200
     assert len(p_seen) == 1 and p_seen[0]["body"]["prompt"] == body["prompt"]
+
+
+def events(resp: httpx.Response) -> list[Any]:
+    """A stream's events: each data line's JSON, or the string "[DONE]"."""
+    out: list[Any] = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_streamed_batch_goes_as_one_transfer_per_prompt_and_is_merged(backends: Any, n: int) -> None:
+    """Each prompt of a streamed batch is a request (and a transfer) of its own; the streams are merged as vLLM
+    streams a batch: each choice numbered by its prompt (prompt i's sample j is i * n + j), one id, one final usage
+    chunk summing the prompts', one [DONE] at the end."""
+    p, d, p_seen, d_seen = backends
+    prompts = ["one", "two", "three"]
+    body = {"prompt": prompts, "stream": True, "n": n, "stream_options": {"include_usage": True}}
+    with serve(proxy_for(p, d)) as proxy:
+        with httpx.stream("POST", f"http://{proxy}/v1/completions", json=body, timeout=10) as resp:
+            assert resp.status_code == 200
+            got = events(resp)
+            transfers = resp.headers["x-p2pkv-transfer-id"].split(",")
+        wait_idle(proxy)
+    assert sorted(s["body"]["prompt"] for s in p_seen) == sorted(prompts)
+    assert sorted(b["prompt"] for b in d_seen) == sorted(prompts)
+    assert len(set(transfers)) == 3 and {b["kv_transfer_params"]["transfer_id"] for b in d_seen} == set(transfers)
+    assert got[-1] == "[DONE]" and got.count("[DONE]") == 1
+    *chunks, usage = got[:-1]
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 15, "completion_tokens": 6,
+                                                         "total_tokens": 21}
+    assert len({c["id"] for c in got[:-1]}) == 1
+    for position, prompt in enumerate(prompts):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["prompt_seen"] == prompt]
+        assert [c["text"] for c in mine] == ["a", "b", "c"]  # in order
+        assert {c["index"] for c in mine} == {position * n}
+
+
+def test_a_streamed_batch_answers_with_the_failure_of_a_prompt_and_closes_the_other_streams() -> None:
+    seen: list[dict[str, Any]] = []
+    with serve(stub_prefill([])) as p, serve(stub_decode(seen, failures=["400"])) as d, \
+            serve(proxy_for(p, d)) as proxy:
+        resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": ["a", "b"], "stream": True},
+                          timeout=10)
+        assert resp.status_code == 400
+        wait_idle(proxy)  # the other prompt's stream was closed, never read
+    assert len(seen) == 2
+
+
+def test_a_client_leaving_a_streamed_batch_cancels_every_decode_request(backends: Any) -> None:
+    p, _, _, _ = backends
+    obs = Observed()
+    with serve(stub_slow(obs)) as slow, serve(proxy_for(p, slow)) as proxy:
+        with httpx.stream("POST", f"http://{proxy}/v1/completions",
+                          json={"prompt": ["one", "two"], "stream": True}, timeout=10) as resp:
+            next(line for line in resp.iter_lines() if line.startswith("data: "))
+        assert wait_set(obs.cancelled), "a decode backend still streams to a client that left"
+        wait_idle(proxy)
+    assert len(obs.bodies) == 2
 
 
 def test_a_batch_answers_with_a_failure_of_any_of_its_prompts() -> None:

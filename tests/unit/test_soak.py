@@ -128,8 +128,9 @@ def test_a_mixed_soak_sends_every_shape_and_checks_each_answer_whole() -> None:
     assert result.failures == 0
     bodies = _ShapesStub.bodies
     assert len(bodies) == 2 * len(SHAPES)
-    assert sum(b.get("n") == 3 for b in bodies) == 2 and sum(bool(b.get("stream")) for b in bodies) == 2
-    assert sum(isinstance(b["prompt"], list) for b in bodies) == 2 and sum(b["prompt"] == "x" for b in bodies) == 2
+    assert sum(b.get("n") == 3 for b in bodies) == 2 and sum(bool(b.get("stream")) for b in bodies) == 4
+    assert sum(isinstance(b["prompt"], list) for b in bodies) == 4 and sum(b["prompt"] == "x" for b in bodies) == 2
+    assert sum(isinstance(b["prompt"], list) and b.get("stream") is True for b in bodies) == 2
     assert sum("prompt_logprobs" in b for b in bodies) == 2
     whole = [b["prompt"] for b in bodies if isinstance(b["prompt"], str) and b["prompt"].startswith("whole")]
     assert len(whole) == 2 and len(whole[0]) == 257
