@@ -75,6 +75,21 @@ class PrefillParams:
         return out
 
 
+def _held_at(out: dict[str, Any], prefill_kv: Address | None, pull: bool, prefill_tp: int,
+             prefill_pp: int) -> dict[str, Any]:
+    """`out` with where a prefill instance holds a transfer's KV: its KV address, its parallel sizes when said,
+    and whether it holds the KV for a pull (GET)."""
+    if prefill_kv is not None:
+        out["prefill_kv_address"] = str(prefill_kv)
+    if prefill_tp:
+        out["prefill_tp_size"] = prefill_tp
+    if prefill_pp:
+        out["prefill_pp_size"] = prefill_pp
+    if pull:
+        out["send_type"] = "GET"
+    return out
+
+
 @dataclass(frozen=True)
 class DecodeParams:
     """Returned by the prefill instance and forwarded to the decode instance: where the KV is.
@@ -102,17 +117,9 @@ class DecodeParams:
         }
         if self.prompt:
             out["prompt_digest"] = self.prompt
-        if self.prefill_kv is not None:
-            out["prefill_kv_address"] = str(self.prefill_kv)
         if self.test_corrupt:
             out["test_corrupt"] = True
-        if self.prefill_tp:
-            out["prefill_tp_size"] = self.prefill_tp
-        if self.prefill_pp:
-            out["prefill_pp_size"] = self.prefill_pp
-        if self.pull:
-            out["send_type"] = "GET"
-        return out
+        return _held_at(out, self.prefill_kv, self.pull, self.prefill_tp, self.prefill_pp)
 
 
 @dataclass(frozen=True)
@@ -158,15 +165,7 @@ class DiscardParams:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {MARKER: PARAMS_VERSION, "transfer_id": self.transfer_id, "discard_transfer": True}
-        if self.prefill_kv is not None:
-            out["prefill_kv_address"] = str(self.prefill_kv)
-        if self.prefill_tp:
-            out["prefill_tp_size"] = self.prefill_tp
-        if self.prefill_pp:
-            out["prefill_pp_size"] = self.prefill_pp
-        if self.pull:
-            out["send_type"] = "GET"
-        return out
+        return _held_at(out, self.prefill_kv, self.pull, self.prefill_tp, self.prefill_pp)
 
 
 AnyParams = PrefillParams | DecodeParams | ProbeParams | DiscardParams

@@ -92,6 +92,26 @@ def test_a_digest_mismatch_fails_the_soak() -> None:
     assert not damaged.ok
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 64  # the default 5 resets connections beyond it: every request of a run at once fits
+
+
+def _mixed_run(handler: type[_Handler], requests: int, concurrency: int) -> SoakResult:
+    """A mixed soak's requests against a stub server that answers with `handler`."""
+    server = _Server(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = SoakResult(requests, 0, 0.0)
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        asyncio.run(asyncio.wait_for(_drive(url, "m", requests, concurrency, requests // 2, asyncio.Event(), result,
+                                            mixed=True), 30))
+    finally:
+        server.shutdown()
+        thread.join(5)
+    return result
+
+
 class _ShapesStub(_Handler):
     """Records each body and answers it in full: a stream to its end, a choice per prompt and sample."""
 
@@ -114,17 +134,7 @@ def _in_full(body: dict[str, object]) -> bytes:
 def test_a_mixed_soak_sends_every_shape_and_checks_each_answer_whole() -> None:
     from p2pkv.bench.soak import SHAPES
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _ShapesStub)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        n = 2 * len(SHAPES)
-        result = SoakResult(n, 0, 0.0)
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        asyncio.run(asyncio.wait_for(_drive(url, "m", n, 3, 7, asyncio.Event(), result, mixed=True), 30))
-    finally:
-        server.shutdown()
-        thread.join(5)
+    result = _mixed_run(_ShapesStub, 2 * len(SHAPES), 3)
     assert result.failures == 0
     bodies = _ShapesStub.bodies
     assert len(bodies) == 2 * len(SHAPES)
@@ -151,17 +161,7 @@ class _SlowStub(_Handler):
 def test_clients_that_leave_on_purpose_are_counted_apart_from_failures() -> None:
     from p2pkv.bench.soak import SHAPES, leave_after
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowStub)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        n = 2 * len(SHAPES)
-        result = SoakResult(n, 0, 0.0)
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        asyncio.run(asyncio.wait_for(_drive(url, "m", n, n, n, asyncio.Event(), result, mixed=True), 30))
-    finally:
-        server.shutdown()
-        thread.join(5)
+    result = _mixed_run(_SlowStub, 2 * len(SHAPES), 2 * len(SHAPES))
     assert result.left == 2 and result.failures == 0
     waits = [w for i in range(7 * len(SHAPES)) if (w := leave_after(i, True)) is not None]
     assert len(set(waits)) == 7 and 0.05 <= min(waits) and max(waits) <= 0.5
