@@ -33,7 +33,7 @@ from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.prefill import Prefiller, prefill_body, whole_prompt_on_decode
 from p2pkv.proxy.registry import InstanceState, Policy, Pool, static_pool
 from p2pkv.proxy.trace import RequestTrace
-from p2pkv.proxy.upstream import Decoder, Relay, error_response
+from p2pkv.proxy.upstream import Decoder, Relay, RelayResponse, error_response
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +184,8 @@ class Router:
                 return error_response(502, "an answer to a prompt of the batch is not a stream")
             n = body.get("n")
             samples = n if isinstance(n, int) and n > 0 else 1
-            return StreamingResponse(merge_streams(relays, samples), media_type="text/event-stream",
-                                     headers=headers)
+            events = merge_streams(relays, samples)
+            return RelayResponse(events, [events.aclose, *(r.aclose for r in relays)], headers)
         try:
             merged = merge([bytes(a.body) for a in answers])
         except (ValueError, TypeError, AttributeError) as exc:

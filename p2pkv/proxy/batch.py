@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import functools
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, PREFILL_MS_HEADER, TRANSFER_HEADER
@@ -128,7 +128,7 @@ async def _events(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield pending
 
 
-async def merge_streams(streams: Sequence[Relay], samples: int) -> AsyncIterator[bytes]:
+async def merge_streams(streams: Sequence[Relay], samples: int) -> AsyncGenerator[bytes, None]:
     """One stream for the batch from each prompt's (in prompt order), events passed on as they come. Ends with
     `[DONE]` only if every prompt's stream did. Closing it (the client went away) closes every prompt's stream."""
     queue: asyncio.Queue[tuple[int, bytes | None]] = asyncio.Queue()

@@ -11,11 +11,12 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.registry import InstanceState
@@ -132,6 +133,24 @@ class Relay:
         await self._release("broken_off")
 
 
+class RelayResponse(StreamingResponse):
+    """A streamed answer whose upstream requests are closed once it is over, however it ended: also when the client
+    went away before it began, when Starlette never reads the body (so a relay's own cleanup would never run, its
+    upstream request would stay open and its instance's count of requests in flight would stay up)."""
+
+    def __init__(self, content: AsyncIterator[bytes], closers: list[Callable[[], Awaitable[None]]],
+                 headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._closers = closers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for close in self._closers:
+                await close()
+
+
 class Decoder:
     """Sends decode requests and passes their answers on."""
 
@@ -200,7 +219,7 @@ class Decoder:
             self.metrics.ttft_seconds.observe(time.monotonic() - started)
 
         relay = Relay(head, raw, upstream, state, self.metrics, trace)
-        return StreamingResponse(relay, media_type="text/event-stream", headers=trace.headers())
+        return RelayResponse(relay, [relay.aclose], trace.headers())
 
     @staticmethod
     async def _stream_start(raw: AsyncIterator[bytes], head: list[bytes]) -> int:

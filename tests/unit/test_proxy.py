@@ -597,3 +597,40 @@ def test_parallel_sizes_from_heartbeats_need_no_probe() -> None:
     state = router.decode.pick()
     assert state is not None
     assert asyncio.run(router.kv_target(state.instance, {})) == KvTarget(kv, 2, 4)
+
+
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+@pytest.mark.parametrize("relayed", [True, False])
+def test_a_stream_whose_client_left_before_it_began_is_closed(spec: str, relayed: bool) -> None:
+    """The client went away as its stream was about to begin: Starlette never reads the body (both ways it serves
+    a stream, by ASGI spec version). A relay's cleanup (closing its upstream request, counting it out of its
+    instance's requests in flight) would then never run; a RelayResponse runs it anyway. The control, a plain
+    StreamingResponse, leaves it undone."""
+    import asyncio
+    import contextlib
+
+    from fastapi.responses import StreamingResponse
+
+    from p2pkv.proxy.upstream import RelayResponse
+
+    cleaned: list[str] = []
+
+    async def body() -> Any:
+        try:
+            yield b"data: x\n\n"
+        finally:
+            cleaned.append("by the body")
+
+    async def close() -> None:
+        cleaned.append("closed")
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        raise OSError("the client is gone")
+
+    response = RelayResponse(body(), [close], {}) if relayed else StreamingResponse(body())
+    with contextlib.suppress(Exception):
+        asyncio.run(response({"type": "http", "asgi": {"spec_version": spec}}, receive, send))  # type: ignore[arg-type]
+    assert cleaned == (["closed"] if relayed else [])
