@@ -14,6 +14,8 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
+import anyio
+
 from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, PREFILL_MS_HEADER, TRANSFER_HEADER
 from p2pkv.proxy.upstream import Relay
 
@@ -162,8 +164,10 @@ async def merge_streams(streams: Sequence[Relay], samples: int) -> AsyncGenerato
     finally:
         for reader in readers:
             reader.cancel()
-        for reader in readers:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await reader
-        for stream in streams:  # each one's upstream request closed, also for one its reader never began
-            await stream.aclose()
+        # Shielded: this runs as the client goes away, in a task anyio is cancelling (see upstream.Relay).
+        with anyio.CancelScope(shield=True):
+            for reader in readers:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await reader
+            for stream in streams:  # each one's upstream request closed, also for one its reader never began
+                await stream.aclose()

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -84,6 +85,14 @@ def error_response(status: int, message: str, kind: str = "proxy_error",
                         headers=trace.headers() if trace is not None else None)
 
 
+async def _close(upstream: httpx.Response) -> None:
+    """Close an upstream answer, shielded: this runs as the client goes away, often in a task that anyio is
+    cancelling, which cancels each await there; httpx would then mark the answer closed without closing its
+    connection, and the decode instance would go on decoding for nobody."""
+    with anyio.CancelScope(shield=True):
+        await upstream.aclose()
+
+
 class Relay:
     """A decode stream on its way to the client: the chunks read ahead (`head`), then the rest as it comes. Its
     upstream request is closed, and its instance's count of requests in flight taken back, once: when it has been
@@ -123,14 +132,15 @@ class Relay:
         if self._closed:
             return
         self._closed = True
-        await self._upstream.aclose()
+        await _close(self._upstream)
         self._state.in_flight -= 1
         self._metrics.decode_seconds.observe(time.monotonic() - self._trace.started)
         self._trace.finish(200, outcome)
 
     async def aclose(self) -> None:
-        await self._chunks.aclose()  # runs `_read`'s cleanup if it began
-        await self._release("broken_off")
+        with anyio.CancelScope(shield=True):
+            await self._chunks.aclose()  # runs `_read`'s cleanup if it began
+            await self._release("broken_off")
 
 
 class RelayResponse(StreamingResponse):
@@ -147,8 +157,9 @@ class RelayResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            for close in self._closers:
-                await close()
+            with anyio.CancelScope(shield=True):  # see Relay._release
+                for close in self._closers:
+                    await close()
 
 
 class Decoder:
@@ -207,11 +218,11 @@ class Decoder:
             try:
                 error = await self._stream_start(raw, head)
             except BaseException:
-                await upstream.aclose()
+                await _close(upstream)
                 state.in_flight -= 1
                 raise
             if error:
-                await upstream.aclose()
+                await _close(upstream)
                 state.in_flight -= 1
                 state.failures += 1
                 log.warning("decode instance %s opened its stream with error %d", state.instance.http, error)
@@ -247,7 +258,7 @@ class Decoder:
             content = b""
             log.warning("decode instance %s broke off its answer: %r", state.instance.http, exc)
         finally:
-            await upstream.aclose()
+            await _close(upstream)
             state.in_flight -= 1
         if (not content or upstream.status_code >= 500) and not last:
             state.failures += 1

@@ -111,6 +111,7 @@ class Observed:
     cancelled: threading.Event = field(default_factory=threading.Event)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     discards: list[dict[str, Any]] = field(default_factory=list)  # the proxy's discard requests, answered at once
+    closed_early: list[Any] = field(default_factory=list)  # the prompt of each stream closed before its end
 
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
@@ -162,6 +163,7 @@ def stub_slow(obs: Observed, kv_port: int = 23456) -> FastAPI:
                 finished = True
             finally:
                 if not finished:
+                    obs.closed_early.append(body.get("prompt"))
                     obs.cancelled.set()
 
         return StreamingResponse(events(), media_type="text/event-stream")

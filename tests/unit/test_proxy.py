@@ -172,15 +172,22 @@ def test_a_streamed_batch_answers_with_the_failure_of_a_prompt_and_closes_the_ot
 
 
 def test_a_client_leaving_a_streamed_batch_cancels_every_decode_request(backends: Any) -> None:
+    """Every prompt's decode stream is closed when the client goes away. (One of them used to stay open: closed
+    from a task that anyio was cancelling, its connection was marked closed but was not, and the decode instance
+    went on decoding for nobody.)"""
     p, _, _, _ = backends
     obs = Observed()
+    prompts = ["one", "two", "three"]
     with serve(stub_slow(obs)) as slow, serve(proxy_for(p, slow)) as proxy:
         with httpx.stream("POST", f"http://{proxy}/v1/completions",
-                          json={"prompt": ["one", "two"], "stream": True}, timeout=10) as resp:
+                          json={"prompt": prompts, "stream": True}, timeout=10) as resp:
             next(line for line in resp.iter_lines() if line.startswith("data: "))
-        assert wait_set(obs.cancelled), "a decode backend still streams to a client that left"
+        deadline = time.monotonic() + 5
+        while len(obs.closed_early) < len(prompts) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(obs.closed_early) == sorted(prompts), "a decode backend still streams to a client that left"
         wait_idle(proxy)
-    assert len(obs.bodies) == 2
+    assert len(obs.bodies) == 3
 
 
 def test_a_batch_answers_with_a_failure_of_any_of_its_prompts() -> None:
