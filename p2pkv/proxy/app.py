@@ -174,14 +174,14 @@ class Router:
         relays = [a.body_iterator for a in answers
                   if isinstance(a, StreamingResponse) and isinstance(a.body_iterator, Relay)]
         failed = next((a for a in answers if a.status_code != 200), None)
+        if failed is None and body.get("stream") and len(relays) != len(answers):
+            failed = error_response(502, "an answer to a prompt of the batch is not a stream")
         if failed is not None:
             for relay in relays:  # the other prompts' streams are not needed
                 await relay.aclose()
             return failed
         headers = trace_headers([dict(a.headers) for a in answers])
         if body.get("stream"):
-            if len(relays) != len(answers):
-                return error_response(502, "an answer to a prompt of the batch is not a stream")
             n = body.get("n")
             samples = n if isinstance(n, int) and n > 0 else 1
             events = merge_streams(relays, samples)
