@@ -99,7 +99,9 @@ def start_up(model: str, work: Path, extra: dict[str, Any], vllm_args: list[str]
     ready = work / "ready.json"
     argv = [sys.executable, "-m", "p2pkv", "up", "--model", model, "--log-dir", str(work / "logs"),
             "--ready-file", str(ready), "--extra-config", json.dumps(extra), *up_args, "--", *vllm_args]
-    full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
+    env = env or {}
+    # The project first, then what `env` adds (a test-only vLLM plugin's folder).
+    full_env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}
     with (work / "up.log").open("wb") as log:
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env), ready
 
