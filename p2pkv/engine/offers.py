@@ -6,6 +6,7 @@ import enum
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +24,9 @@ Slicer = Callable[[tuple[int, int], tuple[int, int] | None], ViewSource]
 SliceRanges = Callable[[tuple[int, int], tuple[int, int] | None], tuple[int, RangeSource] | None]
 UNKNOWN_TRANSFER = "unknown transfer"
 _MAX_PULLERS = 4096
+# Transfers no longer held, remembered (the latest this many) so that a pull of one is refused at once: a pull of a
+# transfer not known here waits for it to be offered (a refused push is offered moments later), until its deadline.
+_GONE_KEPT = 4096
 
 
 class OfferState(enum.Enum):
@@ -56,11 +60,13 @@ class OfferTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._offers: dict[str, Offer] = {}
+        self._gone: OrderedDict[str, str] = OrderedDict()  # transfer id -> why it is no longer held
 
     def offer(self, transfer_id: str, total_blocks: int, source: ViewSource, lease_s: float,
               ranges: RangeSource | None = None, slicer: Slicer | None = None,
               slice_ranges: SliceRanges | None = None) -> None:
         with self._lock:
+            self._gone.pop(transfer_id, None)
             self._offers[transfer_id] = Offer(transfer_id, total_blocks, source, time.monotonic() + lease_s,
                                               ranges=ranges, slicer=slicer, slice_ranges=slice_ranges)
 
@@ -71,7 +77,8 @@ class OfferTable:
         with self._lock:
             offer = self._offers.get(transfer_id)
             if offer is None:
-                return UNKNOWN_TRANSFER
+                gone = self._gone.get(transfer_id)
+                return UNKNOWN_TRANSFER if gone is None else f"transfer is {gone}"
             if offer.finished:
                 return f"transfer is {offer.state.value}"
             if puller in offer.claimed:
@@ -115,9 +122,18 @@ class OfferTable:
                 return False
             time.sleep(0.001)  # a pull in flight: rare (a preempted request), and it ends by its own deadline
 
-    def forget(self, transfer_id: str) -> None:
+    def forget(self, transfer_id: str, why: str | None = None) -> None:
+        """The transfer's blocks are no longer held. If it was offered (or `why` says why it never will be), a later
+        pull of it is refused at once, saying why, rather than left waiting for an offer."""
         with self._lock:
-            self._offers.pop(transfer_id, None)
+            offer = self._offers.pop(transfer_id, None)
+            why = why or (offer.state.value if offer is not None else None)
+            if why is None:
+                return
+            self._gone[transfer_id] = why
+            self._gone.move_to_end(transfer_id)
+            while len(self._gone) > _GONE_KEPT:
+                self._gone.popitem(last=False)
 
     def expire(self) -> None:
         now = time.monotonic()

@@ -270,9 +270,11 @@ class WorkerSide:
             self._finished.discard(req_id)
             tid = self._sending.pop(req_id)
             self._specs.pop(req_id, None)
+            withdrawn = tid in self._withdrawn
             self._withdrawn.discard(tid)
             self.engine.forget_outgoing(tid)
-            self.engine.offers.forget(tid)
+            # A pull that comes later (its request was aborted, or preempted) is refused at once, not left waiting.
+            self.engine.offers.forget(tid, "withdrawn" if withdrawn else None)
             self.blocks.release(tid)
             self._slices.release(tid)
         return done

@@ -280,8 +280,9 @@ def test_a_transfer_whose_request_will_not_come_is_freed_when_the_proxy_says_so(
         again = prompt(f"after-gone-{to}", 200)
         assert ids_and_logprobs(greedy(up_cluster.proxy, up_cluster.model, again))[0] == ids_and_logprobs(
             greedy(up_cluster.colocated, up_cluster.model, again))[0]
-        return
-    # The decode instance serves on, and a request naming the discarded transfer computes its prompt itself.
+    # The decode instance serves on, and a request naming the discarded transfer computes its prompt itself, well
+    # within the deadline: told of the discard, it loads nothing; not told (the discard went to the prefill
+    # instance), its pull is refused at once, the transfer being withdrawn, rather than waiting for an offer.
     late = {"model": up_cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
             "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": returned.to_dict()}
     started = time.monotonic()
