@@ -587,3 +587,34 @@ def test_a_discarded_push_that_was_refused_releases_the_blocks_held_for_it(sides
         time.sleep(0.01)
     assert (sent == {"p-req"}) is fallback
     assert decode.take_load_errors() == set()
+
+
+@pytest.mark.parametrize("abandoned_first", [True, False])
+def test_a_refused_push_whose_transfer_is_abandoned_is_not_held_for_a_pull(sides: list[WorkerSide],
+                                                                           monkeypatch: pytest.MonkeyPatch,
+                                                                           abandoned_first: bool) -> None:
+    """The decode side refused a push (here it asks for a pull instead); then the transfer is abandoned on the
+    prefill side (the client went away during the prefill, and the proxy told the prefill instance: the decode
+    instance does not know where the blocks are). The blocks are not held for a pull, whether the abandon comes
+    before the worker saw the refusal or after it offered the blocks; a pull that comes anyway is refused at once."""
+    monkeypatch.setenv(STAGE_ENV, "1")
+    prefill, decode, _, _, p_port, d_port = one_to_one(sides, 140)
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid17", Address("127.0.0.1", d_port), (1, 3))]))
+    prefill.wait_for_save()
+    assert decode.engine.wait_staged("tid17", 10) is StageState.FAILED
+    out = prefill.engine.wait_outgoing("tid17", 10)
+    assert out is not None and out.state is OutState.REFUSED
+    if abandoned_first:
+        prefill.bind(P2pkvMetadata(abandoned=["tid17"]))
+        assert prefill.get_finished({"p-req"}) == ({"p-req"}, None)
+    else:
+        assert prefill.get_finished({"p-req"}) == (None, None)  # held for a pull now
+        assert prefill.engine.offer_state("tid17") is not None
+        prefill.bind(P2pkvMetadata(abandoned=["tid17"]))
+        assert prefill.get_finished(set()) == ({"p-req"}, None)
+    assert prefill.engine.offer_state("tid17") is None
+    started = time.monotonic()
+    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid17", 0, (4, 0), pull_from=Address("127.0.0.1", p_port))]))
+    settle(decode, "d-req", sending=False)
+    assert time.monotonic() - started < 2
+    assert decode.take_load_errors() == {4, 0}
