@@ -210,6 +210,13 @@ class PushAbort(msgspec.Struct, tag="abort", frozen=True):
     reason: str
 
 
+class RenewLeases(msgspec.Struct, tag="renew", frozen=True):
+    """The decode side still wants these transfers (their requests wait in its queue for blocks): the offerer keeps
+    the blocks of each one it still holds for a pull for another lease. No reply."""
+
+    transfer_ids: list[str]
+
+
 class PullRequest(msgspec.Struct, tag="pull", frozen=True):
     """GET mode: the decode side asks for blocks `first_block .. first_block+num_blocks` of an offered transfer;
     `by_reference`: it would rather copy them itself from the exported cache (cuda_ipc); `pipe_runs`: it would
@@ -263,7 +270,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
 
 
 Message = (Hello | HelloReply | BlockRanges | PushBlocks | PushAck | PushAbort | PullRequest | PullReply | Heartbeat
-           | CmaStatus | PayloadCopied | PipeOpen | PullInstead)
+           | CmaStatus | PayloadCopied | PipeOpen | PullInstead | RenewLeases)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

@@ -15,7 +15,7 @@ from p2pkv.engine.handshake import local_offer
 from p2pkv.engine.lanes import PullLanes
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import OfferState, OfferTable, Slicer, SliceRanges, ViewSource
-from p2pkv.engine.puller import HeadSlice, Puller, PullJob, PullResult
+from p2pkv.engine.puller import HeadSlice, Puller, PullJob, PullResult, Renewal
 from p2pkv.engine.receiver import Receiver
 from p2pkv.engine.sender import Outgoing, PushJob, Sender
 from p2pkv.engine.store import ReceiveStore, StagedTransfer, StageState
@@ -228,6 +228,12 @@ class TransferEngine:
         some of the peer's heads, into `sink` (a slice of the blocks); the result is then kept under `part.key`."""
         assert self._puller is not None, "engine not started"
         self._puller.submit(PullJob(transfer_id, peer, first_block, num_blocks, sink, deadline, device_blocks, part))
+
+    def renew_leases(self, peer: Address, transfer_ids: tuple[str, ...], deadline: float) -> None:
+        """Ask `peer` to keep holding the blocks of these transfers that it holds for a pull (their requests still
+        wait here); sent in the background, by `deadline`."""
+        assert self._puller is not None, "engine not started"
+        self._puller.renew(Renewal(peer, transfer_ids, deadline))
 
     def pull_result(self, transfer_id: str) -> PullResult | None:
         assert self._puller is not None, "engine not started"

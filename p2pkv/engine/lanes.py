@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from p2pkv.engine.puller import Puller, PullJob, PullResult
+from p2pkv.engine.puller import Puller, PullJob, PullResult, Renewal
 from p2pkv.params import Address
 
 LANES = 4
@@ -41,6 +41,11 @@ class PullLanes:
             lane = self._lane(job.peer)
             self._of_key[job.result_key] = lane
         lane.submit(job)
+
+    def renew(self, renewal: Renewal) -> None:
+        with self._lock:
+            lane = self._lane(renewal.peer)
+        lane.renew(renewal)
 
     def _holder(self, key: str) -> Puller | None:
         with self._lock:

@@ -30,6 +30,9 @@ class EngineMetrics:
                              ["kind", "outcome"], registry=r)
         self.digests = Counter("p2pkv_digests", "Payloads checked against the sender's digest (integrity_check); "
                                "a mismatch drops the transfer", ["direction", "outcome"], registry=r)
+        self.lease_renewals = Counter("p2pkv_lease_renewals", "Transfers whose blocks a decode side asked a prefill "
+                                      "side to keep for its waiting requests (asked), and those kept here "
+                                      "(renewed)", ["outcome"], registry=r)
         self.transfer_seconds = Histogram("p2pkv_transfer_seconds", "Push time per transfer", ["direction"],
                                           registry=r)
         self._lock = threading.Lock()

@@ -42,6 +42,7 @@ class Offer:
     total_blocks: int
     source: ViewSource
     lease_deadline: float
+    lease_s: float = 0.0  # each renewal keeps the blocks this much longer from then
     state: OfferState = OfferState.OFFERED
     ranges: RangeSource | None = None  # where the blocks lie in the exported cache, for pulls by reference
     slicer: Slicer | None = None  # for pulls of some heads only
@@ -67,8 +68,20 @@ class OfferTable:
               slice_ranges: SliceRanges | None = None) -> None:
         with self._lock:
             self._gone.pop(transfer_id, None)
-            self._offers[transfer_id] = Offer(transfer_id, total_blocks, source, time.monotonic() + lease_s,
+            self._offers[transfer_id] = Offer(transfer_id, total_blocks, source, time.monotonic() + lease_s, lease_s,
                                               ranges=ranges, slicer=slicer, slice_ranges=slice_ranges)
+
+    def renew(self, transfer_ids: list[str]) -> int:
+        """The decode side still wants these transfers: each one still held for a pull is held for another lease
+        from now. Returns how many were."""
+        now, renewed = time.monotonic(), 0
+        with self._lock:
+            for transfer_id in transfer_ids:
+                offer = self._offers.get(transfer_id)
+                if offer is not None and not offer.finished:
+                    offer.lease_deadline = max(offer.lease_deadline, now + offer.lease_s)
+                    renewed += 1
+        return renewed
 
     def claim(self, transfer_id: str, first_block: int, num_blocks: int, pullers: int = 1,
               puller: int = 0) -> Offer | str:

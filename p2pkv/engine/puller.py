@@ -19,7 +19,17 @@ from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
 from p2pkv.integrity import frame_mismatch, hasher, mismatch
 from p2pkv.params import Address
-from p2pkv.protocol import BlockRanges, Hello, Message, PayloadCopied, PipeOpen, PullReply, PullRequest, PushBlocks
+from p2pkv.protocol import (
+    BlockRanges,
+    Hello,
+    Message,
+    PayloadCopied,
+    PipeOpen,
+    PullReply,
+    PullRequest,
+    PushBlocks,
+    RenewLeases,
+)
 from p2pkv.transport.base import Connection
 
 log = logging.getLogger(__name__)
@@ -81,6 +91,15 @@ class PullJob:
         return self.part.key if self.part is not None else self.transfer_id
 
 
+@dataclass(frozen=True)
+class Renewal:
+    """Ask `peer` to keep holding these transfers' blocks for a pull (their requests still wait here)."""
+
+    peer: Address
+    transfer_ids: tuple[str, ...]
+    deadline: float
+
+
 @dataclass
 class PullResult:
     state: PullState = PullState.PENDING
@@ -105,7 +124,7 @@ class Puller:
         self._retired: list[PipeSlot] = []  # closed, maybe still setting up: joined at close()
         self._layout = hello.layout
         self._metrics = metrics
-        self._queue: queue.Queue[PullJob | None] = queue.Queue()  # None: wake up (to stop)
+        self._queue: queue.Queue[PullJob | Renewal | None] = queue.Queue()  # None: wake up (to stop)
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)  # a pull finished
         self._results: dict[str, PullResult] = {}
@@ -119,6 +138,10 @@ class Puller:
         with self._lock:
             self._results[job.result_key] = PullResult()
         self._queue.put(job)
+
+    def renew(self, renewal: Renewal) -> None:
+        """Sent on the peer's link in turn with the pulls from it (so a renewal may wait for a pull before it)."""
+        self._queue.put(renewal)
 
     def poll(self, transfer_id: str) -> PullResult | None:
         with self._lock:
@@ -146,6 +169,9 @@ class Puller:
                 continue
             if job is None:
                 continue
+            if isinstance(job, Renewal):
+                self._renew(job)
+                continue
             started = time.monotonic()
             try:
                 nbytes, transport, by_reference = self._pull_until_offered(job)
@@ -168,6 +194,17 @@ class Puller:
                 if job.result_key in self._results:
                     self._results[job.result_key] = result
                 self._settled.notify_all()
+
+    def _renew(self, renewal: Renewal) -> None:
+        if time.monotonic() >= renewal.deadline:
+            return  # overtaken by the next renewal
+        try:
+            self._links.send(renewal.peer, [(RenewLeases(list(renewal.transfer_ids)), ())], renewal.deadline)
+        except P2pkvError as exc:  # the peer is gone or slow: its pulls will tell
+            log.info("could not renew the leases of %d transfers at %s: %s", len(renewal.transfer_ids),
+                     renewal.peer, exc)
+        else:
+            self._metrics.of(self._metrics.lease_renewals, "asked").inc(len(renewal.transfer_ids))
 
     def _pull_until_offered(self, job: PullJob) -> tuple[int, str, bool]:
         """A push refused for lack of space is offered by the sender moments later: retry until the deadline."""

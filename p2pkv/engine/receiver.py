@@ -33,12 +33,14 @@ from p2pkv.protocol import (
     PushAbort,
     PushAck,
     PushBlocks,
+    RenewLeases,
 )
 from p2pkv.transport.base import Connection, Listener
 from p2pkv.transport.shm import ShmConnection
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
+_MAX_RENEWALS = 65536  # transfers renewed per frame at most (a decode instance's waiting queue is far shorter)
 
 
 class Receiver:
@@ -161,6 +163,12 @@ class Receiver:
                 elif isinstance(message, PullInstead):
                     conn.discard_payload(payload_len, deadline)
                     self._store.refer(message.transfer_id, PULL_INSTEAD)
+                elif isinstance(message, RenewLeases):
+                    conn.discard_payload(payload_len, deadline)
+                    renewed = self._offers.renew(message.transfer_ids[:_MAX_RENEWALS])
+                    self._metrics.of(self._metrics.lease_renewals, "renewed").inc(renewed)
+                    log.debug("%s renewed the leases of %d of %d transfers", conn.peer, renewed,
+                              len(message.transfer_ids))
                 elif isinstance(message, PushAbort):
                     conn.discard_payload(payload_len, deadline)
                     self._store.fail(message.transfer_id, f"sender aborted: {message.reason}", create=False)

@@ -246,6 +246,16 @@ class ReceiveStore:
         with self._lock:
             self._release_locked(item)
 
+    def touch(self, transfer_ids: tuple[str, ...]) -> None:
+        """These transfers' requests still wait for blocks: their expiry counts from now (whatever their state: a
+        refusal tells the load to pull instead)."""
+        now = time.monotonic()
+        with self._lock:
+            for tid in transfer_ids:
+                item = self._items.get(tid)
+                if item is not None:
+                    item.touched = now
+
     def expire(self) -> int:
         """Drop staging nobody claimed within the expiry; returns how many were dropped. The expiry counts from a
         transfer's last chunk (or from when it completed or failed), not from its first: a long prefill pushing

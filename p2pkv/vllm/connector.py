@@ -142,6 +142,9 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler.on_new_request(request)
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 

@@ -50,6 +50,17 @@ class Discard:
     fallback_from: Address | None = None
 
 
+@dataclass(frozen=True)
+class Wanted:
+    """Transfers from the prefill instance at `prefill` (rank 0; `prefill_ranks` ranks, each holding its own blocks)
+    whose requests still wait here for blocks of this cache: what is staged of them is kept, and the prefill
+    instance is asked to keep holding the blocks of those it holds for a pull (GET, or a refused push)."""
+
+    prefill: Address
+    transfer_ids: tuple[str, ...]
+    prefill_ranks: int = 1
+
+
 @dataclass
 class P2pkvMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[SaveSpec] = field(default_factory=list)
@@ -62,4 +73,5 @@ class P2pkvMetadata(KVConnectorMetadata):  # type: ignore[misc]
     # Transfers whose saved request was aborted (its client went away): nobody got its parameters, so nobody will
     # pull it. Its blocks are no longer offered; vLLM frees them once a push in flight is done.
     abandoned: list[str] = field(default_factory=list)
+    wanted: list[Wanted] = field(default_factory=list)
     idle: bool = False  # the step computes nothing (vLLM steps on while transfers are in flight)

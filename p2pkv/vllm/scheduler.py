@@ -22,6 +22,7 @@ from p2pkv.params import (
     prompt_digest,
 )
 from p2pkv.vllm.metadata import Discard, LoadSpec, P2pkvMetadata, SaveSpec
+from p2pkv.vllm.waiting import WaitingRequests
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -85,6 +86,8 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._discards: list[Discard] = []
         self._abandoned: list[str] = []
+        # Decode requests waiting for blocks: what is held for their transfers is kept while they wait.
+        self._waiting = WaitingRequests(min(config.extra.lease_s, config.extra.staging_expiry_s), tp_size, pp_size)
         # A claim is kept a while after its load, so that late samples of the same request do not wait for KV
         # that was already taken; a sample waits for a claim's load at most this long.
         self._claim_wait_s = config.extra.transfer_timeout_s + 10.0
@@ -96,6 +99,12 @@ class SchedulerSide:
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
+
+    def on_new_request(self, request: Request) -> None:
+        """A decode request is queued: until it has blocks, what is held for its transfer is kept."""
+        params = _params(request)
+        if isinstance(params, DecodeParams) and self._config.role is not Role.PRODUCER:
+            self._waiting.add(request.request_id, params)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = _params(request)
@@ -113,6 +122,7 @@ class SchedulerSide:
         if self._config.role is Role.PRODUCER:
             return 0, False
         if not self._same_prompt(request, params):
+            self._waiting.drop(request.request_id)  # it will load nothing
             return 0, False
         claim = self._claims.get(params.transfer_id)
         if claim is not None and claim.request is not request:
@@ -167,6 +177,7 @@ class SchedulerSide:
             return
         if not isinstance(params, DecodeParams) or req_id in self._consumed or self._config.role is Role.PRODUCER:
             return
+        self._waiting.drop(req_id)  # it has its blocks: its load, if any, starts this step
         self._consumed.add(req_id)
         if not self._same_prompt(request, params):
             return  # nothing of the transfer is this request's to load or to free
@@ -216,10 +227,11 @@ class SchedulerSide:
                                       None if pulled else prefill_kv))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pkvMetadata:
+        now = time.monotonic()
         meta = P2pkvMetadata(loads=self._loads, discards=self._discards, abandoned=self._abandoned,
-                             idle=not scheduler_output.total_num_scheduled_tokens)
+                             wanted=self._waiting.due(now), idle=not scheduler_output.total_num_scheduled_tokens)
         self._loads, self._discards, self._abandoned = [], [], []
-        self._forget_claims(time.monotonic())
+        self._forget_claims(now)
         if not self._producers:
             return meta
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
@@ -276,6 +288,7 @@ class SchedulerSide:
                                       self._tp_size, self._pp_size).to_dict()
         self._consumed.discard(req_id)
         self._prompts.pop(req_id, None)
+        self._waiting.drop(req_id)
         if isinstance(params, DecodeParams) and (claim := self._claims.get(params.transfer_id)) is not None:
             if claim.request is request:
                 claim.request = None

@@ -26,7 +26,7 @@ from p2pkv.slices import HeadSlices
 from p2pkv.stages import StageLayers
 from p2pkv.staging import STAGE_ENV, DeviceKv, TransferBuffers
 from p2pkv.vllm.loads import Loads, Placement
-from p2pkv.vllm.metadata import P2pkvMetadata, SaveSpec
+from p2pkv.vllm.metadata import P2pkvMetadata, SaveSpec, Wanted
 
 if TYPE_CHECKING:
     import torch
@@ -130,6 +130,18 @@ class WorkerSide:
         self.loading.discard(meta.discards)
         if meta.abandoned:
             self._abandon(meta.abandoned)
+        if meta.wanted:
+            self._keep(meta.wanted)
+
+    def _keep(self, wanted: list[Wanted]) -> None:
+        """Requests still wait for blocks: their staged pushes are kept on every rank, and rank 0 asks each rank of
+        their prefill instances to keep holding the blocks of those held for a pull."""
+        deadline = time.monotonic() + self._config.extra.transfer_timeout_s
+        for keep in wanted:
+            self.engine.store.touch(keep.transfer_ids)
+            if self._at.slot == 0:
+                for rank in range(keep.prefill_ranks):
+                    self.engine.renew_leases(keep.prefill.offset(rank), keep.transfer_ids, deadline)
 
     def _abandon(self, transfer_ids: list[str]) -> None:
         """Transfers whose request was aborted: nobody will pull them, so their blocks are no longer offered (nor

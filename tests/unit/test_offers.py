@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from p2pkv.engine import offers
@@ -43,3 +45,23 @@ def test_a_transfer_offered_again_is_pulled_and_the_memory_of_gone_ones_is_bound
     for i in range(1, 5):
         table.forget(f"t{i}", "withdrawn")
     assert [table.claim(f"t{i}", 0, 1) for i in range(1, 5)] == [UNKNOWN_TRANSFER] + ["transfer is withdrawn"] * 3
+
+
+def test_a_renewed_offer_is_held_past_its_lease_and_only_held_offers_are_renewed() -> None:
+    table = OfferTable()
+    table.offer("wanted", 1, _source, 0.3)
+    table.offer("forgotten", 1, _source, 0.3)
+    table.offer("served", 1, _source, 0.3)
+    claimed = table.claim("served", 0, 1)
+    assert isinstance(claimed, Offer)
+    table.finish(claimed)
+    for _ in range(3):  # renewed every 0.15 s, for 0.45 s in all
+        time.sleep(0.15)
+        assert table.renew(["wanted", "served", "never"]) == 1
+        table.expire()
+    assert table.poll("wanted") is OfferState.OFFERED
+    assert table.poll("forgotten") is OfferState.EXPIRED  # the control: its lease ran out
+    assert table.poll("served") is OfferState.SERVED
+    time.sleep(0.35)
+    table.expire()
+    assert table.poll("wanted") is OfferState.EXPIRED  # no word since: its lease runs out in turn

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -464,3 +465,34 @@ def test_a_consumer_leaves_its_own_transfers_alone_on_a_discard() -> None:
     assert s.get_num_new_matched_tokens(Req("discard", [0], DiscardParams("t1").to_dict()), 0) == (0, False)
     meta = s.build_connector_meta(step())
     assert meta.abandoned == [] and meta.discards == [Discard("t1")]
+
+
+def test_decode_requests_waiting_for_blocks_keep_their_transfers_wanted() -> None:
+    """Decode requests queued in vLLM are tracked from `on_new_request`: every third of the lease (here 0.3 s),
+    the step's metadata names the transfers of those that waited that long, by prefill instance (with its rank
+    count), so the workers keep their staging and ask the prefill instance to keep their blocks. A request stops
+    being named once it has its blocks or is finished; a prefill instance tracks nothing."""
+    config = parse_connector_config("kv_consumer", 21001, "recompute", {"kv_host": "127.0.0.1", "lease_s": 0.3})
+    s = SchedulerSide(config, BS)
+    here, there = Address("10.0.0.1", 5000), Address("10.0.0.2", 5000)
+    reqs = [Req(f"r{i}", list(range(300)), DecodeParams(f"t{i}", 300, at, pull=True, prefill_tp=tp).to_dict())
+            for i, (at, tp) in enumerate([(here, 0), (here, 0), (there, 2)])]
+    sample = Req("r0-sample", list(range(300)), reqs[0].kv_transfer_params)  # n > 1: the same transfer
+    pushed = Req("r3", list(range(300)), DecodeParams("t3", 300, None).to_dict())  # no prefill address to ask
+    for req in [*reqs, sample, pushed]:
+        s.on_new_request(req)
+    assert s.build_connector_meta(step()).wanted == []  # not waited long yet
+    time.sleep(0.11)
+    assert {(w.prefill, w.transfer_ids, w.prefill_ranks) for w in s.build_connector_meta(step()).wanted} == {
+        (here, ("t0", "t1"), 1), (there, ("t2",), 2)}
+    assert s.build_connector_meta(step()).wanted == []  # once per interval
+    s.update_state_after_alloc(reqs[0], Blocks([1, 2, 3]), 299)  # it has its blocks: its load starts
+    reqs[1].set_status("FINISHED_ABORTED")
+    s.request_finished(reqs[1], [])
+    time.sleep(0.11)
+    assert {(w.prefill, w.transfer_ids) for w in s.build_connector_meta(step()).wanted} == {
+        (here, ("t0",)), (there, ("t2",))}  # the sample still waits (for the first sample's load)
+    producer = side("kv_producer")
+    producer.on_new_request(reqs[2])
+    time.sleep(0.11)
+    assert producer.build_connector_meta(step()).wanted == []

@@ -15,12 +15,13 @@ pytest.importorskip("vllm", reason="the worker side's metadata is vLLM's connect
 
 from p2pkv.cli.cluster import free_ports
 from p2pkv.config import parse_connector_config
+from p2pkv.engine.offers import OfferState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import HEADS_DIFFER, PULL_INSTEAD, StageState
 from p2pkv.params import Address
 from p2pkv.pipes import PIPE_ENV
 from p2pkv.staging import STAGE_ENV
-from p2pkv.vllm.metadata import Discard, LoadSpec, P2pkvMetadata, SaveSpec
+from p2pkv.vllm.metadata import Discard, LoadSpec, P2pkvMetadata, SaveSpec, Wanted
 from p2pkv.vllm.worker import WorkerSide
 
 LAYERS, BLOCKS, TOKENS, DIM, HEADS = 2, 5, 16, 8, 2
@@ -44,10 +45,12 @@ def halves(stage: int, pp: int) -> range:
 
 
 def worker(role: str, port: int, rank: int, tp: int, total: int, kv: dict[str, torch.Tensor],
-           pp_rank: int = 0, pp_size: int = 2, transport: str = "auto") -> WorkerSide:
-    """With gloo pipes asked for (the `piped` mode), the transport is nccl's: pulls by pipe, no export."""
+           pp_rank: int = 0, pp_size: int = 2, transport: str = "auto",
+           keys: dict[str, object] | None = None) -> WorkerSide:
+    """With gloo pipes asked for (the `piped` mode), the transport is nccl's: pulls by pipe, no export. `keys`: more
+    kv_connector_extra_config."""
     extra: dict[str, object] = {"kv_host": "127.0.0.1", "transfer_timeout_s": 10, "metrics_port": 0,
-                                "transport": transport}
+                                "transport": transport, **(keys or {})}
     if os.environ.get(PIPE_ENV) == "gloo":
         extra["transport"] = "nccl"
     config = parse_connector_config(role, port, "recompute", extra)
@@ -618,3 +621,50 @@ def test_a_refused_push_whose_transfer_is_abandoned_is_not_held_for_a_pull(sides
     settle(decode, "d-req", sending=False)
     assert time.monotonic() - started < 2
     assert decode.take_load_errors() == {4, 0}
+
+
+@pytest.mark.parametrize("wanted", [True, False])
+def test_transfers_still_wanted_outlive_the_lease_and_the_staging_expiry(sides: list[WorkerSide],
+                                                                          wanted: bool) -> None:
+    """Two transfers whose decode requests wait for blocks for twice the prefill side's lease and this side's
+    staging expiry (0.6 s each): one held for a pull (GET), one pushed and staged here. Told they are still wanted
+    (every 0.15 s, as the scheduler side does every third of the lease), the decode worker keeps the staging and
+    asks the prefill worker to keep the blocks: both then load, byte for byte. The control, not told, finds the
+    offer expired and the staging dropped: both loads fail."""
+    p_port, d_port = free_ports(2, run=2)
+    keys: dict[str, object] = {"lease_s": 0.6, "staging_expiry_s": 0.6}
+    p_kv, d_kv = caches(HEADS, 150), caches(HEADS, 151)
+    prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, pp_size=1, keys=keys)
+    decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, pp_size=1, keys=keys)
+    sides += [prefill, decode]
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-get", "tid20", None, (1, 2)),
+                                      SaveSpec("p-push", "tid21", Address("127.0.0.1", d_port), (3, 4))]))
+    for name in p_kv:
+        prefill.save_layer(name)
+    prefill.wait_for_save()
+    assert decode.engine.wait_staged("tid21", 10) is StageState.COMPLETE
+    assert prefill.get_finished({"p-get", "p-push"})[0] in (None, {"p-push"})
+    keep = [Wanted(Address("127.0.0.1", p_port), ("tid20", "tid21"))] if wanted else []
+    for _ in range(8):
+        decode.bind(P2pkvMetadata(wanted=keep))
+        decode.get_finished(set())
+        prefill.get_finished(set())
+        time.sleep(0.15)
+    assert (prefill.engine.offer_state("tid20") is OfferState.OFFERED) is wanted
+    assert (decode.engine.staged_state("tid21") is StageState.COMPLETE) is wanted
+    # (The control's dropped push would only fail at the load's deadline, as a push that never came: not loaded.)
+    loads = [LoadSpec("d-get", "tid20", 0, (0, 1), pull_from=Address("127.0.0.1", p_port))]
+    loads += [LoadSpec("d-push", "tid21", 0, (2, 3))] if wanted else []
+    decode.bind(P2pkvMetadata(loads=loads))
+    loaded: set[str] = set()
+    deadline = time.monotonic() + 10
+    while loaded != {spec.req_id for spec in loads} and time.monotonic() < deadline:
+        loaded |= decode.get_finished(set())[1] or set()
+        time.sleep(0.01)
+    assert loaded == {spec.req_id for spec in loads}
+    if not wanted:
+        assert decode.take_load_errors() == {0, 1}
+        return
+    assert decode.take_load_errors() == set()
+    assert all(torch.equal(d_kv[n][[0, 1, 2, 3]], p_kv[n][[1, 2, 3, 4]]) for n in d_kv)
+    assert prefill.engine.metrics.of(prefill.engine.metrics.lease_renewals, "renewed")._value.get() > 0
