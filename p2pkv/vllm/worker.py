@@ -246,6 +246,11 @@ class WorkerSide:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._engine is None:
             return None, None
+        # A lease counts from when vLLM finishes the request, whose answer names the transfer: until then (a prefill
+        # request that goes on decoding) nobody can pull, so its offer is held for as long as it runs.
+        unanswered = [tid for req_id, tid in self._sending.items() if req_id not in self._finished]
+        if unanswered:
+            self._engine.offers.renew(unanswered)
         self._engine.housekeeping()
         sent, loaded = self._finished_sending(finished_req_ids), self.loading.finished(finished_req_ids)
         if self._meta.idle and not sent and not loaded and (self._sending or self.loading.pending):

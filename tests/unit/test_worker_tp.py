@@ -668,3 +668,30 @@ def test_transfers_still_wanted_outlive_the_lease_and_the_staging_expiry(sides: 
     assert decode.take_load_errors() == set()
     assert all(torch.equal(d_kv[n][[0, 1, 2, 3]], p_kv[n][[1, 2, 3, 4]]) for n in d_kv)
     assert prefill.engine.metrics.of(prefill.engine.metrics.lease_renewals, "renewed")._value.get() > 0
+
+
+@pytest.mark.parametrize("running", [True, False])
+def test_the_lease_of_an_offer_counts_from_when_its_request_finishes(sides: list[WorkerSide], running: bool) -> None:
+    """GET, a lease of 0.6 s: a prefill request that goes on decoding for 1.2 s after its prompt was offered has
+    its blocks held all along (nobody has its answer yet), and for a lease after it finishes: a pull 0.3 s after
+    that is served. The control, finished at once, finds its offer expired after the same 1.5 s."""
+    p_port, d_port = free_ports(2, run=2)
+    p_kv, d_kv = caches(HEADS, 160), caches(HEADS, 161)
+    prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, pp_size=1, keys={"lease_s": 0.6})
+    decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, pp_size=1)
+    sides += [prefill, decode]
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid22", None, (1, 2))]))
+    prefill.wait_for_save()
+    prefill.get_finished(set() if running else {"p-req"})
+    for _ in range(8):
+        prefill.bind(P2pkvMetadata())
+        prefill.get_finished(set())
+        time.sleep(0.15)
+    if running:
+        prefill.get_finished({"p-req"})
+        time.sleep(0.3)
+        prefill.get_finished(set())
+    assert (prefill.engine.offer_state("tid22") is OfferState.OFFERED) is running
+    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid22", 0, (0, 1), pull_from=Address("127.0.0.1", p_port))]))
+    settle(decode, "d-req", sending=False)
+    assert decode.take_load_errors() == (set() if running else {0, 1})
