@@ -3,7 +3,10 @@ vLLM preempts requests (frees their blocks, and computes them again later). On t
 usual case under load; on the prefill instance it happens to prefill requests that go on decoding (`kv_both`, or a
 proxy that does not cap the prefill at one token) after their prompt was saved: their blocks may then hold other KV
 before the decode side pulls them, so the offer is withdrawn and the pull refused. Either way every answer equals a
-colocated instance's, no load waits out its deadline, and nothing is left held."""
+colocated instance's, no load waits out its deadline, and nothing is left held. A busy decode instance queues
+requests for blocks far longer than the prefill instance's lease (4 s here): while one waits, the decode instance
+asks the prefill instance to keep its blocks (every third of the lease), so its KV is still there when it gets
+blocks, and is loaded rather than computed again on the busy instance."""
 
 from __future__ import annotations
 
@@ -18,10 +21,12 @@ import pytest
 
 from p2pkv.params import DecodeParams, PrefillParams, parse_transfer_params
 from tests.integration.conftest import MAX_BATCHED_TOKENS, UpCluster, metric, up_with_colocated
-from tests.integration.test_disagg import LOAD_FAILED, MAX_TOKENS, greedy, prompt
+from tests.integration.test_disagg import LOAD_FAILED, MAX_TOKENS, greedy, ids_and_logprobs, prompt
 
 pytestmark = pytest.mark.vllm
 BLOCKS = 20
+LEASE_S = 4.0
+RENEWED = 'p2pkv_lease_renewals_total{outcome="renewed"}'
 PREEMPTIONS = "vllm:num_preemptions_total"
 USAGE = "vllm:kv_cache_usage_perc"
 
@@ -30,8 +35,9 @@ USAGE = "vllm:kv_cache_usage_perc"
 def pressed(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
     vllm_args = ["--num-gpu-blocks-override", str(BLOCKS), "--max-model-len", "2048",
                  "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]
-    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("pressed"), {"transfer_timeout_s": 5.0},
-                           vllm_args) as (proc, info, colocated):
+    extra = {"transfer_timeout_s": 5.0, "lease_s": LEASE_S}
+    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("pressed"), extra, vllm_args) as (proc, info,
+                                                                                                  colocated):
         yield UpCluster(proc, info, colocated, tiny_model)
 
 
@@ -98,3 +104,39 @@ def test_prefill_requests_preempted_after_their_prompt_was_saved_are_not_pulled(
     # Each preemption after a save withdrew that transfer: at least one decode load was refused.
     assert metric(decode["metrics"], LOAD_FAILED) > failed
     assert _nothing_held(pressed)
+
+
+def test_a_pulled_transfer_is_kept_while_its_decode_request_waits_for_blocks(pressed: UpCluster) -> None:
+    prefill, decode = pressed.instance("kv_producer"), pressed.instance("kv_consumer")
+    failed, renewed = metric(decode["metrics"], LOAD_FAILED), metric(prefill["metrics"], RENEWED)
+    text = prompt("waits-for-blocks", 400)
+
+    async def run() -> tuple[dict[str, Any], float]:
+        async with httpx.AsyncClient(timeout=600) as client:
+            fillers = [asyncio.ensure_future(client.post(
+                f"http://{decode['http']}/v1/completions",
+                json={"model": pressed.model, "prompt": prompt(f"filler{i}", 300), "max_tokens": 1500,
+                      "ignore_eos": True})) for i in range(6)]
+            await asyncio.sleep(1.0)  # the fillers hold the decode instance's blocks
+            params = PrefillParams(uuid.uuid4().hex, None, pull=True)
+            answer = await client.post(f"http://{prefill['http']}/v1/completions", json={
+                "model": pressed.model, "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()})
+            returned = parse_transfer_params(answer.json()["kv_transfer_params"])
+            assert isinstance(returned, DecodeParams) and returned.pull
+            started = time.monotonic()
+            decoded = await client.post(f"http://{decode['http']}/v1/completions", json={
+                "model": pressed.model, "prompt": text, "max_tokens": 16, "temperature": 0, "logprobs": 1,
+                "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": returned.to_dict()})
+            waited = time.monotonic() - started
+            for filler in await asyncio.gather(*fillers):
+                assert filler.status_code == 200, filler.text
+            assert decoded.status_code == 200, decoded.text
+            out: dict[str, Any] = decoded.json()
+            return out, waited
+
+    answer, waited = asyncio.run(run())
+    assert waited > LEASE_S + 2, f"the request waited {waited:.1f} s: not past the lease, nothing to check"
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 399
+    assert metric(decode["metrics"], LOAD_FAILED) == failed
+    assert metric(prefill["metrics"], RENEWED) > renewed
+    assert ids_and_logprobs(answer)[0] == ids_and_logprobs(greedy(pressed.colocated, pressed.model, text))[0]
