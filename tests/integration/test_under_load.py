@@ -1,12 +1,19 @@
-"""1P1D on real vLLM with KV caches of 20 blocks (2560 tokens) each, far fewer than the requests need at once, so
-vLLM preempts requests (frees their blocks, and computes them again later). On the decode instance that is the
-usual case under load; on the prefill instance it happens to prefill requests that go on decoding (`kv_both`, or a
-proxy that does not cap the prefill at one token) after their prompt was saved: their blocks may then hold other KV
-before the decode side pulls them, so the offer is withdrawn and the pull refused. Either way every answer equals a
-colocated instance's, no load waits out its deadline, and nothing is left held. A busy decode instance queues
-requests for blocks far longer than the prefill instance's lease (4 s here): while one waits, the decode instance
-asks the prefill instance to keep its blocks (every third of the lease), so its KV is still there when it gets
-blocks, and is loaded rather than computed again on the busy instance."""
+"""1P1D on real vLLM under load, as on GPUs: async scheduling on, and KV caches far smaller than the load.
+
+Async scheduling is vLLM's default on GPUs (its CPU build turns it off; a test-only plugin, `tests/helpers/
+async_scheduling`, keeps it on): the engine core schedules a step while the last one runs, so the connector's
+scheduler side builds a step's metadata before the workers have reported the last step's transfers, and requests
+that finish are known a step late.
+
+The KV caches hold 20 blocks (2560 tokens) each, far fewer than the requests need at once, so vLLM preempts
+requests (frees their blocks, and computes them again later). On the decode instance that is the usual case under
+load; on the prefill instance it happens to prefill requests that go on decoding (`kv_both`, or a proxy that does
+not cap the prefill at one token) after their prompt was saved: their blocks may then hold other KV before the
+decode side pulls them, so the offer is withdrawn and the pull refused. A busy decode instance also queues requests
+for blocks far longer than the prefill instance's lease (4 s here): while one waits, the decode instance asks the
+prefill instance to keep its blocks, so its KV is still there when it gets blocks.
+
+Every answer equals a colocated instance's, no load waits out its deadline, and nothing is left held."""
 
 from __future__ import annotations
 
@@ -14,21 +21,26 @@ import asyncio
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from p2pkv.bench.soak import SoakResult, _drive
 from p2pkv.params import DecodeParams, PrefillParams, parse_transfer_params
 from tests.integration.conftest import MAX_BATCHED_TOKENS, UpCluster, metric, up_with_colocated
-from tests.integration.test_disagg import LOAD_FAILED, MAX_TOKENS, greedy, ids_and_logprobs, prompt
+from tests.integration.test_disagg import LOAD_FAILED, MAX_TOKENS, greedy, ids_and_logprobs, prompt, two_steps
+from tests.integration.test_staged import kv_bytes
 
 pytestmark = pytest.mark.vllm
+PLUGIN = Path(__file__).resolve().parents[1] / "helpers" / "async_scheduling"
 BLOCKS = 20
 LEASE_S = 4.0
 RENEWED = 'p2pkv_lease_renewals_total{outcome="renewed"}'
 PREEMPTIONS = "vllm:num_preemptions_total"
 USAGE = "vllm:kv_cache_usage_perc"
+LOADED = "p2pkv_bytes_loaded_total"
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +48,9 @@ def pressed(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     vllm_args = ["--num-gpu-blocks-override", str(BLOCKS), "--max-model-len", "2048",
                  "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]
     extra = {"transfer_timeout_s": 5.0, "lease_s": LEASE_S}
-    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("pressed"), extra, vllm_args) as (proc, info,
-                                                                                                  colocated):
+    work = tmp_path_factory.mktemp("pressed")
+    with up_with_colocated(tiny_model, work, extra, vllm_args, (), {"PYTHONPATH": str(PLUGIN)}) as (proc, info,
+                                                                                                 colocated):
         yield UpCluster(proc, info, colocated, tiny_model)
 
 
@@ -140,3 +153,63 @@ def test_a_pulled_transfer_is_kept_while_its_decode_request_waits_for_blocks(pre
     assert metric(decode["metrics"], LOAD_FAILED) == failed
     assert metric(prefill["metrics"], RENEWED) > renewed
     assert ids_and_logprobs(answer)[0] == ids_and_logprobs(greedy(pressed.colocated, pressed.model, text))[0]
+
+
+def test_both_instances_step_with_async_scheduling(pressed: UpCluster) -> None:
+    """The checks below ran what they claim: each instance's engine core stepped with a batch queue."""
+    import sys
+
+    sys.path.insert(0, str(PLUGIN))
+    try:
+        from p2pkv_test_async_scheduling import MARKER
+    finally:
+        sys.path.remove(str(PLUGIN))
+    cluster = pressed
+    logs = Path(cluster.info["log_dir"])
+    greedy(cluster.proxy, cluster.model, prompt("async-warm", 40))
+    stepped = sorted(p.name for p in logs.iterdir() if MARKER in p.read_text(errors="replace"))
+    assert len(stepped) == 2, f"instances stepping with a batch queue: {stepped} of {sorted(logs.iterdir())}"
+
+
+def test_answers_equal_colocated_and_every_prompt_is_loaded(pressed: UpCluster) -> None:
+    """Prompts of one block to several, some prefilled in chunks (over 256 tokens): each answer's tokens and
+    log-probabilities equal the colocated instance's, and the decode instance loaded every transfer's bytes."""
+    cluster = pressed
+    decode = cluster.instance("kv_consumer")
+    before, expected = metric(decode["metrics"], LOADED), 0
+    for i, length in enumerate([60, 129, 300, 700]):
+        text = prompt(f"async{i}", length)
+        answer = greedy(cluster.proxy, cluster.model, text)
+        reference = greedy(cluster.colocated, cluster.model, text)
+        assert ids_and_logprobs(answer) == ids_and_logprobs(reference)
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
+        expected += kv_bytes(length)
+    # A GET transfer (the decode side pulls), on the same instances.
+    text = prompt("async-get", 400)
+    returned, answer = two_steps(cluster, text, PrefillParams(uuid.uuid4().hex, None, pull=True))
+    assert returned.pull
+    assert ids_and_logprobs(answer) == ids_and_logprobs(greedy(cluster.colocated, cluster.model, text))
+    expected += kv_bytes(400)
+    assert metric(decode["metrics"], LOADED) - before == expected
+
+
+def test_every_request_shape_is_served_and_nothing_is_left_held(pressed: UpCluster) -> None:
+    """The soak's mixed requests, 8 at a time: plain, n = 3, batches, one-token prompts, a prompt the decode
+    instance holds whole, prompt log-probabilities, streams, streamed batches, and clients that go away. None fails;
+    afterwards neither instance holds KV and the decode side stages nothing."""
+    cluster = pressed
+    result = SoakResult(90, 0, 0.0)
+    asyncio.run(_drive(cluster.proxy, cluster.model, 90, 8, 45, asyncio.Event(), result, mixed=True))
+    assert result.failures == 0
+    assert result.left > 0
+    prefill, decode = cluster.instance("kv_producer"), cluster.instance("kv_consumer")
+
+    def held() -> list[float]:
+        return [metric(prefill["http"], USAGE), metric(decode["http"], USAGE),
+                metric(decode["metrics"], "p2pkv_staging_bytes")]
+
+    deadline = time.monotonic() + 5
+    while any(held()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert held() == [0, 0, 0]
+    assert httpx.get(f"{cluster.proxy}/health", timeout=10).status_code == 200
