@@ -566,6 +566,20 @@ def test_blocks_of_an_aborted_prefill_request_are_no_longer_held_for_a_pull(side
     assert decode.take_load_errors() == ({4, 0} if aborted else set())
 
 
+def refused_push(sides: list[WorkerSide], monkeypatch: pytest.MonkeyPatch, seed: int,
+                 tid: str) -> tuple[WorkerSide, WorkerSide, int]:
+    """A prefill worker's push of blocks (1, 3) that the decode worker refused (it asks for a pull instead, as a
+    staged cache does): both workers and the prefill worker's port."""
+    monkeypatch.setenv(STAGE_ENV, "1")
+    prefill, decode, _, _, p_port, d_port = one_to_one(sides, seed)
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", tid, Address("127.0.0.1", d_port), (1, 3))]))
+    prefill.wait_for_save()
+    assert decode.engine.wait_staged(tid, 10) is StageState.FAILED
+    out = prefill.engine.wait_outgoing(tid, 10)
+    assert out is not None and out.state is OutState.REFUSED
+    return prefill, decode, p_port
+
+
 @pytest.mark.parametrize("fallback", [True, False])
 def test_a_discarded_push_that_was_refused_releases_the_blocks_held_for_it(sides: list[WorkerSide],
                                                                           monkeypatch: pytest.MonkeyPatch,
@@ -573,13 +587,7 @@ def test_a_discarded_push_that_was_refused_releases_the_blocks_held_for_it(sides
     """The decode side refused a push (here it asks for a pull instead), so the prefill worker holds the blocks
     for a pull; the transfer is then discarded (nothing here loads it). Knowing where the prefill instance is, the
     decode worker releases them at once; the control, not knowing, leaves them held until the lease runs out."""
-    monkeypatch.setenv(STAGE_ENV, "1")
-    prefill, decode, _, _, p_port, d_port = one_to_one(sides, 130)
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid16", Address("127.0.0.1", d_port), (1, 3))]))
-    prefill.wait_for_save()
-    assert decode.engine.wait_staged("tid16", 10) is StageState.FAILED
-    out = prefill.engine.wait_outgoing("tid16", 10)
-    assert out is not None and out.state is OutState.REFUSED
+    prefill, decode, p_port = refused_push(sides, monkeypatch, 130, "tid16")
     assert prefill.get_finished({"p-req"}) == (None, None)  # held for a pull now
     decode.bind(P2pkvMetadata(discards=[Discard("tid16", fallback_from=Address("127.0.0.1", p_port) if fallback
                                                 else None)]))
@@ -600,13 +608,7 @@ def test_a_refused_push_whose_transfer_is_abandoned_is_not_held_for_a_pull(sides
     prefill side (the client went away during the prefill, and the proxy told the prefill instance: the decode
     instance does not know where the blocks are). The blocks are not held for a pull, whether the abandon comes
     before the worker saw the refusal or after it offered the blocks; a pull that comes anyway is refused at once."""
-    monkeypatch.setenv(STAGE_ENV, "1")
-    prefill, decode, _, _, p_port, d_port = one_to_one(sides, 140)
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid17", Address("127.0.0.1", d_port), (1, 3))]))
-    prefill.wait_for_save()
-    assert decode.engine.wait_staged("tid17", 10) is StageState.FAILED
-    out = prefill.engine.wait_outgoing("tid17", 10)
-    assert out is not None and out.state is OutState.REFUSED
+    prefill, decode, p_port = refused_push(sides, monkeypatch, 140, "tid17")
     if abandoned_first:
         prefill.bind(P2pkvMetadata(abandoned=["tid17"]))
         assert prefill.get_finished({"p-req"}) == ({"p-req"}, None)
