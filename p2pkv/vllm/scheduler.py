@@ -102,7 +102,10 @@ class SchedulerSide:
 
     def on_new_request(self, request: Request) -> None:
         """A decode request is queued: until it has blocks, what is held for its transfer is kept."""
-        params = _params(request)
+        try:  # invalid parameters are logged once, when the request is scheduled
+            params = parse_transfer_params(request.kv_transfer_params)
+        except ConfigError:
+            return
         if isinstance(params, DecodeParams) and self._config.role is not Role.PRODUCER:
             self._waiting.add(request.request_id, params)
 

@@ -496,3 +496,11 @@ def test_decode_requests_waiting_for_blocks_keep_their_transfers_wanted() -> Non
     producer.on_new_request(reqs[2])
     time.sleep(0.11)
     assert producer.build_connector_meta(step()).wanted == []
+
+
+def test_a_request_with_invalid_params_is_not_tracked_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    s = side("kv_consumer")
+    req = Req("bad", list(range(10)), {"p2pkv": 1, "transfer_id": 5})
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert len([r for r in caplog.records if "invalid kv_transfer_params" in r.getMessage()]) == 1
