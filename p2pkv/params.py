@@ -107,6 +107,9 @@ class DecodeParams:
     prefill_pp: int = 0  # the prefill instance's pipeline-parallel size (0: not said, taken to equal ours)
     # `prompt_digest` of the prompt the KV was computed for ("": not said; then only the length is compared)
     prompt: str = ""
+    # how long the prefill instance holds the blocks without word from the decode side, in seconds (its `lease_s`;
+    # 0: not said, taken to equal ours): the decode side renews a waiting request's lease before it runs out
+    lease_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -119,6 +122,8 @@ class DecodeParams:
             out["prompt_digest"] = self.prompt
         if self.test_corrupt:
             out["test_corrupt"] = True
+        if self.lease_s:
+            out["prefill_lease_s"] = self.lease_s
         return _held_at(out, self.prefill_kv, self.pull, self.prefill_tp, self.prefill_pp)
 
 
@@ -187,6 +192,13 @@ def _size(raw: dict[str, Any], key: str) -> int:
     return value
 
 
+def _lease(raw: dict[str, Any]) -> float:
+    value = raw.get("prefill_lease_s", 0.0)
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= 3600:
+        raise ConfigError(f"kv_transfer_params.prefill_lease_s: expected seconds from 0 to 3600, got {value!r}")
+    return float(value)
+
+
 def parse_transfer_params(raw: Any) -> AnyParams | None:
     """Turn vLLM's `kv_transfer_params` into typed params; None when the request is not a p2pkv transfer.
 
@@ -216,7 +228,7 @@ def parse_transfer_params(raw: Any) -> AnyParams | None:
             raise ConfigError(f"kv_transfer_params.prompt_digest: expected 16 hex digits, got {digest!r}")
         params = DecodeParams(transfer_id, tokens, Address.parse(prefill) if isinstance(prefill, str) else None,
                               bool(raw.get("test_corrupt", False)), _pull(raw), _size(raw, "prefill_tp_size"),
-                              _size(raw, "prefill_pp_size"), digest)
+                              _size(raw, "prefill_pp_size"), digest, _lease(raw))
         if params.pull and params.prefill_kv is None:
             raise ConfigError("kv_transfer_params: send_type GET needs prefill_kv_address")
         return params

@@ -132,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="what vLLM does with a request whose KV did not arrive")
     up.add_argument("--extra-config", default="{}", metavar="JSON",
                     help="kv_connector_extra_config keys for every instance, e.g. '{\"auth_secret\": \"...\"}'")
+    up.add_argument("--prefill-extra-config", default="{}", metavar="JSON",
+                    help="keys for the prefill instances only, over --extra-config, e.g. '{\"lease_s\": 60}'")
+    up.add_argument("--decode-extra-config", default="{}", metavar="JSON",
+                    help="keys for the decode instances only, over --extra-config, e.g. '{\"kv_buffer_size\": 8e9}'")
     up.add_argument("--ready-file", default=None, help="write the cluster's addresses as JSON here once ready")
     up.add_argument("--log-dir", default=None, help="where process logs go (default: a temporary folder)")
     up.add_argument("--ready-timeout", type=float, default=900.0)

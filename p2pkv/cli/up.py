@@ -35,14 +35,26 @@ def _ports(base: int, count: int, host: str) -> list[int]:
     return [base + i for i in range(count)] if base else free_ports(count, host)
 
 
-def _extra_config(text: str) -> dict[str, Any]:
+# Keys every instance must share (the proxy is one, and checks one secret), so not given per role.
+_SHARED_KEYS = ("auth_secret", "proxy_ip", "proxy_port", "send_type")
+
+
+def _extra_config(text: str, option: str = "--extra-config", base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON object of an extra-config option, checked as the instances will check it (merged over `base`,
+    the keys for every instance, for a role's own option)."""
     try:
         extra = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"--extra-config: not valid JSON ({exc})") from None
+        raise ConfigError(f"{option}: not valid JSON ({exc})") from None
     if not isinstance(extra, dict):
-        raise ConfigError("--extra-config: expected a JSON object of kv_connector_extra_config keys")
-    parse_extra_config(extra)  # fail here, with the key named, rather than inside every vLLM
+        raise ConfigError(f"{option}: expected a JSON object of kv_connector_extra_config keys")
+    if base is not None and (shared := [k for k in _SHARED_KEYS if k in extra]):
+        raise ConfigError(f"{option}: {', '.join(shared)} must be the same on every instance: give it in "
+                          "--extra-config (or --send-type)")
+    try:
+        parse_extra_config({**(base or {}), **extra})  # fail here, with the key named, rather than in every vLLM
+    except ConfigError as exc:
+        raise ConfigError(f"{option}: {exc}") from None
     return extra
 
 
@@ -65,15 +77,18 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
         kv_ports, metrics_ports = blocks[:n], blocks[n:]
     extra_vllm = tuple(a for a in args.vllm_args if a != "--")
     # The instances find the proxy by heartbeats, as in a real deployment; nothing is listed statically.
-    extra = {"send_type": args.send_type, "proxy_ip": args.host, "proxy_port": discovery_port,
-             **_extra_config(args.extra_config)}
+    shared = _extra_config(args.extra_config)
+    extra = {"send_type": args.send_type, "proxy_ip": args.host, "proxy_port": discovery_port, **shared}
+    own = {role: _extra_config(text, f"--{role}-extra-config", shared)
+           for role, text in (("prefill", args.prefill_extra_config), ("decode", args.decode_extra_config))}
     described = []
     for i in range(n):
         is_prefill = i < args.prefill
         role = "kv_producer" if is_prefill else "kv_consumer"
         name = f"prefill{i}" if is_prefill else f"decode{i - args.prefill}"
         spec = InstanceSpec(role, http_ports[i], kv_ports[i],
-                            {**extra, "metrics_port": metrics_ports[i], "http_port": http_ports[i]},
+                            {**extra, **own["prefill" if is_prefill else "decode"], "metrics_port": metrics_ports[i],
+                             "http_port": http_ports[i]},
                             extra_vllm, args.kv_load_failure_policy,
                             args.prefill_tp if is_prefill else args.decode_tp,
                             args.prefill_pp if is_prefill else args.decode_pp)

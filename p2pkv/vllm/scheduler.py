@@ -312,4 +312,4 @@ class SchedulerSide:
         decode side without staging space pulls instead."""
         return DecodeParams(producer.transfer_id, producer.num_prompt_tokens, self._own_address,
                             pull=producer.peer is None, prefill_tp=self._tp_size, prefill_pp=self._pp_size,
-                            prompt=producer.prompt).to_dict()
+                            prompt=producer.prompt, lease_s=self._config.extra.lease_s).to_dict()

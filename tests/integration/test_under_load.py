@@ -11,13 +11,16 @@ load; on the prefill instance it happens to prefill requests that go on decoding
 not cap the prefill at one token) after their prompt was saved: their blocks may then hold other KV before the
 decode side pulls them, so the offer is withdrawn and the pull refused. A busy decode instance also queues requests
 for blocks far longer than the prefill instance's lease (4 s here): while one waits, the decode instance asks the
-prefill instance to keep its blocks, so its KV is still there when it gets blocks.
+prefill instance to keep its blocks, so its KV is still there when it gets blocks. Only the prefill instance has
+the short lease (the decode instance keeps the default, 30 s): renewals follow the lease the prefill instance
+says in its answer.
 
 Every answer equals a colocated instance's, no load waits out its deadline, and nothing is left held."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -47,10 +50,11 @@ LOADED = "p2pkv_bytes_loaded_total"
 def pressed(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
     vllm_args = ["--num-gpu-blocks-override", str(BLOCKS), "--max-model-len", "2048",
                  "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]
-    extra = {"transfer_timeout_s": 5.0, "lease_s": LEASE_S}
+    extra = {"transfer_timeout_s": 5.0}
+    prefill_only = ("--prefill-extra-config", json.dumps({"lease_s": LEASE_S}))
     work = tmp_path_factory.mktemp("pressed")
-    with up_with_colocated(tiny_model, work, extra, vllm_args, (), {"PYTHONPATH": str(PLUGIN)}) as (proc, info,
-                                                                                                 colocated):
+    with up_with_colocated(tiny_model, work, extra, vllm_args, prefill_only, {"PYTHONPATH": str(PLUGIN)}) as (
+            proc, info, colocated):
         yield UpCluster(proc, info, colocated, tiny_model)
 
 
@@ -135,7 +139,7 @@ def test_a_pulled_transfer_is_kept_while_its_decode_request_waits_for_blocks(pre
             answer = await client.post(f"http://{prefill['http']}/v1/completions", json={
                 "model": pressed.model, "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()})
             returned = parse_transfer_params(answer.json()["kv_transfer_params"])
-            assert isinstance(returned, DecodeParams) and returned.pull
+            assert isinstance(returned, DecodeParams) and returned.pull and returned.lease_s == LEASE_S
             started = time.monotonic()
             decoded = await client.post(f"http://{decode['http']}/v1/completions", json={
                 "model": pressed.model, "prompt": text, "max_tokens": 16, "temperature": 0, "logprobs": 1,

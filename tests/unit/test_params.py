@@ -27,6 +27,9 @@ def test_prefill_and_decode_params_round_trip() -> None:
     assert parse_transfer_params(sized_back.to_dict()) == sized_back
     digested = DecodeParams("abc123", 3, None, prompt=prompt_digest([5, 6, 7]))
     assert parse_transfer_params(digested.to_dict()) == digested
+    leased = DecodeParams("abc123", 3, Address("h", 1), pull=True, lease_s=12.5)
+    assert leased.to_dict()["prefill_lease_s"] == 12.5 and parse_transfer_params(leased.to_dict()) == leased
+    assert "prefill_lease_s" not in dec.to_dict()
 
 
 def test_discard_params_round_trip_and_follow_the_prefill_answer() -> None:
@@ -67,6 +70,10 @@ def test_foreign_params_are_not_ours() -> None:
         {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prefill_pp_size": "2"},
         {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prompt_digest": 7},
         {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prompt_digest": "XYZ"},
+        {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prefill_lease_s": "30"},
+        {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prefill_lease_s": -1},
+        {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prefill_lease_s": 1e9},
+        {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prefill_lease_s": True},
         {"p2pkv": 1, "transfer_id": "x", "discard_transfer": True, "send_type": "GET"},  # GET: from where?
         {"p2pkv": 1, "transfer_id": "x", "discard_transfer": True, "prefill_tp_size": 0.5},
         {"p2pkv": 1, "transfer_id": "x", "discard_transfer": "yes"},

@@ -99,7 +99,7 @@ def test_another_prompt_of_the_same_length_is_computed_here_and_leaves_the_trans
     """One transfer for a batch of prompts (one completion request): only the prompt whose digest it carries loads
     it, whichever is scheduled first; the others are computed here and neither claim nor free the transfer."""
     s = side("kv_consumer")
-    params = DecodeParams("t1", 300, None, prompt=prompt_digest(range(300))).to_dict()
+    params = DecodeParams("t1", 300, None, prompt=prompt_digest(range(300)), lease_s=30.0).to_dict()
     other, own = Req("1_other", [1] * 300, params), Req("0_own", list(range(300)), params)
     assert s.get_num_new_matched_tokens(other, 0) == (0, False)
     s.update_state_after_alloc(other, Blocks([1, 2, 3]), 0)
@@ -217,7 +217,7 @@ def test_parallel_samples_on_the_prefill_side_send_the_transfer_once() -> None:
     saves = s.build_connector_meta(step(new, scheduled={r.request_id: 300 for r in samples})).saves
     assert [(sv.req_id, sv.block_ids) for sv in saves] == [(samples[0].request_id, (1, 2, 3))]
     answer = DecodeParams("t9", 300, Address("127.0.0.1", 21001), prefill_tp=1, prefill_pp=1,
-                          prompt=prompt_digest(range(300))).to_dict()
+                          prompt=prompt_digest(range(300)), lease_s=30.0).to_dict()
     # Whichever sample vLLM's answer takes its params from, they name the one transfer; only the first holds blocks.
     assert s.request_finished(samples[1], []) == (False, answer)
     assert s.request_finished(samples[0], [1, 2, 3]) == (True, answer)
@@ -240,7 +240,7 @@ def test_producer_saves_once_when_a_chunked_prompt_completes() -> None:
     delay, params = s.request_finished(req, [1, 2, 3])
     assert delay is True
     assert params == DecodeParams("t9", 300, Address("127.0.0.1", 21001), prefill_tp=1, prefill_pp=1,
-                                  prompt=prompt_digest(range(300))).to_dict()
+                                  prompt=prompt_digest(range(300)), lease_s=30.0).to_dict()
 
 
 def test_a_preempted_request_whose_blocks_are_being_sent_is_named_to_the_workers() -> None:
@@ -496,6 +496,46 @@ def test_decode_requests_waiting_for_blocks_keep_their_transfers_wanted() -> Non
     producer.on_new_request(reqs[2])
     time.sleep(0.11)
     assert producer.build_connector_meta(step()).wanted == []
+
+
+def test_renewals_go_before_the_prefill_instances_own_lease_runs_out() -> None:
+    """A prefill instance says its lease in its answer; where it is shorter than the decode side's, the decode side
+    renews that request's transfer every third of it, and others at their own pace. Requests whose times come
+    near together are named together."""
+    config = parse_connector_config("kv_consumer", 21001, "recompute", {"kv_host": "127.0.0.1", "lease_s": 30})
+    s = SchedulerSide(config, BS)
+    short, long_ = Address("10.0.0.1", 5000), Address("10.0.0.2", 5000)
+    reqs = [Req("a", list(range(300)), DecodeParams("ta", 300, short, pull=True, lease_s=0.6).to_dict()),
+            Req("b", list(range(300)), DecodeParams("tb", 300, long_, pull=True, lease_s=60).to_dict()),
+            Req("c", list(range(300)), DecodeParams("tc", 300, long_, pull=True).to_dict())]  # lease not said
+    for req in reqs:
+        s.on_new_request(req)
+    assert s.build_connector_meta(step()).wanted == []
+    time.sleep(0.21)
+    assert [(w.prefill, w.transfer_ids) for w in s.build_connector_meta(step()).wanted] == [(short, ("ta",))]
+    time.sleep(0.1)
+    assert s.build_connector_meta(step()).wanted == []  # named again a third of its lease after: not yet
+    time.sleep(0.11)
+    assert [(w.prefill, w.transfer_ids) for w in s.build_connector_meta(step()).wanted] == [(short, ("ta",))]
+    d = SchedulerSide(parse_connector_config("kv_consumer", 21001, "recompute",
+                                             {"kv_host": "127.0.0.1", "lease_s": 0.6}), BS)
+    d.on_new_request(reqs[1])  # the decode side's own lease is the shorter
+    time.sleep(0.08)
+    d.on_new_request(reqs[2])
+    time.sleep(0.13)
+    # b's time has come and c's is at most 0.07 s away (within half an interval): both go in one renewal.
+    assert [(w.prefill, w.transfer_ids) for w in d.build_connector_meta(step()).wanted] == [(long_, ("tb", "tc"))]
+
+
+def test_a_producer_says_its_lease_in_its_answer() -> None:
+    config = parse_connector_config("kv_producer", 21001, "recompute", {"kv_host": "127.0.0.1", "lease_s": 7.5})
+    s = SchedulerSide(config, BS)
+    req = Req("p", list(range(40)), PrefillParams("t8", None, pull=True).to_dict())
+    s.update_state_after_alloc(req, Blocks([4]), 0)
+    s.build_connector_meta(step([SimpleNamespace(req_id="p", block_ids=([4],), num_computed_tokens=0)],
+                                scheduled={"p": 40}))
+    returned = parse_transfer_params(s.request_finished(req, [4])[1])
+    assert isinstance(returned, DecodeParams) and returned.lease_s == 7.5 and returned.pull
 
 
 def test_a_request_with_invalid_params_is_not_tracked_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:

@@ -1,0 +1,50 @@
+"""`p2pkv up`: what each instance of the cluster it would start is given (nothing is started here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from p2pkv.cli.main import build_parser
+from p2pkv.cli.up import build_cluster
+from p2pkv.errors import ConfigError
+
+
+def _extras(tmp_path: Path, *argv: str) -> dict[str, dict[str, Any]]:
+    """Each instance's kv_connector_extra_config, by instance name, as it would be passed to vLLM."""
+    args = build_parser().parse_args(["up", "--model", "m", "--prefill", "1", "--decode", "2", *argv])
+    cluster, _ = build_cluster(args, "m", tmp_path)
+    out = {}
+    for proc in cluster.processes:
+        if proc.name != "proxy":
+            config = json.loads(proc.argv[proc.argv.index("--kv-transfer-config") + 1])
+            out[proc.name] = config["kv_connector_extra_config"]
+    return out
+
+
+def test_role_extra_configs_apply_to_their_role_over_the_shared_one(tmp_path: Path) -> None:
+    extras = _extras(tmp_path, "--extra-config", '{"lease_s": 10, "auth_secret": "s"}',
+                     "--prefill-extra-config", '{"lease_s": 60}', "--decode-extra-config", '{"kv_buffer_size": 8e9}')
+    assert set(extras) == {"prefill0", "decode0", "decode1"}
+    assert extras["prefill0"]["lease_s"] == 60 and "kv_buffer_size" not in extras["prefill0"]
+    for name in ("decode0", "decode1"):
+        assert extras[name]["lease_s"] == 10 and extras[name]["kv_buffer_size"] == 8e9
+    assert {e["auth_secret"] for e in extras.values()} == {"s"}
+    assert len({e["metrics_port"] for e in extras.values()}) == 3  # each its own ports still
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--prefill-extra-config", '{"auth_secret": "x"}'], "--prefill-extra-config: auth_secret must be the same"),
+    (["--decode-extra-config", '{"send_type": "GET"}'], "--decode-extra-config: send_type must be the same"),
+    (["--decode-extra-config", '{"lese_s": 3}'], "--decode-extra-config: "),
+    (["--decode-extra-config", '{"lease_s": -3}'], "--decode-extra-config: "),
+    (["--prefill-extra-config", "[1]"], "--prefill-extra-config: expected a JSON object"),
+    (["--prefill-extra-config", "{"], "--prefill-extra-config: not valid JSON"),
+    (["--extra-config", '{"lease_s": "long"}'], "--extra-config: "),
+])
+def test_bad_role_extra_configs_are_refused_naming_the_option(tmp_path: Path, argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _extras(tmp_path, *argv)
