@@ -43,6 +43,11 @@ class Transport(enum.Enum):
     NCCL = "nccl"  # GPU KV: pulls go through an NCCL communicator per peer pair; else as auto, with a warning
 
 
+class HeartbeatFormat(enum.Enum):
+    P2PKV = "p2pkv"  # a protocol frame, signed with `auth_secret` when set; says tensor- and pipeline-parallel sizes
+    LEGACY = "legacy"  # the old connector's msgpack map, for its proxy (unsigned; P or D only)
+
+
 @dataclass(frozen=True)
 class ExtraConfig:
     """The keys of `kv_connector_extra_config`, with their defaults."""
@@ -65,6 +70,7 @@ class ExtraConfig:
     staging_expiry_s: float = 120.0
     metrics_port: int = 0
     heartbeat_interval_s: float = 3.0
+    heartbeat_format: HeartbeatFormat = HeartbeatFormat.P2PKV
     auth_secret: str = ""
     max_frame_bytes: int = 1 << 20
     integrity_check: bool = False
@@ -153,6 +159,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "staging_expiry_s": _as_float("staging_expiry_s", 0.0, 86400.0, open_low=True),
     "metrics_port": _as_int("metrics_port", 0, 65535),
     "heartbeat_interval_s": _as_float("heartbeat_interval_s", 0.0, 600.0, open_low=True),
+    "heartbeat_format": _as_enum("heartbeat_format", HeartbeatFormat),
     "auth_secret": _as_str("auth_secret"),
     "max_frame_bytes": _as_int("max_frame_bytes", 1024, 1 << 30),
     "integrity_check": _as_bool("integrity_check"),
@@ -200,4 +207,7 @@ def parse_connector_config(
     parsed_role = _as_enum("kv_role", Role)(role)
     port = _as_int("kv_port", 1, 65535)(kv_port)
     policy = _as_enum("kv_load_failure_policy", LoadFailurePolicy)(failure_policy)
-    return ConnectorConfig(role=parsed_role, kv_port=port, failure_policy=policy, extra=parse_extra_config(extra))
+    parsed = parse_extra_config(extra)
+    if parsed.heartbeat_format is HeartbeatFormat.LEGACY and parsed_role is Role.BOTH:
+        raise ConfigError("heartbeat_format: legacy heartbeats say P or D; a kv_both instance needs p2pkv's")
+    return ConnectorConfig(role=parsed_role, kv_port=port, failure_policy=policy, extra=parsed)

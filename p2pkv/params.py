@@ -20,6 +20,12 @@ MARKER = "p2pkv"
 PARAMS_VERSION = 1
 _TRANSFER_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 _DIGEST = re.compile(r"^[0-9a-f]{16}$")
+# The old connector's proxy named both instances' KV addresses in the request id it sent both of them (as
+# X-Request-Id): `___prefill_addr_<host:port>___decode_addr_<host:port>_<32 hex>`. vLLM wraps that id (`cmpl-`, a
+# prompt's index in a batch, a random suffix), so it is searched for, and the transfer keyed on its hex part (and
+# the prompt's index), which both instances see alike.
+_LEGACY_ID = re.compile(r"___prefill_addr_(?P<prefill>[^_\s]+)___decode_addr_(?P<decode>[^_\s]+)_(?P<id>[0-9a-f]{32})"
+                        r"(?:-(?P<index>\d{1,6})(?=-))?")
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:
@@ -174,6 +180,25 @@ class DiscardParams:
 
 
 AnyParams = PrefillParams | DecodeParams | ProbeParams | DiscardParams
+
+
+def legacy_params(request_id: str, producer: bool, num_prompt_tokens: int,
+                  pull: bool) -> PrefillParams | DecodeParams | None:
+    """The params an old proxy's request id stands for (it sends no `kv_transfer_params`); None for any other id.
+
+    On a prefill instance (`producer`) the KV goes to the decode address (or is held for a pull with `pull`, the
+    instance's `send_type` GET); on a decode instance the whole prompt comes from the prefill address."""
+    found = _LEGACY_ID.search(request_id)
+    if found is None:
+        return None
+    try:
+        prefill, decode = Address.parse(found["prefill"]), Address.parse(found["decode"])
+    except ConfigError:
+        return None
+    transfer_id = f"legacy-{found['id']}" + (f"-{found['index']}" if found["index"] else "")
+    if producer:
+        return PrefillParams(transfer_id, decode, pull=pull)
+    return DecodeParams(transfer_id, num_prompt_tokens, prefill, pull=pull) if num_prompt_tokens > 0 else None
 
 
 def _pull(raw: dict[str, Any]) -> bool:

@@ -14,9 +14,10 @@ import urllib.error
 import urllib.request
 import uuid
 
+import msgspec
 import zmq
 
-from p2pkv.config import ConnectorConfig, Role
+from p2pkv.config import ConnectorConfig, HeartbeatFormat, Role
 from p2pkv.engine.threads import engine_thread
 from p2pkv.params import Address
 from p2pkv.protocol import Heartbeat, encode_datagram
@@ -43,9 +44,12 @@ def advertised_host(bound: str, proxy_host: str) -> str:
 
 class HeartbeatSender:
     def __init__(self, proxy: Address, role: str, http: Address, kv: Address, interval_s: float,
-                 secret: bytes, tp_size: int = 0, pp_size: int = 0) -> None:
+                 secret: bytes, tp_size: int = 0, pp_size: int = 0, legacy: bool = False) -> None:
+        """`legacy`: announce in the old connector's format, for its proxy (prefill or decode only, unsigned)."""
         self.proxy = proxy
         self.message = Heartbeat(role, str(http), str(kv), interval_s, uuid.uuid4().hex, tp_size, pp_size)
+        self._legacy = msgspec.msgpack.encode({"type": _LEGACY_TYPES[role], "http_address": str(http),
+                                               "zmq_address": str(kv)}) if legacy else b""
         self.interval_s = interval_s
         self._secret = secret
         self._health_url = f"http://{http}/health"
@@ -86,7 +90,7 @@ class HeartbeatSender:
                 # instance), and keep the beats' cadence whatever the answer took.
                 if self._healthy(self.interval_s):
                     try:
-                        sock.send(encode_datagram(self.message, self._secret), zmq.NOBLOCK)
+                        sock.send(self._legacy or encode_datagram(self.message, self._secret), zmq.NOBLOCK)
                         self.sent += 1
                         if not announced:
                             log.info("first heartbeat sent to %s", self.proxy)
@@ -99,6 +103,7 @@ class HeartbeatSender:
 
 
 _ROLE_NAMES = {Role.PRODUCER: "prefill", Role.CONSUMER: "decode", Role.BOTH: "both"}
+_LEGACY_TYPES = {"prefill": "P", "decode": "D"}
 
 
 def sender_for(config: ConnectorConfig, tp_size: int = 0, pp_size: int = 0) -> HeartbeatSender | None:
@@ -107,6 +112,10 @@ def sender_for(config: ConnectorConfig, tp_size: int = 0, pp_size: int = 0) -> H
     if not extra.proxy_ip:
         return None
     host = advertised_host(extra.kv_host, extra.proxy_ip)
+    if extra.heartbeat_format is HeartbeatFormat.LEGACY and extra.auth_secret:
+        log.warning("heartbeat_format legacy: heartbeats go unsigned (the old format has no signature); a p2pkv "
+                    "proxy with a shared secret refuses them")
     return HeartbeatSender(Address(extra.proxy_ip, extra.proxy_port), _ROLE_NAMES[config.role],
                            Address(host, extra.http_port), Address(host, config.worker_port(0)),
-                           extra.heartbeat_interval_s, extra.auth_secret.encode(), tp_size, pp_size)
+                           extra.heartbeat_interval_s, extra.auth_secret.encode(), tp_size, pp_size,
+                           extra.heartbeat_format is HeartbeatFormat.LEGACY)

@@ -12,16 +12,15 @@ from p2pkv.config import ConnectorConfig, Role, SendType
 from p2pkv.errors import ConfigError
 from p2pkv.params import (
     Address,
-    AnyParams,
     DecodeParams,
     DiscardParams,
     PrefillParams,
     ProbeAnswer,
     ProbeParams,
-    parse_transfer_params,
     prompt_digest,
 )
 from p2pkv.vllm.metadata import Discard, LoadSpec, P2pkvMetadata, SaveSpec
+from p2pkv.vllm.request_params import RequestParams
 from p2pkv.vllm.waiting import WaitingRequests
 
 if TYPE_CHECKING:
@@ -61,17 +60,10 @@ class _Claim:
         return status == "WAITING_FOR_REMOTE_KVS" and now - self.since < limit_s
 
 
-def _params(request: Request) -> AnyParams | None:
-    try:
-        return parse_transfer_params(request.kv_transfer_params)
-    except ConfigError as exc:
-        log.error("request %s: ignoring invalid kv_transfer_params: %s", request.request_id, exc)
-        return None
-
-
 class SchedulerSide:
     def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int = 1, pp_size: int = 1) -> None:
         self._config = config
+        self._params = RequestParams(config)
         self._block_size = block_size
         self._tp_size = tp_size
         self._pp_size = pp_size
@@ -103,14 +95,14 @@ class SchedulerSide:
     def on_new_request(self, request: Request) -> None:
         """A decode request is queued: until it has blocks, what is held for its transfer is kept."""
         try:  # invalid parameters are logged once, when the request is scheduled
-            params = parse_transfer_params(request.kv_transfer_params)
+            params = self._params.parse(request)
         except ConfigError:
             return
         if isinstance(params, DecodeParams) and self._config.role is not Role.PRODUCER:
             self._waiting.add(request.request_id, params)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        params = _params(request)
+        params = self._params.get(request)
         if isinstance(params, DiscardParams):
             if self._config.role is not Role.PRODUCER:
                 self._discard(params.transfer_id, params.prefill_kv, params.pull, params.prefill_tp,
@@ -155,7 +147,7 @@ class SchedulerSide:
         return same
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        params = _params(request)
+        params = self._params.get(request)
         req_id = request.request_id
         if isinstance(params, PrefillParams) and self._config.role is not Role.CONSUMER:
             if req_id in self._producers or req_id in self._siblings:
@@ -284,7 +276,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        params = _params(request)
+        params = self._params.get(request)
         if isinstance(params, ProbeParams):
             host = self._config.extra.kv_host
             return False, ProbeAnswer(self._config.kv_port, "" if host in ("0.0.0.0", "::") else host,

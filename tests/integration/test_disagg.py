@@ -633,3 +633,41 @@ def test_vllm_serving_benchmark_through_the_proxy_and_colocated(up_cluster: UpCl
     assert disagg["mean_ttft_ms"] > 0 and colocated["output_throughput"] > 0
     lines = table(disagg, colocated, (after[0] - before[0]) / 6 * 1000)
     assert lines[1].startswith("mean TTFT (ms)") and lines[-1].startswith("mean KV transfer (ms)")
+
+
+def test_an_old_proxys_requests_move_their_kv(up_cluster: UpCluster) -> None:
+    """What the old connector's proxy sent, by hand: no kv_transfer_params, and one `X-Request-Id` for both
+    instances naming their KV addresses. vLLM adds its own suffixes to that id; the KV still moves, for one prompt,
+    a batch of two (a transfer per prompt) and a chat request, and the answers equal the colocated instance's."""
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    base = {"model": up_cluster.model, "temperature": 0, "return_token_ids": True, "ignore_eos": True}
+    texts = [prompt(f"legacy-{i}", n) for i, n in enumerate([300, 200, 130])]
+    per_block = kv_bytes_per_block_and_layer() * LAYERS
+
+    def both(body: dict[str, Any], path: str) -> dict[str, Any]:
+        headers = {"X-Request-Id": f"___prefill_addr_{prefill['kv']}___decode_addr_{decode['kv']}_{uuid.uuid4().hex}"}
+        first = httpx.post(f"http://{prefill['http']}{path}", json={**body, "max_tokens": 1}, headers=headers,
+                           timeout=120)
+        assert first.status_code == 200, first.text
+        answer = httpx.post(f"http://{decode['http']}{path}", json={**body, "max_tokens": MAX_TOKENS},
+                            headers=headers, timeout=120)
+        assert answer.status_code == 200, answer.text
+        out: dict[str, Any] = answer.json()
+        return out
+
+    loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
+    one = both({**base, "prompt": texts[0]}, "/v1/completions")
+    assert one["usage"]["prompt_tokens_details"]["cached_tokens"] == 299
+    assert _ids(one) == [ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, texts[0]))[0]]
+    batch = both({**base, "prompt": texts[1:]}, "/v1/completions")
+    # vLLM's usage for a batch gives the last prompt's cached tokens alone; the bytes loaded count both.
+    assert batch["usage"]["prompt_tokens_details"]["cached_tokens"] == 129
+    assert _ids(batch) == [ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, t))[0] for t in texts[1:]]
+    expected = sum(math.ceil((len(t) - 1) / BLOCK_SIZE) for t in texts) * per_block
+    assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") - loaded_before == expected
+    messages = [{"role": "user", "content": prompt("legacy-chat", 200)}]
+    chat = both({**base, "messages": messages}, "/v1/chat/completions")
+    colocated = complete(up_cluster.colocated, {**base, "messages": messages, "max_tokens": MAX_TOKENS},
+                         "/v1/chat/completions")
+    assert chat["choices"][0]["message"]["content"] == colocated["choices"][0]["message"]["content"]
+    assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] == chat["usage"]["prompt_tokens"] - 1

@@ -249,3 +249,44 @@ def test_sender_from_connector_config() -> None:
     assert advertised_host("10.1.2.3", "127.0.0.1") == "10.1.2.3"
     with pytest.raises(ConfigError, match="http_port"):
         parse_connector_config("kv_producer", 1, "fail", {"proxy_ip": "h", "proxy_port": 1})
+
+
+def test_legacy_heartbeats_reach_an_old_proxy_and_ours() -> None:
+    """`heartbeat_format: legacy`: the old connector's msgpack map, sent to a ZMQ ROUTER as its proxy read them
+    (one frame after the sender's identity), and listed by p2pkv's proxy (without a secret) as an old-format
+    instance."""
+    config = parse_connector_config("kv_producer", 14579, "recompute", {
+        "proxy_ip": "127.0.0.1", "proxy_port": free_port(), "http_port": 8100, "kv_host": "127.0.0.1",
+        "heartbeat_interval_s": 0.2, "heartbeat_format": "legacy"})
+    with serve(stub_decode([])) as d:
+        http = Address.parse(d)
+        ctx = zmq.Context.instance()
+        router = ctx.socket(zmq.ROUTER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        sender = HeartbeatSender(Address("127.0.0.1", port), "prefill", http, Address("127.0.0.1", 21001), 0.2,
+                                 b"", legacy=True)
+        sender.start()
+        try:
+            assert router.poll(5000), "no heartbeat"
+            _identity, message = router.recv_multipart()
+            assert msgspec.msgpack.decode(message) == {"type": "P", "http_address": d, "zmq_address": "127.0.0.1:21001"}
+        finally:
+            sender.close()
+            router.close()
+        with discovering_proxy() as (proxy, _, discovery):
+            sender = HeartbeatSender(Address("127.0.0.1", discovery), "decode", http, Address("127.0.0.1", 5558), 0.2,
+                                     b"", legacy=True)
+            sender.start()
+            try:
+                wait_for(lambda: len(listed(proxy)) == 1)
+                (only,) = listed(proxy)
+                assert (only["role"], only["address"], only["kv_address"]) == ("decode", d, "127.0.0.1:5558")
+            finally:
+                sender.close()
+    from_config = sender_for(config)
+    assert from_config is not None and msgspec.msgpack.decode(from_config._legacy) == {
+        "type": "P", "http_address": "127.0.0.1:8100", "zmq_address": "127.0.0.1:14579"}
+    with pytest.raises(ConfigError, match="kv_both"):
+        parse_connector_config("kv_both", 1, "fail", {"heartbeat_format": "legacy"})
+    with pytest.raises(ConfigError, match="heartbeat_format"):
+        parse_connector_config("kv_producer", 1, "fail", {"heartbeat_format": "v0"})

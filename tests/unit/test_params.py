@@ -8,6 +8,7 @@ from p2pkv.params import (
     PrefillParams,
     ProbeAnswer,
     ProbeParams,
+    legacy_params,
     parse_transfer_params,
     prompt_digest,
 )
@@ -97,3 +98,39 @@ def test_probe_answer() -> None:
     assert ProbeAnswer(21001, "").to_dict() == {"p2pkv": 1, "kv_port": 21001, "kv_host": ""}
     assert ProbeAnswer(21001, "", 2, 3).to_dict() == {"p2pkv": 1, "kv_port": 21001, "kv_host": "", "tp_size": 2,
                                                       "pp_size": 3}
+
+
+LEGACY_HEX = "0123456789abcdef" * 2
+
+
+@pytest.mark.parametrize(("request_id", "transfer_id"), [
+    # vLLM's id for the first prompt of a completion: `cmpl-`, the old proxy's X-Request-Id, the index, a suffix
+    (f"cmpl-___prefill_addr_10.0.0.1:21001___decode_addr_10.0.0.2:22001_{LEGACY_HEX}-0-1a2b3c4d",
+     f"legacy-{LEGACY_HEX}-0"),
+    (f"cmpl-___prefill_addr_10.0.0.1:21001___decode_addr_10.0.0.2:22001_{LEGACY_HEX}-12-99999999",
+     f"legacy-{LEGACY_HEX}-12"),
+    # a chat completion has no index, and its suffix may be all digits
+    (f"chatcmpl-___prefill_addr_10.0.0.1:21001___decode_addr_10.0.0.2:22001_{LEGACY_HEX}-12345678",
+     f"legacy-{LEGACY_HEX}"),
+    # a sample of a request with n > 1: the same transfer as its siblings
+    (f"2_cmpl-___prefill_addr_10.0.0.1:21001___decode_addr_10.0.0.2:22001_{LEGACY_HEX}-0-1a2b3c4d",
+     f"legacy-{LEGACY_HEX}-0"),
+])
+def test_an_old_proxys_request_id_stands_for_params(request_id: str, transfer_id: str) -> None:
+    prefill, decode = Address("10.0.0.1", 21001), Address("10.0.0.2", 22001)
+    assert legacy_params(request_id, True, 300, False) == PrefillParams(transfer_id, decode)
+    assert legacy_params(request_id, True, 300, True) == PrefillParams(transfer_id, decode, pull=True)
+    assert legacy_params(request_id, False, 300, False) == DecodeParams(transfer_id, 300, prefill)
+    assert legacy_params(request_id, False, 300, True) == DecodeParams(transfer_id, 300, prefill, pull=True)
+    assert legacy_params(request_id, False, 0, False) is None  # no prompt, nothing to load
+
+
+@pytest.mark.parametrize("request_id", [
+    "cmpl-0123456789abcdef-0-1a2b3c4d",  # any other id
+    f"cmpl-___prefill_addr_10.0.0.1___decode_addr_10.0.0.2:22001_{LEGACY_HEX}-0-1",  # no port
+    f"cmpl-___prefill_addr_10.0.0.1:21001___decode_addr_10.0.0.2:22001_{LEGACY_HEX[:31]}-0-1",  # short id
+    f"cmpl-___prefill_addr_h:1___decode_addr_h:99999_{LEGACY_HEX}-0-1",  # port out of range
+])
+def test_other_request_ids_stand_for_nothing(request_id: str) -> None:
+    assert legacy_params(request_id, True, 300, False) is None
+    assert legacy_params(request_id, False, 300, False) is None

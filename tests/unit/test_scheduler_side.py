@@ -538,6 +538,52 @@ def test_a_producer_says_its_lease_in_its_answer() -> None:
     assert isinstance(returned, DecodeParams) and returned.lease_s == 7.5 and returned.pull
 
 
+LEGACY = "___prefill_addr_10.0.0.1:21001___decode_addr_10.0.0.2:22001_" + "0123456789abcdef" * 2
+
+
+@pytest.mark.parametrize("send_type", ["PUT_ASYNC", "GET"])
+def test_requests_named_by_an_old_proxy_move_their_kv(send_type: str) -> None:
+    """The old connector's proxy sends no kv_transfer_params; its request id (in vLLM's, with vLLM's suffix) names
+    both KV addresses. The prefill instance saves the prompt for the decode address (or holds it for a pull, with
+    send_type GET), and the decode instance loads it, keyed alike on both sides whatever vLLM's suffixes."""
+    extra = {"kv_host": "10.0.0.1", "send_type": send_type}
+    producer = SchedulerSide(parse_connector_config("kv_producer", 21001, "recompute", extra), BS)
+    req = Req(f"cmpl-{LEGACY}-0-1a2b3c4d", list(range(300)), None)
+    assert producer.get_num_new_matched_tokens(req, 0) == (0, False)
+    producer.update_state_after_alloc(req, Blocks([1, 2, 3]), 0)
+    new = [SimpleNamespace(req_id=req.request_id, block_ids=([1, 2, 3],), num_computed_tokens=0)]
+    saves = producer.build_connector_meta(step(new, scheduled={req.request_id: 300})).saves
+    tid = "legacy-" + "0123456789abcdef" * 2 + "-0"
+    pull = send_type == "GET"
+    assert [(sv.transfer_id, sv.peer, sv.block_ids) for sv in saves] == [
+        (tid, None if pull else Address("10.0.0.2", 22001), (1, 2, 3))]
+    delay, answer = producer.request_finished(req, [1, 2, 3])
+    assert delay is True and parse_transfer_params(answer).transfer_id == tid  # type: ignore[union-attr]
+
+    consumer = SchedulerSide(parse_connector_config("kv_consumer", 22001, "recompute",
+                                                    {**extra, "kv_host": "10.0.0.2"}), BS)
+    decode = Req(f"cmpl-{LEGACY}-0-99887766", list(range(300)), None)
+    consumer.on_new_request(decode)
+    assert consumer.get_num_new_matched_tokens(decode, 0) == (299, True)
+    consumer.update_state_after_alloc(decode, Blocks([7, 8, 9]), 299)
+    (load,) = consumer.build_connector_meta(step()).loads
+    assert (load.transfer_id, load.block_ids, load.fallback_from) == (tid, (7, 8, 9), Address("10.0.0.1", 21001))
+    assert load.pull_from == (Address("10.0.0.1", 21001) if pull else None)
+
+
+def test_old_proxy_ids_are_not_read_where_params_say_otherwise_or_on_kv_both() -> None:
+    consumer = side("kv_consumer")
+    own = decode_req(300, "t-own")
+    own.request_id = f"cmpl-{LEGACY}-0-1a2b3c4d"  # kv_transfer_params of its own win
+    assert consumer.get_num_new_matched_tokens(own, 0) == (299, True)
+    consumer.update_state_after_alloc(own, Blocks([1, 2, 3]), 299)
+    assert [ld.transfer_id for ld in consumer.build_connector_meta(step()).loads] == ["t-own"]
+    both = side("kv_both")  # it cannot tell which of the two it is asked to be
+    assert both.get_num_new_matched_tokens(Req(f"cmpl-{LEGACY}-0-1", list(range(300)), None), 0) == (0, False)
+    plain = Req("cmpl-0123456789abcdef-0-1a2b3c4d", list(range(300)), None)
+    assert consumer.get_num_new_matched_tokens(plain, 0) == (0, False)
+
+
 def test_a_request_with_invalid_params_is_not_tracked_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     s = side("kv_consumer")
     req = Req("bad", list(range(10)), {"p2pkv": 1, "transfer_id": 5})
