@@ -30,7 +30,7 @@ from p2pkv.proxy.discard import Discarder, discard_of
 from p2pkv.proxy.discovery import DiscoveryListener, start
 from p2pkv.proxy.instances import Instance, ProxyConfig
 from p2pkv.proxy.metrics import ProxyMetrics
-from p2pkv.proxy.prefill import Prefiller, prefill_body, whole_prompt_on_decode
+from p2pkv.proxy.prefill import MESSAGES, RESPONSES, Prefiller, prefill_body, whole_prompt_on_decode
 from p2pkv.proxy.registry import InstanceState, Policy, Pool, static_pool
 from p2pkv.proxy.trace import RequestTrace
 from p2pkv.proxy.upstream import Decoder, Relay, RelayResponse, error_response
@@ -155,8 +155,24 @@ class Router:
             return await self._batch(body, prompts, path, headers, started)
         return await self._one(body, path, headers, started)
 
+    async def _holder(self, response_id: Any, headers: dict[str, str]) -> InstanceState | None:
+        """The decode instance whose response store holds this response (Responses API), if one does."""
+        if not isinstance(response_id, str) or not response_id or "/" in response_id:
+            return None
+        self.decode.prune()
+        for state in self.decode.states:
+            try:
+                resp = await self.client.get(f"{state.instance.url}{RESPONSES}/{response_id}", headers=headers)
+            except httpx.HTTPError:
+                continue
+            if resp.status_code == 200:
+                return state
+        return None
+
     async def _one(self, body: dict[str, Any], path: str, headers: dict[str, str], started: float) -> Response:
-        decode = self.decode.pick()
+        # A Responses API request that continues a stored response goes where that response is stored.
+        decode = await self._holder(body.get("previous_response_id"), headers) if path == RESPONSES else None
+        decode = decode or self.decode.pick()
         if decode is None:
             self.metrics.requests.labels("no_instance").inc()
             return error_response(503, "no decode instance is available")
@@ -222,7 +238,7 @@ class Router:
             target = await self._target(decode, headers)
             params = PrefillParams(trace.transfer_id, target.address, decode_tp=target.tp, decode_pp=target.pp)
             try:
-                outcome = await self._prefiller.prefill(prefill_body(body, params), path, headers, trace, tried)
+                outcome = await self._prefiller.prefill(prefill_body(body, params, path), path, headers, trace, tried)
             except asyncio.CancelledError:  # the client went away; the prefill may have pushed already
                 if target.address is not None:
                     self._discarder.discard(decode.instance, DiscardParams(trace.transfer_id), body, headers)
@@ -321,9 +337,18 @@ def create_app(config: ProxyConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await route(request, "/v1/chat/completions")
 
-    async def forward(request: Request, path: str) -> Response:
+    @app.post(RESPONSES)
+    async def responses(request: Request) -> Response:
+        return await route(request, RESPONSES)
+
+    @app.post(MESSAGES)
+    async def messages(request: Request) -> Response:
+        return await route(request, MESSAGES)
+
+    async def forward(request: Request, path: str, find: bool = False) -> Response:
         """Endpoints that touch no KV (the model list, tokenizing, the version): the first decode instance that
-        answers, answers."""
+        answers, answers. With `find`, something one decode instance holds (a stored response): the first that
+        does not answer 404."""
         router: Router = request.app.state.router
         if not router.authorized(request):
             return error_response(401, "missing or wrong API key", "authentication_error")
@@ -332,15 +357,19 @@ def create_app(config: ProxyConfig) -> FastAPI:
         if body is not None:
             headers["content-type"] = request.headers.get("content-type", "application/json")
         router.decode.prune()
+        missing: Response | None = None
         for state in router.decode.states:
             try:
                 resp = await router.client.request(request.method, f"{state.instance.url}{path}", content=body,
-                                                   headers=headers)
+                                                   headers=headers, params=request.query_params)
             except httpx.HTTPError:
                 continue
-            return Response(resp.content, status_code=resp.status_code,
-                            media_type=resp.headers.get("content-type", "application/json"))
-        return error_response(502, f"no decode instance answered {path}")
+            answer = Response(resp.content, status_code=resp.status_code,
+                              media_type=resp.headers.get("content-type", "application/json"))
+            if not (find and resp.status_code == 404):
+                return answer
+            missing = answer
+        return missing or error_response(502, f"no decode instance answered {path}")
 
     def forwarder(path: str) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
@@ -349,6 +378,15 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     for path, method in (("/v1/models", "GET"), ("/version", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST")):
         app.add_api_route(path, forwarder(path), methods=[method], include_in_schema=False)
+
+    # A stored response (`store`, `background`) is on the decode instance that made it.
+    @app.get(RESPONSES + "/{response_id}")
+    async def stored_response(request: Request, response_id: str) -> Response:
+        return await forward(request, f"{RESPONSES}/{response_id}", find=True)
+
+    @app.post(RESPONSES + "/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        return await forward(request, f"{RESPONSES}/{response_id}/cancel", find=True)
 
     @app.get("/instances")
     async def instances(request: Request) -> dict[str, list[dict[str, object]]]:

@@ -20,12 +20,19 @@ from p2pkv.proxy.trace import RequestTrace
 
 log = logging.getLogger(__name__)
 _DROP_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
+RESPONSES = "/v1/responses"  # OpenAI's Responses API
+MESSAGES = "/v1/messages"  # Anthropic's Messages API, which vLLM serves too
 
 
-def prefill_body(body: dict[str, Any], params: PrefillParams) -> dict[str, Any]:
-    """The prefill request: one token, not streamed, one sample, carrying the transfer's params."""
+def prefill_body(body: dict[str, Any], params: PrefillParams, path: str = "/v1/completions") -> dict[str, Any]:
+    """The prefill request: one token, not streamed, one sample, carrying the transfer's params. The Responses API
+    caps the answer with `max_output_tokens`, and its prefill answer is not stored (nobody will continue it)."""
     pre = dict(body)
-    pre.update(max_tokens=1, stream=False, kv_transfer_params=params.to_dict())
+    pre.update(stream=False, kv_transfer_params=params.to_dict())
+    if path == RESPONSES:
+        pre.update(max_output_tokens=1, store=False, background=False)
+    else:
+        pre["max_tokens"] = 1
     if "max_completion_tokens" in pre:
         pre["max_completion_tokens"] = 1
     if "n" in pre:
@@ -36,8 +43,13 @@ def prefill_body(body: dict[str, Any], params: PrefillParams) -> dict[str, Any]:
 
 
 def whole_prompt_on_decode(body: dict[str, Any], path: str) -> bool:
-    """Whether vLLM must compute this prompt itself on the decode instance: it does for prompt logprobs (asked for
-    directly, or by `echo` with logprobs, as vLLM derives them), reading no cached or transferred KV for them."""
+    """Whether the decode instance gets the request alone. vLLM computes the prompt itself there for prompt
+    logprobs (asked for directly, or by `echo` with logprobs, as vLLM derives them), reading no cached or
+    transferred KV for them. A Responses API request that continues a stored response (`previous_response_id`)
+    or is to be stored for polling (`background`) needs the instance's response store, which a prefill instance
+    does not share."""
+    if path == RESPONSES:
+        return bool(body.get("previous_response_id") or body.get("background"))
     if body.get("prompt_logprobs") is not None:
         return True
     if not body.get("echo"):

@@ -19,9 +19,11 @@ def stub_prefill(seen: list[dict[str, Any]], fail: bool = False) -> FastAPI:
 
     @app.post("/v1/completions")
     @app.post("/v1/chat/completions")
+    @app.post("/v1/responses")
+    @app.post("/v1/messages")
     async def complete(request: Request) -> JSONResponse:
         body = await request.json()
-        seen.append({"body": body, "auth": request.headers.get("authorization")})
+        seen.append({"body": body, "auth": request.headers.get("authorization"), "path": request.url.path})
         if fail:
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         tid = body["kv_transfer_params"]["transfer_id"]
@@ -39,11 +41,12 @@ CHAT_PREAMBLE = {"choices": [{"index": 0, "delta": {"role": "assistant", "conten
 
 
 def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0, first_token_s: float = 0.0,
-                failures: list[str] | None = None) -> FastAPI:
+                failures: list[str] | None = None, stored: tuple[str, ...] = ()) -> FastAPI:
     """A decode backend; its probe answer says `tp_size` and `pp_size` when given (a p2pkv connector older than
     that does not). A stream's headers go out at once and its first chunk `first_token_s` later, as vLLM's do.
     `failures`: how the next requests fail, one entry each, as vLLM fails them: "500" (a plain answer), "error"
-    (a stream opened with an error event), "late" (a stream whose error comes after a token), "400"."""
+    (a stream opened with an error event), "late" (a stream whose error comes after a token), "400". `stored`: the
+    ids of the Responses API answers it holds."""
     app = FastAPI()
     failures = failures if failures is not None else []
 
@@ -61,8 +64,16 @@ def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0, 
         seen.append({"tokenize": body, "auth": request.headers.get("authorization")})
         return {"tokens": [ord(c) for c in body["prompt"]], "count": len(body["prompt"])}
 
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Any:
+        if response_id not in stored:
+            return JSONResponse({"error": {"message": "not found", "code": 404}}, status_code=404)
+        return {"id": response_id, "object": "response", "status": "completed"}
+
     @app.post("/v1/completions")
     @app.post("/v1/chat/completions")
+    @app.post("/v1/responses")
+    @app.post("/v1/messages")
     async def complete(request: Request) -> Any:
         body = await request.json()
         params = body.get("kv_transfer_params") or {}

@@ -671,3 +671,28 @@ def test_an_old_proxys_requests_move_their_kv(up_cluster: UpCluster) -> None:
                          "/v1/chat/completions")
     assert chat["choices"][0]["message"]["content"] == colocated["choices"][0]["message"]["content"]
     assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] == chat["usage"]["prompt_tokens"] - 1
+
+
+def test_the_responses_and_anthropic_messages_apis_move_the_kv_too(up_cluster: UpCluster) -> None:
+    """vLLM serves OpenAI's Responses API and Anthropic's Messages API, both with kv_transfer_params: through the
+    proxy each is prefilled with one token and decoded with the transferred KV, plain and streamed, and answers
+    as the colocated instance does."""
+    model, text = up_cluster.model, prompt("apis", 300)
+    responses = {"model": model, "input": text, "max_output_tokens": MAX_TOKENS, "temperature": 0}
+    messages = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": MAX_TOKENS,
+                "temperature": 0}
+    for path, body, answer_of, cached_of in [
+        ("/v1/responses", responses, lambda a: a["output"][0]["content"][0]["text"],
+         lambda a: (a["usage"]["input_tokens_details"]["cached_tokens"], a["usage"]["input_tokens"] - 1)),
+        ("/v1/messages", messages, lambda a: a["content"][0]["text"],
+         lambda a: (a["usage"]["cache_read_input_tokens"], a["usage"]["cache_read_input_tokens"] + a["usage"][
+             "input_tokens"] - 1)),
+    ]:
+        disagg, local = complete(up_cluster.proxy, body, path), complete(up_cluster.colocated, body, path)
+        assert answer_of(disagg) == answer_of(local), path
+        loaded, expected = cached_of(disagg)
+        assert loaded == expected and loaded > 250, (path, disagg["usage"])
+        with httpx.stream("POST", f"{up_cluster.proxy}{path}", json={**body, "stream": True}, timeout=120) as resp:
+            assert resp.status_code == 200
+            events = "".join(resp.iter_text())
+        assert ("response.completed" if path == "/v1/responses" else "message_stop") in events

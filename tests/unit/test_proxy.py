@@ -641,3 +641,56 @@ def test_a_stream_whose_client_left_before_it_began_is_closed(spec: str, relayed
     with contextlib.suppress(Exception):
         asyncio.run(response({"type": "http", "asgi": {"spec_version": spec}}, receive, send))  # type: ignore[arg-type]
     assert cleaned == (["closed"] if relayed else [])
+
+
+@pytest.mark.parametrize(("path", "body", "cap"), [
+    # The Responses API caps an answer with max_output_tokens; the prefill's one-token answer is not stored.
+    ("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 20, "store": True},
+     {"max_output_tokens": 1, "store": False, "background": False}),
+    ("/v1/messages", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20},
+     {"max_tokens": 1}),
+])
+def test_responses_and_anthropic_messages_are_prefilled_then_decoded(backends: Any, path: str, body: dict[str, Any],
+                                                                     cap: dict[str, Any]) -> None:
+    p, d, p_seen, d_seen = backends
+    with serve(proxy_for(p, d)) as proxy:
+        plain = httpx.post(f"http://{proxy}{path}", json=body)
+        streamed = httpx.post(f"http://{proxy}{path}", json={**body, "stream": True})
+    assert plain.status_code == 200 and streamed.status_code == 200
+    assert [seen["path"] for seen in p_seen] == [path, path]
+    sent = p_seen[0]["body"]
+    assert {k: sent[k] for k in cap} == cap and sent["stream"] is False and p_seen[1]["body"]["stream"] is False
+    assert ("max_tokens" in sent) == (path == "/v1/messages")  # not a Responses API field
+    params = sent["kv_transfer_params"]
+    assert params["do_remote_decode"] is True
+    # The decode instance gets the client's request as it was, with the prefill's answer.
+    assert {k: v for k, v in d_seen[0].items() if k != "kv_transfer_params"} == body
+    assert d_seen[0]["kv_transfer_params"]["transfer_id"] == params["transfer_id"]
+    assert d_seen[1]["stream"] is True and "c" in streamed.text
+
+
+@pytest.mark.parametrize("extra", [{"previous_response_id": "resp_1"}, {"background": True}])
+def test_responses_that_need_the_response_store_go_to_a_decode_instance_alone(backends: Any,
+                                                                              extra: dict[str, Any]) -> None:
+    p, d, p_seen, d_seen = backends
+    with serve(proxy_for(p, d)) as proxy:
+        resp = httpx.post(f"http://{proxy}/v1/responses", json={"model": "tiny", "input": "hi", **extra})
+    assert resp.status_code == 200
+    assert p_seen == [] and d_seen[0] == {"model": "tiny", "input": "hi", **extra}
+
+
+def test_a_stored_response_is_fetched_and_continued_on_the_decode_instance_that_holds_it() -> None:
+    first: list[dict[str, Any]] = []
+    second: list[dict[str, Any]] = []
+    with serve(stub_decode(first)) as d1, serve(stub_decode(second, stored=("resp_2",))) as d2:
+        config = ProxyConfig(prefill=(Instance.parse(d1),), decode=(Instance.parse(d1), Instance.parse(d2)))
+        with serve(create_app(config)) as proxy:
+            found = httpx.get(f"http://{proxy}/v1/responses/resp_2")
+            missing = httpx.get(f"http://{proxy}/v1/responses/resp_9")
+            for _ in range(3):  # whichever instance has fewer requests in flight, the one holding it
+                continued = httpx.post(f"http://{proxy}/v1/responses",
+                                       json={"model": "tiny", "input": "more", "previous_response_id": "resp_2"})
+                assert continued.status_code == 200
+    assert found.status_code == 200 and found.json()["id"] == "resp_2"
+    assert missing.status_code == 404
+    assert first == [] and [b["previous_response_id"] for b in second] == ["resp_2"] * 3
