@@ -376,7 +376,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
             return await forward(request, path)
         return endpoint
 
-    for path, method in (("/v1/models", "GET"), ("/version", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST")):
+    for path, method in (("/v1/models", "GET"), ("/version", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST"),
+                         (MESSAGES + "/count_tokens", "POST")):
         app.add_api_route(path, forwarder(path), methods=[method], include_in_schema=False)
 
     # A stored response (`store`, `background`) is on the decode instance that made it.

@@ -596,6 +596,10 @@ def test_tokenize_detokenize_and_models_through_the_proxy(up_cluster: UpCluster)
     assert back.status_code == 200 and back.json()["prompt"] == "disaggregated"
     assert httpx.get(f"{up_cluster.proxy}/v1/models", timeout=30).json()["data"][0]["id"] == up_cluster.model
     assert httpx.get(f"{up_cluster.proxy}/version", timeout=30).json()["version"]
+    messages = {"model": up_cluster.model, "messages": [{"role": "user", "content": "disaggregated"}]}
+    counted = httpx.post(f"{up_cluster.proxy}/v1/messages/count_tokens", json=messages, timeout=30)
+    assert counted.status_code == 200
+    assert counted.json() == complete(up_cluster.colocated, messages, "/v1/messages/count_tokens")
 
 
 def test_put_mode_pushes_inline(up_cluster: UpCluster) -> None:
