@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 from p2pkv.errors import ConfigError
+from p2pkv.params import Address
 
 AUTH_SECRET_ENV = "P2PKV_AUTH_SECRET"
 T = TypeVar("T")
@@ -75,6 +76,22 @@ class ExtraConfig:
     max_frame_bytes: int = 1 << 20
     integrity_check: bool = False
     test_fault_injection: bool = False
+
+    @property
+    def proxies(self) -> list[Address]:
+        """Where heartbeats go: `proxy_ip` names one proxy or several, comma-separated (proxies side by side, each
+        told of every instance), each `HOST` (at `proxy_port`) or `HOST:PORT` (an IPv6 address with a port in
+        brackets); none without `proxy_ip`. ConfigError for one that is not an address."""
+        out: list[Address] = []
+        for item in (part.strip() for part in self.proxy_ip.split(",")) if self.proxy_ip else ():
+            if not item:
+                raise ConfigError(f"proxy_ip {self.proxy_ip!r}: an empty address in the list")
+            with_port = item.startswith("[") or item.count(":") == 1
+            try:
+                out.append(Address.parse(item) if with_port else Address(item, self.proxy_port))
+            except ConfigError as exc:
+                raise ConfigError(f"proxy_ip: {exc}") from None
+        return out
 
 
 def _as_int(key: str, lo: int, hi: int) -> Callable[[Any], int]:
@@ -184,6 +201,8 @@ def parse_extra_config(raw: Mapping[str, Any] | None) -> ExtraConfig:
         raise ConfigError("http_port: required when proxy_ip is set (the instance's OpenAI port)")
     if bool(config.proxy_ip) != bool(config.proxy_port):
         raise ConfigError("proxy_ip and proxy_port: set both or neither")
+    if config.proxy_ip and not config.proxies:  # each address is checked here, at start-up (ConfigError)
+        raise ConfigError(f"proxy_ip {config.proxy_ip!r}: no address")
     return config
 
 

@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Sequence
 
 import msgspec
 import zmq
@@ -43,10 +44,11 @@ def advertised_host(bound: str, proxy_host: str) -> str:
 
 
 class HeartbeatSender:
-    def __init__(self, proxy: Address, role: str, http: Address, kv: Address, interval_s: float,
+    def __init__(self, proxy: Address | Sequence[Address], role: str, http: Address, kv: Address, interval_s: float,
                  secret: bytes, tp_size: int = 0, pp_size: int = 0, legacy: bool = False) -> None:
-        """`legacy`: announce in the old connector's format, for its proxy (prefill or decode only, unsigned)."""
-        self.proxy = proxy
+        """`proxy`: one proxy or several (each gets every heartbeat: proxies side by side, for availability).
+        `legacy`: announce in the old connector's format, for its proxy (prefill or decode only, unsigned)."""
+        self.proxies = (proxy,) if isinstance(proxy, Address) else tuple(proxy)
         self.message = Heartbeat(role, str(http), str(kv), interval_s, uuid.uuid4().hex, tp_size, pp_size)
         self._legacy = msgspec.msgpack.encode({"type": _LEGACY_TYPES[role], "http_address": str(http),
                                                "zmq_address": str(kv)}) if legacy else b""
@@ -59,7 +61,8 @@ class HeartbeatSender:
 
     def start(self) -> None:
         log.info("announcing %s %s (KV %s) to the proxy at %s every %.1f s", self.message.role,
-                 self.message.http_address, self.message.kv_address, self.proxy, self.interval_s)
+                 self.message.http_address, self.message.kv_address, ", ".join(map(str, self.proxies)),
+                 self.interval_s)
         self._thread.start()
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -76,12 +79,15 @@ class HeartbeatSender:
 
     def _run(self) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing while the proxy is unreachable
-        sock.setsockopt(zmq.SNDHWM, 4)
-        sock.connect(f"tcp://{self.proxy}")
-        announced = False
+        socks = []
+        for proxy in self.proxies:  # one socket each: a DEALER connected to several would deal beats out among them
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing while the proxy is unreachable
+            sock.setsockopt(zmq.SNDHWM, 4)
+            sock.connect(f"tcp://{proxy}")
+            socks.append((proxy, sock))
+        announced: set[Address] = set()
         try:
             while not self._stop.is_set():
                 due = time.monotonic() + self.interval_s
@@ -89,17 +95,20 @@ class HeartbeatSender:
                 # than give up after a second (three slow answers in a row would have the proxy drop a live
                 # instance), and keep the beats' cadence whatever the answer took.
                 if self._healthy(self.interval_s):
-                    try:
-                        sock.send(self._legacy or encode_datagram(self.message, self._secret), zmq.NOBLOCK)
+                    beat = self._legacy or encode_datagram(self.message, self._secret)
+                    for proxy, sock in socks:
+                        try:
+                            sock.send(beat, zmq.NOBLOCK)
+                        except zmq.Again:
+                            continue  # that proxy is not connected; the next interval tries again
                         self.sent += 1
-                        if not announced:
-                            log.info("first heartbeat sent to %s", self.proxy)
-                            announced = True
-                    except zmq.Again:
-                        pass  # the proxy is not connected; the next interval tries again
+                        if proxy not in announced:
+                            log.info("first heartbeat sent to %s", proxy)
+                            announced.add(proxy)
                 self._stop.wait(max(0.0, due - time.monotonic()))
         finally:
-            sock.close()
+            for _, sock in socks:
+                sock.close()
 
 
 _ROLE_NAMES = {Role.PRODUCER: "prefill", Role.CONSUMER: "decode", Role.BOTH: "both"}
@@ -111,11 +120,12 @@ def sender_for(config: ConnectorConfig, tp_size: int = 0, pp_size: int = 0) -> H
     extra = config.extra
     if not extra.proxy_ip:
         return None
-    host = advertised_host(extra.kv_host, extra.proxy_ip)
+    proxies = extra.proxies
+    host = advertised_host(extra.kv_host, proxies[0].host)
     if extra.heartbeat_format is HeartbeatFormat.LEGACY and extra.auth_secret:
         log.warning("heartbeat_format legacy: heartbeats go unsigned (the old format has no signature); a p2pkv "
                     "proxy with a shared secret refuses them")
-    return HeartbeatSender(Address(extra.proxy_ip, extra.proxy_port), _ROLE_NAMES[config.role],
+    return HeartbeatSender(proxies, _ROLE_NAMES[config.role],
                            Address(host, extra.http_port), Address(host, config.worker_port(0)),
                            extra.heartbeat_interval_s, extra.auth_secret.encode(), tp_size, pp_size,
                            extra.heartbeat_format is HeartbeatFormat.LEGACY)

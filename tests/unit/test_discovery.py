@@ -290,3 +290,26 @@ def test_legacy_heartbeats_reach_an_old_proxy_and_ours() -> None:
         parse_connector_config("kv_both", 1, "fail", {"heartbeat_format": "legacy"})
     with pytest.raises(ConfigError, match="heartbeat_format"):
         parse_connector_config("kv_producer", 1, "fail", {"heartbeat_format": "v0"})
+
+
+def test_an_instance_announces_itself_to_every_proxy_listed() -> None:
+    """Proxies side by side (for availability): `proxy_ip` lists them, and each hears every heartbeat."""
+    config = parse_connector_config("kv_consumer", 14579, "recompute", {
+        "proxy_ip": "10.0.0.9, 10.0.0.10:31000,[::1]:32000", "proxy_port": 30001, "http_port": 8100})
+    assert config.extra.proxies == [Address("10.0.0.9", 30001), Address("10.0.0.10", 31000), Address("::1", 32000)]
+    for bad, error in (("10.0.0.9,,10.0.0.10", "empty address"), ("h:99999", "proxy_ip"), ("[::1]", "proxy_ip")):
+        with pytest.raises(ConfigError, match=error):
+            parse_connector_config("kv_consumer", 1, "fail", {"proxy_ip": bad, "proxy_port": 30001,
+                                                               "http_port": 8100})
+    with serve(stub_decode([])) as d, discovering_proxy() as (one, _, p1), discovering_proxy() as (two, _, p2):
+        sender = HeartbeatSender([Address("127.0.0.1", p1), Address("127.0.0.1", p2)], "decode", Address.parse(d),
+                                 Address("127.0.0.1", 5559), 0.2, b"")
+        sender.start()
+        try:
+            wait_for(lambda: len(listed(one)) == 1 and len(listed(two)) == 1)
+        finally:
+            sender.close()
+    from_config = sender_for(parse_connector_config("kv_producer", 1, "fail", {
+        "proxy_ip": "127.0.0.1,127.0.0.2:40000", "proxy_port": 30001, "http_port": 8100}))
+    assert from_config is not None and from_config.proxies == (Address("127.0.0.1", 30001),
+                                                               Address("127.0.0.2", 40000))
