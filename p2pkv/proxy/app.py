@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
 
@@ -30,6 +30,7 @@ from p2pkv.proxy.discard import Discarder, discard_of
 from p2pkv.proxy.discovery import DiscoveryListener, start
 from p2pkv.proxy.instances import Instance, ProxyConfig
 from p2pkv.proxy.metrics import ProxyMetrics
+from p2pkv.proxy.passthrough import add_passthrough_routes, forward_headers
 from p2pkv.proxy.prefill import MESSAGES, RESPONSES, Prefiller, prefill_body, whole_prompt_on_decode
 from p2pkv.proxy.registry import InstanceState, Policy, Pool, static_pool
 from p2pkv.proxy.trace import RequestTrace
@@ -42,11 +43,6 @@ async def _client_gone(request: Request) -> None:
     """Return once the client disconnects (the request body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _forward_headers(request: Request) -> dict[str, str]:
-    auth = request.headers.get("authorization")
-    return {"authorization": auth} if auth else {}
 
 
 class KvTarget(NamedTuple):
@@ -149,7 +145,7 @@ class Router:
         if not isinstance(body, dict):
             self.metrics.requests.labels("bad_request").inc()
             return error_response(400, "request body must be a JSON object", "invalid_request_error")
-        headers = _forward_headers(request)
+        headers = forward_headers(request)
         prompts = batch_prompts(body, path)
         if prompts is not None:
             return await self._batch(body, prompts, path, headers, started)
@@ -345,49 +341,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
     async def messages(request: Request) -> Response:
         return await route(request, MESSAGES)
 
-    async def forward(request: Request, path: str, find: bool = False) -> Response:
-        """Endpoints that touch no KV (the model list, tokenizing, the version): the first decode instance that
-        answers, answers. With `find`, something one decode instance holds (a stored response): the first that
-        does not answer 404."""
-        router: Router = request.app.state.router
-        if not router.authorized(request):
-            return error_response(401, "missing or wrong API key", "authentication_error")
-        body = await request.body() if request.method == "POST" else None
-        headers = _forward_headers(request)
-        if body is not None:
-            headers["content-type"] = request.headers.get("content-type", "application/json")
-        router.decode.prune()
-        missing: Response | None = None
-        for state in router.decode.states:
-            try:
-                resp = await router.client.request(request.method, f"{state.instance.url}{path}", content=body,
-                                                   headers=headers, params=request.query_params)
-            except httpx.HTTPError:
-                continue
-            answer = Response(resp.content, status_code=resp.status_code,
-                              media_type=resp.headers.get("content-type", "application/json"))
-            if not (find and resp.status_code == 404):
-                return answer
-            missing = answer
-        return missing or error_response(502, f"no decode instance answered {path}")
-
-    def forwarder(path: str) -> Callable[[Request], Awaitable[Response]]:
-        async def endpoint(request: Request) -> Response:
-            return await forward(request, path)
-        return endpoint
-
-    for path, method in (("/v1/models", "GET"), ("/version", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST"),
-                         (MESSAGES + "/count_tokens", "POST")):
-        app.add_api_route(path, forwarder(path), methods=[method], include_in_schema=False)
-
-    # A stored response (`store`, `background`) is on the decode instance that made it.
-    @app.get(RESPONSES + "/{response_id}")
-    async def stored_response(request: Request, response_id: str) -> Response:
-        return await forward(request, f"{RESPONSES}/{response_id}", find=True)
-
-    @app.post(RESPONSES + "/{response_id}/cancel")
-    async def cancel_response(request: Request, response_id: str) -> Response:
-        return await forward(request, f"{RESPONSES}/{response_id}/cancel", find=True)
+    add_passthrough_routes(app)
 
     @app.get("/instances")
     async def instances(request: Request) -> dict[str, list[dict[str, object]]]:
