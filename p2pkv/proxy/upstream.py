@@ -2,8 +2,10 @@
 that a failure before any of it went out is reported instead (None), so that the request can go again. vLLM
 answers a request that failed inside the engine (KV that could not be loaded under `kv_load_failure_policy=fail`,
 for one) with status 500, or, for a stream whose headers already went, with an event `data: {"error": {...,
-"code": 500}}` in place of the first token (a chat stream names the role first); so while the request may still go
-again, a stream is read until its answer has begun before the client is answered."""
+"code": 500}}` in place of the first token (a chat stream names the role first; a Messages API stream opens with
+`message_start` and sends an `error` event; a Responses API stream opens with `response.created` and breaks off);
+so while the request may still go again, a stream is read until its answer has begun before the client is
+answered."""
 
 from __future__ import annotations
 
@@ -54,16 +56,34 @@ def stream_start(head: bytes) -> int | None:
     return None if len(head) < _MAX_HEAD else 0
 
 
+# Events of the Responses and Anthropic Messages APIs' streams that come before any token.
+_PREAMBLE_EVENTS = frozenset({"response.created", "response.in_progress", "response.output_item.added",
+                              "response.content_part.added", "message_start", "content_block_start", "ping"})
+# Error types (Anthropic's) and codes (the Responses API's) for a failure of the server; others are the request's
+# fault, passed on.
+_SERVER_ERRORS = {"api_error": 500, "internal_error": 500, "overloaded_error": 529, "server_error": 500}
+
+
 def _error_code(message: Any) -> int:
     error = message.get("error") if isinstance(message, dict) else None
     code = error.get("code") if isinstance(error, dict) else None
     if isinstance(code, str) and code.isdigit():
         code = int(code)
-    return code if isinstance(code, int) and not isinstance(code, bool) else 0
+    if isinstance(code, int) and not isinstance(code, bool):
+        return code
+    if isinstance(message, dict) and message.get("type") == "error":  # an Anthropic or Responses error event
+        kind = error.get("type") if isinstance(error, dict) else message.get("code")
+        if not isinstance(kind, str):
+            return 500
+        return int(kind) if kind.isdigit() else _SERVER_ERRORS.get(kind, 400)
+    return 0
 
 
 def _preamble(message: Any) -> bool:
-    """A chunk that carries no part of the answer yet: each choice with no text, content or tool call, unfinished."""
+    """A chunk that carries no part of the answer yet: each choice with no text, content or tool call, unfinished;
+    or an event of the Responses or Messages API that opens the answer before its first token."""
+    if isinstance(message, dict) and message.get("type") in _PREAMBLE_EVENTS:
+        return True
     choices = message.get("choices") if isinstance(message, dict) else None
     if not isinstance(choices, list) or not choices:
         return False

@@ -123,6 +123,30 @@ def test_kv_lost_under_policy_fail_goes_again_through_the_proxy_as_a_new_transfe
     assert log.count("do not match the sender's digest") >= 2
 
 
+def test_streams_of_the_responses_and_messages_apis_go_again_too(tight: dict[str, Any]) -> None:
+    """As above, for streams of the Responses and Anthropic Messages APIs. vLLM opens them with events that name
+    no token (`response.created`, `message_start`); on the lost KV its Messages stream goes on with an error
+    event and its Responses stream breaks off. The proxy reads on past those opening events, so it still sees the
+    failure before anything went to the client, and the request goes again as a new transfer."""
+    prefill = role(tight, "kv_producer")
+    text = prompt("rerouted-apis", 250)
+    for path, body, closing, answer_of in [
+        ("/v1/responses", {"input": text, "max_output_tokens": MAX_TOKENS}, "response.completed",
+         lambda a: a["output"][0]["content"][0]["text"]),
+        ("/v1/messages", {"messages": [{"role": "user", "content": text}], "max_tokens": MAX_TOKENS}, "message_stop",
+         lambda a: a["content"][0]["text"]),
+    ]:
+        body = {"model": tight["model"], "temperature": 0, **body}
+        resp, metrics, port = _rerouted(tight, path, {**body, "stream": True})
+        assert resp.status_code == 200, resp.text
+        assert "p2pkv_proxy_reroutes_total 1.0" in metrics and resp.headers[PREFILL_HEADER] == f"localhost:{port}"
+        assert '"error"' not in resp.text and closing in resp.text
+        deltas = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+        streamed = "".join(e.get("delta", "") if path == "/v1/responses" else (e.get("delta") or {}).get("text", "")
+                           for e in deltas if e.get("type") in ("response.output_text.delta", "content_block_delta"))
+        assert streamed == answer_of(complete(f"http://{prefill['http']}", body, path)), path
+
+
 def test_prefill_killed_while_holding_kv_decode_recomputes_within_the_deadline(tight: dict[str, Any]) -> None:
     prefill, decode = role(tight, "kv_producer"), role(tight, "kv_consumer")
     text = prompt("killed", 300)

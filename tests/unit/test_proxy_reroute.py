@@ -79,6 +79,29 @@ def test_a_streams_start_tells_an_error_in_place_of_the_first_token() -> None:
     assert stream_start(b"data: not json\n\n") == 0  # passed on as it is
 
 
+def _event(kind: str, data: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
+
+
+def test_the_start_of_a_responses_or_messages_stream_is_told_too() -> None:
+    """The Responses and Anthropic Messages APIs open a stream with events that name no token yet; an error event
+    in place of the first token is the server's (read as a 5xx: the request may go again) or the request's."""
+    created = _event("response.created", {"response": {"status": "in_progress"}})
+    progress = _event("response.in_progress", {"response": {"status": "in_progress"}})
+    started = _event("message_start", {"message": {"content": []}})
+    block = _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    assert stream_start(created + progress) is None and stream_start(started + block) is None  # read on
+    internal = _event("error", {"error": {"type": "internal_error", "message": "engine"}})
+    assert stream_start(started + internal) == 500
+    assert stream_start(started + _event("error", {"error": {"type": "overloaded_error"}})) == 529
+    assert stream_start(started + _event("error", {"error": {"type": "invalid_request_error"}})) == 0
+    assert stream_start(created + _event("error", {"code": "server_error", "message": "x"})) == 500
+    assert stream_start(created + _event("error", {"code": "invalid_prompt", "message": "x"})) == 0
+    assert stream_start(created + _event("error", {"message": "no code"})) == 500
+    assert stream_start(created + _event("response.output_text.delta", {"delta": "a"})) == 0  # the answer began
+    assert stream_start(started + _event("content_block_delta", {"delta": {"text": "a"}}) + internal) == 0
+
+
 @pytest.mark.parametrize("stream,chat", [(False, False), (True, False), (True, True)],
                          ids=["plain", "stream", "chat-stream"])
 def test_a_failed_decode_goes_again_through_another_prefill_and_decode_instance(
