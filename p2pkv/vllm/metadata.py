@@ -19,6 +19,9 @@ class SaveSpec:
     peer: Address | None
     block_ids: tuple[int, ...]
     inline: bool = False  # PUT: the step waits in wait_for_save until the push is sent
+    # The request was preempted after its first save and has computed its prompt again, into these blocks: what
+    # was held for a pull is held again, in them (`peer` is None); a push that went through is not sent again.
+    again: bool = False
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ class _Producer:
     block_ids: list[int] = field(default_factory=list)
     saved: bool = False
     abandoned: bool = False  # nobody will get its answer (aborted, or the proxy said so): nothing to hold for a pull
+    preempted: bool = False  # preempted after a save: its next save holds the transfer again, in its new blocks
 
 
 @dataclass
@@ -233,6 +234,9 @@ class SchedulerSide:
             producer = self._producers.get(req_id)
             if producer is not None and producer.saved:
                 meta.preempted.append(producer.transfer_id)
+                # vLLM computes its prompt again when it resumes (a prefill request that goes on decoding): the
+                # transfer is then held again, in the blocks it has by then.
+                producer.saved, producer.preempted, producer.block_ids = False, True, []
         progress: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             producer = self._producers.get(new.req_id)
@@ -258,7 +262,10 @@ class SchedulerSide:
             # The prompt completes in this step: every block of it holds final KV once the forward has run.
             producer.saved = True
             blocks = tuple(producer.block_ids[: self._blocks_for(producer.num_prompt_tokens)])
-            meta.saves.append(SaveSpec(req_id, producer.transfer_id, producer.peer, blocks, producer.inline))
+            if producer.preempted:
+                meta.saves.append(SaveSpec(req_id, producer.transfer_id, None, blocks, again=True))
+            else:
+                meta.saves.append(SaveSpec(req_id, producer.transfer_id, producer.peer, blocks, producer.inline))
         return meta
 
     def _forget_claims(self, now: float) -> None:
@@ -290,9 +297,11 @@ class SchedulerSide:
         sibling_of = self._siblings.pop(req_id, None)
         if sibling_of is not None:
             # Its blocks go at once: the first sample's blocks are the ones sent or held for the pull.
-            return False, self._answer(sibling_of) if sibling_of.saved else None
+            return False, self._answer(sibling_of) if sibling_of.saved or sibling_of.preempted else None
         producer = self._producers.pop(req_id, None)
-        if producer is None or not producer.saved:
+        # Preempted after a save and not saved again yet: the workers still track the transfer (a push in flight,
+        # or the withdrawn offer), and report when they let go of it; vLLM must keep the request until then.
+        if producer is None or not (producer.saved or producer.preempted):
             return False, None
         if getattr(request.status, "name", "") in _UNANSWERED:
             self._abandon(producer)

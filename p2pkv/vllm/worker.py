@@ -77,7 +77,8 @@ class WorkerSide:
         self._sending: dict[str, str] = {}
         self._specs: dict[str, SaveSpec] = {}
         self._finished: set[str] = set()
-        self._withdrawn: set[str] = set()  # transfers of preempted requests: never offered again
+        # transfers of preempted (or aborted) requests: not offered again, unless a preempted one saves again
+        self._withdrawn: set[str] = set()
         self._loading: Loads | None = None
         # KV behind a device copy (a GPU's): every layer is pushed as the forward computes it, whatever the link,
         # so that the copy overlaps the compute (see `save_layer` for host KV).
@@ -233,6 +234,9 @@ class WorkerSide:
         # The layers not pushed yet are pushed here (every layer, for host-memory KV a peer on this host reads in
         # place; otherwise those whose hook did not fire this step, none in normal runs), so no transfer is short.
         for spec in self._meta.saves:
+            if spec.again:
+                self._hold_again(spec)
+                continue
             if spec.peer is None:
                 # GET: every layer is final now that the forward has run; hold the blocks for the pull.
                 self._sending[spec.req_id] = spec.transfer_id
@@ -242,6 +246,23 @@ class WorkerSide:
                 self._push(spec, layer)
         if any(spec.inline and spec.peer is not None for spec in self._meta.saves):
             self.engine.wait_sent(time.monotonic() + self._config.extra.transfer_timeout_s)
+
+    def _hold_again(self, spec: SaveSpec) -> None:
+        """A request preempted after its save has computed its prompt again, into other blocks: a transfer that was
+        held for a pull (GET, a refused push, a pull over a device path) is offered again, from the new blocks. A
+        push that went through needs nothing: the decode side has the bytes."""
+        tid = spec.transfer_id
+        out = self.engine.outgoing(tid)
+        if tid not in self._withdrawn or (self.engine.offer_state(tid) is None
+                                          and (out is None or out.state is not OutState.REFUSED)):
+            return
+        self._withdrawn.discard(tid)
+        self.blocks.release(tid)  # what was read from the old blocks (host buffers of a GPU cache)
+        self._slices.release(tid)
+        self._sending[spec.req_id] = tid
+        self._specs[spec.req_id] = spec
+        self._offer(spec)
+        log.info("transfer %s: its request computed its prompt again after a preemption; held again for a pull", tid)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._engine is None:

@@ -258,6 +258,45 @@ def test_a_preempted_request_whose_blocks_are_being_sent_is_named_to_the_workers
     assert s.build_connector_meta(preempting).preempted == ["ta"]
 
 
+@pytest.mark.parametrize("resumed_as", ["cached", "new"])
+def test_a_preempted_producer_saves_again_once_its_prompt_is_computed_again(resumed_as: str) -> None:
+    """A prefill request that goes on decoding is preempted after its save; resumed, vLLM computes its prompt
+    again into other blocks (in chunks here), and the transfer is saved again from them (`again`: held for a pull
+    where it was). Until then, and after, vLLM keeps the request until the workers let go of the transfer."""
+    s = side("kv_producer")
+    req = Req("p", list(range(300)), PrefillParams("t5", Address("h", 1)).to_dict())
+    s.update_state_after_alloc(req, Blocks([1, 2, 3]), 0)
+    new = [SimpleNamespace(req_id="p", block_ids=([1, 2, 3],), num_computed_tokens=0)]
+    assert [sv.again for sv in s.build_connector_meta(step(new, scheduled={"p": 300})).saves] == [False]
+    preempting = step(scheduled={})
+    preempting.preempted_req_ids = {"p"}
+    assert s.build_connector_meta(preempting).preempted == ["t5"]
+    if resumed_as == "cached":
+        first = step(cached=Cached(["p"], [([7, 8],)], {"p"}, [0]), scheduled={"p": 256})
+    else:
+        first = step([SimpleNamespace(req_id="p", block_ids=([7, 8],), num_computed_tokens=0)], scheduled={"p": 256})
+    assert s.build_connector_meta(first).saves == []  # the prompt is not complete yet
+    rest = step(cached=Cached(["p"], [([9],)], set(), [256]), scheduled={"p": 44})
+    (again,) = s.build_connector_meta(rest).saves
+    assert (again.transfer_id, again.block_ids, again.peer, again.again) == ("t5", (7, 8, 9), None, True)
+    assert s.request_finished(req, [7, 8, 9])[0] is True
+
+
+def test_a_producer_finished_while_preempted_is_kept_for_its_workers() -> None:
+    """With async scheduling a request can finish (its last token sampled) in the step vLLM preempted it: the
+    workers still hold its transfer (withdrawn), so vLLM keeps the request until they report it."""
+    s = side("kv_producer")
+    req = Req("p", list(range(300)), PrefillParams("t6", None, pull=True).to_dict())
+    s.update_state_after_alloc(req, Blocks([1, 2, 3]), 0)
+    s.build_connector_meta(step([SimpleNamespace(req_id="p", block_ids=([1, 2, 3],), num_computed_tokens=0)],
+                                scheduled={"p": 300}))
+    preempting = step(scheduled={})
+    preempting.preempted_req_ids = {"p"}
+    s.build_connector_meta(preempting)
+    delay, answer = s.request_finished(req, [])
+    assert delay is True and parse_transfer_params(answer).transfer_id == "t6"  # type: ignore[union-attr]
+
+
 def test_producer_aborted_before_its_prompt_completed_holds_nothing() -> None:
     s = side("kv_producer")
     req = Req("r", list(range(300)), PrefillParams("t9", Address("h", 1)).to_dict())

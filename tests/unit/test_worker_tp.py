@@ -443,6 +443,67 @@ def test_blocks_of_a_preempted_request_are_no_longer_offered(sides: list[WorkerS
     settle(prefill, "p-req", sending=True)  # once finished, the request's blocks go back to vLLM either way
 
 
+@pytest.mark.parametrize("again", [True, False])
+def test_a_preempted_request_that_computes_its_prompt_again_holds_its_transfer_again(sides: list[WorkerSide],
+                                                                                     again: bool) -> None:
+    """GET: a prefill request that goes on decoding is preempted after its save, its offer withdrawn; resumed, vLLM
+    computes its prompt again into other blocks, and the scheduler side saves it again (`again`). The transfer is
+    then offered from the new blocks, and the decode side's pull gets them. The control, not saved again, is
+    refused ("withdrawn")."""
+    prefill, decode, p_kv, d_kv, p_port, _ = one_to_one(sides, 150)
+    old, new, dst = (1, 3), (4, 2), (4, 0)
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid18", None, old)]))
+    prefill.wait_for_save()
+    prefill.handle_preemptions(["tid18"])
+    for t in p_kv.values():
+        t[list(old)] = 0  # other KV in the freed blocks
+    if again:
+        prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid18", None, new, again=True)]))
+        prefill.wait_for_save()
+    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid18", 0, dst, pull_from=Address("127.0.0.1", p_port))]))
+    settle(decode, "d-req", sending=False)
+    errors = decode.take_load_errors()
+    if again:
+        assert errors == set() and all(torch.equal(d_kv[n][list(dst)], p_kv[n][list(new)]) for n in d_kv)
+    else:
+        assert errors == set(dst)
+    settle(prefill, "p-req", sending=True)
+
+
+def test_a_push_that_went_through_is_not_held_again_after_a_preemption(sides: list[WorkerSide]) -> None:
+    """The decode side has a pushed transfer's bytes: saved again after a preemption, nothing is offered or sent."""
+    prefill, decode, p_kv, d_kv, _, d_port = one_to_one(sides, 160)
+    src, dst = (1, 3), (4, 0)
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid19", Address("127.0.0.1", d_port), src)]))
+    prefill.wait_for_save()
+    prefill.handle_preemptions(prefill.transfers_of({"p-req"}))
+    for t in p_kv.values():
+        t.zero_()  # other KV in every block: what the decode side loads must be what was pushed before
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid19", None, (4, 2), again=True)]))
+    prefill.wait_for_save()
+    assert prefill.engine.offer_state("tid19") is None
+    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid19", 0, dst)]))
+    settle(decode, "d-req", sending=False)
+    assert decode.take_load_errors() == set()
+    assert all(torch.equal(d_kv[n][list(dst)], caches(HEADS, 160)[n][list(src)]) for n in d_kv)
+    settle(prefill, "p-req", sending=True)
+
+
+def test_a_refused_push_is_held_again_after_a_preemption(sides: list[WorkerSide],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode side refused the push; the request is preempted before its blocks were held for the pull, then
+    computes its prompt again: the new blocks are held, and the pull gets them."""
+    prefill, decode, p_port = refused_push(sides, monkeypatch, 170, "tid20")
+    prefill.handle_preemptions(["tid20"])
+    assert prefill.get_finished(set()) == (None, None) and prefill.engine.offer_state("tid20") is None
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid20", None, (4, 2), again=True)]))
+    prefill.wait_for_save()
+    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid20", 0, (4, 0), pull_from=Address("127.0.0.1", p_port))]))
+    settle(decode, "d-req", sending=False)
+    assert decode.take_load_errors() == set()
+    settle(prefill, "p-req", sending=True)
+
+
 def test_a_push_of_a_preempted_request_is_waited_for(sides: list[WorkerSide]) -> None:
     """A push still reading a preempted request's blocks finishes before the next forward may overwrite them."""
     prefill, decode, p_kv, d_kv, _, d_port = one_to_one(sides, 80)
