@@ -25,10 +25,11 @@ except ValueError as exc:
     print("before:", exc)
 load_general_plugins()
 assert "p2pkv.vllm.connector" not in sys.modules, "registering must not import the connector either"
-from p2pkv.vllm.plugin import register
-register()  # vLLM may load plugins again: harmless
 cls = KVConnectorFactory.get_connector_class(old_script)
 print("after:", cls.__module__, cls.__name__)
+from p2pkv.vllm.plugin import register
+register()  # vLLM may load plugins again, in the same process: harmless
+assert KVConnectorFactory.get_connector_class(old_script) is cls
 """
 
 
