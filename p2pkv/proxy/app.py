@@ -30,7 +30,7 @@ from p2pkv.proxy.discard import Discarder, discard_of
 from p2pkv.proxy.discovery import DiscoveryListener, start
 from p2pkv.proxy.instances import Instance, ProxyConfig
 from p2pkv.proxy.metrics import ProxyMetrics
-from p2pkv.proxy.passthrough import add_passthrough_routes, forward_headers
+from p2pkv.proxy.passthrough import add_passthrough_routes, forward_headers, holder
 from p2pkv.proxy.prefill import MESSAGES, RESPONSES, Prefiller, prefill_body, whole_prompt_on_decode
 from p2pkv.proxy.registry import InstanceState, Policy, Pool, static_pool
 from p2pkv.proxy.trace import RequestTrace
@@ -151,23 +151,9 @@ class Router:
             return await self._batch(body, prompts, path, headers, started)
         return await self._one(body, path, headers, started)
 
-    async def _holder(self, response_id: Any, headers: dict[str, str]) -> InstanceState | None:
-        """The decode instance whose response store holds this response (Responses API), if one does."""
-        if not isinstance(response_id, str) or not response_id or "/" in response_id:
-            return None
-        self.decode.prune()
-        for state in self.decode.states:
-            try:
-                resp = await self.client.get(f"{state.instance.url}{RESPONSES}/{response_id}", headers=headers)
-            except httpx.HTTPError:
-                continue
-            if resp.status_code == 200:
-                return state
-        return None
-
     async def _one(self, body: dict[str, Any], path: str, headers: dict[str, str], started: float) -> Response:
         # A Responses API request that continues a stored response goes where that response is stored.
-        decode = await self._holder(body.get("previous_response_id"), headers) if path == RESPONSES else None
+        decode = await holder(self, body.get("previous_response_id"), headers) if path == RESPONSES else None
         decode = decode or self.decode.pick()
         if decode is None:
             self.metrics.requests.labels("no_instance").inc()

@@ -4,16 +4,17 @@ and stored responses (OpenAI's Responses API keeps them on the instance that mad
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from p2pkv.proxy.prefill import MESSAGES, RESPONSES
-from p2pkv.proxy.registry import Pool
+from p2pkv.proxy.registry import InstanceState, Pool
 from p2pkv.proxy.upstream import error_response
 
+_LOOKUP_TIMEOUT_S = 10.0  # asking a decode instance whether it holds a stored response
 _PLAIN = (("/v1/models", "GET"), ("/version", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST"),
           (MESSAGES + "/count_tokens", "POST"))
 
@@ -31,6 +32,23 @@ def forward_headers(request: Request) -> dict[str, str]:
     """The client's headers that go on to an instance: its API key."""
     auth = request.headers.get("authorization")
     return {"authorization": auth} if auth else {}
+
+
+async def holder(router: Routing, response_id: Any, headers: dict[str, str]) -> InstanceState | None:
+    """The decode instance whose response store holds this response (Responses API), if one does: asked of each
+    in turn."""
+    if not isinstance(response_id, str) or not response_id or "/" in response_id:
+        return None
+    router.decode.prune()
+    for state in router.decode.states:
+        try:
+            resp = await router.client.get(f"{state.instance.url}{RESPONSES}/{response_id}", headers=headers,
+                                           timeout=_LOOKUP_TIMEOUT_S)
+        except httpx.HTTPError:
+            continue
+        if resp.status_code == 200:
+            return state
+    return None
 
 
 async def forward(request: Request, path: str, find: bool = False) -> Response:
