@@ -183,7 +183,7 @@ class Puller:
                 result = PullResult(PullState.FAILED, f"internal error: {exc!r}")
             ms = (time.monotonic() - started) * 1000
             outcome = "ok" if result.state is PullState.DONE else "failed"
-            self._metrics.of(self._metrics.transfers, "pull", outcome).inc()
+            self._metrics.count_transfer("pull", outcome, ms / 1000)
             heads = f" heads={job.part.heads[0]}-{job.part.heads[1]}" if job.part is not None else ""
             if job.part is not None and job.part.layers is not None:
                 heads += f" layers={job.part.layers[0]}-{job.part.layers[1]}"
@@ -437,8 +437,7 @@ class Puller:
             raise bad
 
     def _count(self, transport: str, nbytes: int) -> None:
-        self._metrics.of(self._metrics.bytes_received, transport).inc(nbytes)
-        self._metrics.add("bytes_received", nbytes)
+        self._metrics.count_bytes("received", nbytes, transport)
 
     @staticmethod
     def _next(conn: Connection, deadline: float) -> tuple[Message, int]:

@@ -201,8 +201,7 @@ class Receiver:
         if landed is not None and not self._digest_matches(conn, push, landed.intdigest()):
             return
         self._store.finish_chunk(push.transfer_id, push.num_blocks * push.layers)
-        self._metrics.of(self._metrics.bytes_received, conn.name).inc(payload_len)
-        self._metrics.add("bytes_received", payload_len)
+        self._metrics.count_bytes("received", payload_len, conn.name)
 
     def _digest_matches(self, conn: Connection, push: PushBlocks, landed: int) -> bool:
         """Check a landed payload against its frame's digest; a mismatch fails the transfer (its load then fails and
@@ -273,8 +272,7 @@ class Receiver:
             # TCP: sent bytes sit in the socket's buffers. shm: the puller has copied every layer, or it is gone
             # (then it reports load errors and recomputes). Either way the blocks are free to go.
             self._offers.finish(claim)
-            self._metrics.of(self._metrics.bytes_sent, transport).inc(nbytes)
-            self._metrics.add("bytes_sent", nbytes)
+            self._metrics.count_bytes("sent", nbytes, transport)
             log.info("transfer %s served peer=%s bytes=%d ms=%.1f transport=%s", pull.transfer_id, conn.peer,
                      nbytes, (time.monotonic() - started) * 1000, transport)
 

@@ -271,8 +271,7 @@ class Sender:
                 item.transport = name
                 item.by_reference = by_reference
                 self._maybe_done_locked(item)
-        self._metrics.of(self._metrics.bytes_sent, name).inc(total)
-        self._metrics.add("bytes_sent", total)
+        self._metrics.count_bytes("sent", total, name)
 
     def _hand_over(self, conn: Connection, live: list[tuple[PushJob, Outgoing]]
                    ) -> tuple[list[tuple[PushJob, Outgoing]], list[PullInstead]]:
@@ -383,8 +382,7 @@ class Sender:
         outcome = {OutState.DONE: "ok", OutState.REFUSED: "refused"}.get(state, "failed")
         if reason == PULL_INSTEAD:
             outcome = "pull_instead"
-        self._metrics.of(self._metrics.transfers, "send", outcome).inc()
-        self._metrics.of(self._metrics.transfer_seconds, "send").observe(ms / 1000)
+        self._metrics.count_transfer("send", outcome, ms / 1000)
         log.info("transfer %s send %s peer=%s bytes=%d ms=%.1f transport=%s%s", item.transfer_id, outcome,
                  item.peer, item.nbytes, ms, item.transport, f" reason={reason}" if reason else "")
 

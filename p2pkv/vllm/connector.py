@@ -9,9 +9,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from p2pkv.config import parse_connector_config
 from p2pkv.discovery.heartbeat import HeartbeatSender, sender_for
+from p2pkv.engine.metrics import StepStats
 from p2pkv.stages import StageLayers
 from p2pkv.vllm.metadata import P2pkvMetadata
 from p2pkv.vllm.scheduler import SchedulerSide
+from p2pkv.vllm.stats import P2pkvPromMetrics, P2pkvStats
 from p2pkv.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -131,6 +133,20 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
+
+    def get_kv_connector_stats(self) -> P2pkvStats | None:
+        """The worker's transfers since the last step (vLLM sums the workers'); none from the scheduler side."""
+        data = self._worker.take_stats() if self._worker is not None else None
+        return P2pkvStats(data=data) if data is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> P2pkvStats:
+        return P2pkvStats(data=data) if data is not None else P2pkvStats(data=StepStats().data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> P2pkvPromMetrics:
+        return P2pkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -362,9 +362,8 @@ class Loads:
                 self._blocks.write_blocks(0, first, memoryview(data))
             finally:
                 self._blocks.release(key)
-        self._engine.metrics.bytes_loaded.inc(nbytes)
-        self._engine.metrics.add("bytes_loaded", nbytes)
-        self._engine.metrics.transfers.labels("load", "ok").inc()
+        self._engine.metrics.count_bytes("loaded", nbytes)
+        self._engine.metrics.count_transfer("load", "ok")
 
     def _land(self, spec: LoadSpec) -> None:
         item = self._engine.take_staged(spec.transfer_id)
@@ -380,9 +379,8 @@ class Loads:
                     src = memoryview(bytes(b ^ 0x5A for b in src[:4096]) + bytes(src[4096:]))
                 self._blocks.write_blocks(layer, spec.block_ids, src)
             nbytes = n * item.block_bytes * item.num_layers
-            self._engine.metrics.bytes_loaded.inc(nbytes)
-            self._engine.metrics.add("bytes_loaded", nbytes)
-            self._engine.metrics.transfers.labels("load", "ok").inc()
+            self._engine.metrics.count_bytes("loaded", nbytes)
+            self._engine.metrics.count_transfer("load", "ok")
             log.info("transfer %s landed peer=%s blocks=%d bytes=%d ms=%.1f transport=%s", spec.transfer_id,
                      item.source.split("#")[0], n, nbytes, (time.monotonic() - item.created) * 1000, item.transport)
         finally:
@@ -393,4 +391,4 @@ class Loads:
         log.warning("transfer %s: load failed (%s); reporting %d blocks", spec.transfer_id, reason,
                     len(spec.block_ids))
         self._errors.update(spec.block_ids)
-        self._engine.metrics.transfers.labels("load", "failed").inc()
+        self._engine.metrics.count_transfer("load", "failed")

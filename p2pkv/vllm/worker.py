@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -116,6 +116,7 @@ class WorkerSide:
         settings = EngineSettings.from_config(extra, self._config.worker_port(self._at.slot), metrics_port)
         digest = msgspec.structs.replace(self._blocks.digest, first_layer=first, total_layers=self._at.total_layers)
         self._engine = TransferEngine(settings, digest, self._at.slot, access, pipes)
+        self._engine.metrics.intervals = True  # vLLM takes them every step (take_stats)
         if device is not None:
             device.pool, device.metrics = self._engine.pool, self._engine.metrics
             if self._engine.pool is not None and device.on_gpu:
@@ -336,6 +337,10 @@ class WorkerSide:
             if not self.engine.offers.withdraw(tid, time.monotonic() + self._config.extra.transfer_timeout_s):
                 log.error("transfer %s: a pull still reads the blocks of a preempted request", tid)
             log.info("transfer %s: its request was preempted; nothing reads its blocks any more", tid)
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """What the engine counted since the last step: transfers, bytes, transfer times."""
+        return self._engine.metrics.take_interval() if self._engine is not None else None
 
     def take_load_errors(self) -> set[int]:
         return self._loading.take_errors() if self._loading is not None else set()

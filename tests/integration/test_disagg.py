@@ -144,6 +144,56 @@ def test_a_request_is_traced_from_its_answer_into_every_log(up_cluster: UpCluste
         time.sleep(0.2)
 
 
+def vllm_series(address: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s series on a vLLM instance's own /metrics whose labels include `labels`."""
+    total = 0.0
+    for line in httpx.get(f"http://{address}/metrics", timeout=10).text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        have = dict(pair.split("=", 1) for pair in head[len(name) + 1:-1].split(","))
+        if all(have.get(k) == f'"{v}"' for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def test_transfers_show_in_vllms_own_metrics_and_log(up_cluster: UpCluster) -> None:
+    """Each instance reports p2pkv's transfers to vLLM: on its own /metrics (`vllm:p2pkv_*`, the same bytes as
+    p2pkv's metrics port) and in vLLM's periodic "KV Transfer metrics" log line."""
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    loads = ("vllm:p2pkv_transfers_total", {"direction": "load", "outcome": "ok"})
+    sends = ("vllm:p2pkv_transfers_total", {"direction": "send", "outcome": "ok"})
+    loaded = ("vllm:p2pkv_bytes_total", {"kind": "loaded"})
+    before = {"loads": vllm_series(decode["http"], loads[0], **loads[1]),
+              "sends": vllm_series(prefill["http"], sends[0], **sends[1]),
+              "loaded": vllm_series(decode["http"], loaded[0], **loaded[1]),
+              "own_loaded": metric(decode["metrics"], "p2pkv_bytes_loaded_total"),
+              "timed": vllm_series(prefill["http"], "vllm:p2pkv_transfer_seconds_count", direction="send")}
+    n = 4
+    for i in range(n):
+        greedy(up_cluster.proxy, up_cluster.model, prompt(f"vllm-metrics{i}", 300))
+    own_loaded = metric(decode["metrics"], "p2pkv_bytes_loaded_total") - before["own_loaded"]
+    assert own_loaded > 0
+    # vLLM's front end gets the counts with the engine's step outputs: moments after the answers.
+    deadline = time.monotonic() + 10
+    while True:
+        got = {"loads": vllm_series(decode["http"], loads[0], **loads[1]) - before["loads"],
+               "sends": vllm_series(prefill["http"], sends[0], **sends[1]) - before["sends"],
+               "loaded": vllm_series(decode["http"], loaded[0], **loaded[1]) - before["loaded"],
+               "timed": vllm_series(prefill["http"], "vllm:p2pkv_transfer_seconds_count", direction="send")
+               - before["timed"]}
+        if got == {"loads": n, "sends": n, "loaded": own_loaded, "timed": n} or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert got == {"loads": n, "sends": n, "loaded": own_loaded, "timed": n}
+    logs = Path(up_cluster.info["log_dir"])
+    deadline = time.monotonic() + 15  # vLLM logs its stats every 10 s
+    while not ("KV Transfer metrics: loads ok=" in (logs / f"{decode['name']}.log").read_text(errors="replace")
+               and "KV Transfer metrics: sends ok=" in (logs / f"{prefill['name']}.log").read_text(errors="replace")):
+        assert time.monotonic() < deadline, "no KV Transfer metrics line in the instances' logs"
+        time.sleep(0.5)
+
+
 def test_chat_and_streaming_give_the_same_text(up_cluster: UpCluster) -> None:
     model, proxy = up_cluster.model, up_cluster.proxy
     user = prompt("chat", 200)
