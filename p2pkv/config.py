@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
 from p2pkv.errors import ConfigError
@@ -218,6 +218,25 @@ class ConnectorConfig:
     def worker_port(self, rank: int) -> int:
         """Worker `rank` binds `kv_port + rank`, as the old connector did."""
         return self.kv_port + rank
+
+    def for_data_parallel_rank(self, local_rank: int, workers: int) -> ConnectorConfig:
+        """The config of data-parallel rank `local_rank` (on this host) of an instance whose engines have `workers`
+        workers each: its workers bind `kv_port + local_rank * workers + r` (and metrics ports alike), so the ranks
+        of one instance do not share ports."""
+        if local_rank == 0:
+            return self
+        shift = local_rank * workers
+        last = self.kv_port + shift + workers - 1
+        if last > 65535:
+            raise ConfigError(f"kv_port {self.kv_port}: data-parallel rank {local_rank} would bind up to {last}, "
+                              f"past 65535 (its {workers} workers take kv_port + {shift} onwards)")
+        extra = self.extra
+        if extra.metrics_port:
+            if extra.metrics_port + shift + workers - 1 > 65535:
+                raise ConfigError(f"metrics_port {extra.metrics_port}: data-parallel rank {local_rank} would serve "
+                                  "past port 65535")
+            extra = replace(extra, metrics_port=extra.metrics_port + shift)
+        return replace(self, kv_port=self.kv_port + shift, extra=extra)
 
 
 def parse_connector_config(

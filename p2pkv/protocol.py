@@ -267,6 +267,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     engine_id: str = ""
     tp_size: int = 0  # the instance's tensor-parallel size; 0: not said
     pp_size: int = 0  # the instance's pipeline-parallel size; 0: not said
+    dp_rank: int = -1  # the data-parallel rank its API server reaches this engine by; -1: none (one engine)
 
 
 Message = (Hello | HelloReply | BlockRanges | PushBlocks | PushAck | PushAbort | PullRequest | PullReply | Heartbeat

@@ -88,7 +88,7 @@ class Process:
     log_path: Path
     env: dict[str, str]
     health_url: str
-    ranks: int = 0  # vLLM worker processes (tensor- times pipeline-parallel size); 0 for the proxy
+    ranks: int = 0  # vLLM worker processes (tensor- x pipeline- x data-parallel size); 0 for the proxy
     popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -149,10 +149,12 @@ class InstanceSpec:
     failure_policy: str = "recompute"
     tp_size: int = 1  # tensor-parallel size: ranks bind kv_port + rank (and metrics_port + rank)
     pp_size: int = 1  # pipeline-parallel size: stage s's ranks come after the earlier stages' (s * tp_size + rank)
+    dp_size: int = 1  # data-parallel size: engine d's ranks come after the earlier engines' (d * tp * pp + ...)
 
     @property
     def ranks(self) -> int:
-        return self.tp_size * self.pp_size
+        """Workers over all its engines: each binds a KV port (and a metrics port, and on a CPU build a core)."""
+        return self.tp_size * self.pp_size * self.dp_size
 
 
 def vllm_argv(model: str, spec: InstanceSpec, host: str, dtype: str) -> list[str]:
@@ -167,6 +169,8 @@ def vllm_argv(model: str, spec: InstanceSpec, host: str, dtype: str) -> list[str
         argv += ["--tensor-parallel-size", str(spec.tp_size)]
     if spec.pp_size > 1:
         argv += ["--pipeline-parallel-size", str(spec.pp_size)]
+    if spec.dp_size > 1:
+        argv += ["--data-parallel-size", str(spec.dp_size)]
     return argv + list(spec.vllm_args)
 
 

@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of each decode instance")
     up.add_argument("--prefill-pp", type=int, default=1, help="pipeline-parallel size of each prefill instance")
     up.add_argument("--decode-pp", type=int, default=1, help="pipeline-parallel size of each decode instance")
+    up.add_argument("--prefill-dp", type=int, default=1, help="data-parallel size of each prefill instance (its "
+                    "engines share one API server; the proxy routes to each by its rank)")
+    up.add_argument("--decode-dp", type=int, default=1, help="data-parallel size of each decode instance")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=0, help="proxy port (default: a free one)")
     up.add_argument("--base-port", type=int, default=0, help="first vLLM port (default: free ones)")

@@ -62,8 +62,8 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
     """The cluster to start, and what the ready file will say about it."""
     cluster = Cluster(model=model, log_dir=log_dir, host=args.host, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb)
     n = args.prefill + args.decode
-    # Rank r of an instance (over its pipeline stages) binds its KV and metrics ports + r.
-    tp = max(args.prefill_tp * args.prefill_pp, args.decode_tp * args.decode_pp)
+    # Rank r of an instance (over its pipeline stages and data-parallel engines) binds its KV and metrics ports + r.
+    tp = max(args.prefill_tp * args.prefill_pp * args.prefill_dp, args.decode_tp * args.decode_pp * args.decode_dp)
     if args.base_port:
         http_ports = _ports(args.base_port, n, args.host)
         kv_ports, metrics_ports = ([args.base_port + k * 1000 + i * tp for i in range(n)] for k in (1, 2))
@@ -91,11 +91,12 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
                              "http_port": http_ports[i]},
                             extra_vllm, args.kv_load_failure_policy,
                             args.prefill_tp if is_prefill else args.decode_tp,
-                            args.prefill_pp if is_prefill else args.decode_pp)
+                            args.prefill_pp if is_prefill else args.decode_pp,
+                            args.prefill_dp if is_prefill else args.decode_dp)
         cluster.add_vllm(name, spec)
         described.append({"name": name, "role": role, "http": f"{args.host}:{http_ports[i]}",
                           "kv": f"{args.host}:{kv_ports[i]}", "metrics": f"{args.host}:{metrics_ports[i]}",
-                          "tp_size": spec.tp_size, "pp_size": spec.pp_size})
+                          "tp_size": spec.tp_size, "pp_size": spec.pp_size, "dp_size": spec.dp_size})
     proxy_port = args.port or free_port(args.host)
     cluster.add_proxy(proxy_port, [], [], discovery_port, secret=extra.get("auth_secret", ""))
     return cluster, {"proxy": f"http://{args.host}:{proxy_port}", "discovery": f"{args.host}:{discovery_port}",
@@ -134,8 +135,9 @@ def send_demo_request(proxy_url: str, model: str) -> str:
 def run_up(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
         raise SystemExit("p2pkv up: --prefill and --decode must be at least 1")
-    if min(args.prefill_tp, args.decode_tp, args.prefill_pp, args.decode_pp) < 1:
-        raise SystemExit("p2pkv up: --prefill-tp, --decode-tp, --prefill-pp and --decode-pp must be at least 1")
+    if min(args.prefill_tp, args.decode_tp, args.prefill_pp, args.decode_pp, args.prefill_dp, args.decode_dp) < 1:
+        raise SystemExit("p2pkv up: --prefill-tp, --decode-tp, --prefill-pp, --decode-pp, --prefill-dp and "
+                         "--decode-dp must be at least 1")
     if args.model is None:
         from p2pkv.tinymodel import write_tiny_model
 
@@ -156,7 +158,9 @@ def run_up(args: argparse.Namespace) -> int:
     _say(f"starting {args.prefill} prefill and {args.decode} decode vLLM instances; logs in {log_dir}")
     try:
         cluster.start(args.ready_timeout, progress=_say)
-        wait_discovered(proxy_url, args.prefill + args.decode, DISCOVERY_TIMEOUT_S)
+        # Each data-parallel engine announces itself: the proxy routes to each.
+        engines = args.prefill * args.prefill_dp + args.decode * args.decode_dp
+        wait_discovered(proxy_url, engines, DISCOVERY_TIMEOUT_S)
         _say(f"proxy ready at {proxy_url}; it found every instance by its heartbeats")
         if args.ready_file:
             description["pids"] = [p.popen.pid for p in cluster.processes if p.popen is not None]

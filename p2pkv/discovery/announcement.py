@@ -31,6 +31,7 @@ class Announcement:
     legacy: bool = False
     tp_size: int = 0  # 0: not said
     pp_size: int = 0  # 0: not said
+    dp_rank: int | None = None  # the data-parallel rank behind `http` (X-data-parallel-rank); None: the only one
 
 
 def _address(value: object, key: str) -> Address:
@@ -54,8 +55,11 @@ def _typed(raw: bytes, secret: bytes) -> Announcement:
     for key, size in (("tp_size", message.tp_size), ("pp_size", message.pp_size)):
         if not 0 <= size <= 4096:
             raise ProtocolError(f"heartbeat {key} {size!r} is out of range")
+    if not -1 <= message.dp_rank < 4096:
+        raise ProtocolError(f"heartbeat dp_rank {message.dp_rank!r} is out of range")
     return Announcement(message.role, _address(message.http_address, "http_address"), kv, message.interval_s,
-                        tp_size=message.tp_size, pp_size=message.pp_size)
+                        tp_size=message.tp_size, pp_size=message.pp_size,
+                        dp_rank=message.dp_rank if message.dp_rank >= 0 else None)
 
 
 def _legacy(raw: bytes) -> Announcement:

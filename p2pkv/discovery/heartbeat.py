@@ -20,6 +20,7 @@ import zmq
 
 from p2pkv.config import ConnectorConfig, HeartbeatFormat, Role
 from p2pkv.engine.threads import engine_thread
+from p2pkv.errors import ConfigError
 from p2pkv.params import Address
 from p2pkv.protocol import Heartbeat, encode_datagram
 
@@ -45,11 +46,14 @@ def advertised_host(bound: str, proxy_host: str) -> str:
 
 class HeartbeatSender:
     def __init__(self, proxy: Address | Sequence[Address], role: str, http: Address, kv: Address, interval_s: float,
-                 secret: bytes, tp_size: int = 0, pp_size: int = 0, legacy: bool = False) -> None:
+                 secret: bytes, tp_size: int = 0, pp_size: int = 0, legacy: bool = False,
+                 dp_rank: int | None = None) -> None:
         """`proxy`: one proxy or several (each gets every heartbeat: proxies side by side, for availability).
-        `legacy`: announce in the old connector's format, for its proxy (prefill or decode only, unsigned)."""
+        `legacy`: announce in the old connector's format, for its proxy (prefill or decode only, unsigned).
+        `dp_rank`: the data-parallel rank this engine is reached by through the instance's API server."""
         self.proxies = (proxy,) if isinstance(proxy, Address) else tuple(proxy)
-        self.message = Heartbeat(role, str(http), str(kv), interval_s, uuid.uuid4().hex, tp_size, pp_size)
+        self.message = Heartbeat(role, str(http), str(kv), interval_s, uuid.uuid4().hex, tp_size, pp_size,
+                                 -1 if dp_rank is None else dp_rank)
         self._legacy = msgspec.msgpack.encode({"type": _LEGACY_TYPES[role], "http_address": str(http),
                                                "zmq_address": str(kv)}) if legacy else b""
         self.interval_s = interval_s
@@ -60,8 +64,9 @@ class HeartbeatSender:
         self.sent = 0
 
     def start(self) -> None:
-        log.info("announcing %s %s (KV %s) to the proxy at %s every %.1f s", self.message.role,
-                 self.message.http_address, self.message.kv_address, ", ".join(map(str, self.proxies)),
+        rank = f" data-parallel rank {self.message.dp_rank}" if self.message.dp_rank >= 0 else ""
+        log.info("announcing %s %s%s (KV %s) to the proxy at %s every %.1f s", self.message.role,
+                 self.message.http_address, rank, self.message.kv_address, ", ".join(map(str, self.proxies)),
                  self.interval_s)
         self._thread.start()
 
@@ -115,11 +120,16 @@ _ROLE_NAMES = {Role.PRODUCER: "prefill", Role.CONSUMER: "decode", Role.BOTH: "bo
 _LEGACY_TYPES = {"prefill": "P", "decode": "D"}
 
 
-def sender_for(config: ConnectorConfig, tp_size: int = 0, pp_size: int = 0) -> HeartbeatSender | None:
-    """The heartbeat sender of an instance configured with `proxy_ip`/`proxy_port`; None without a proxy."""
+def sender_for(config: ConnectorConfig, tp_size: int = 0, pp_size: int = 0,
+               dp_rank: int | None = None) -> HeartbeatSender | None:
+    """The heartbeat sender of an instance configured with `proxy_ip`/`proxy_port` (of its data-parallel rank
+    `dp_rank`, where its API server fronts several); None without a proxy."""
     extra = config.extra
     if not extra.proxy_ip:
         return None
+    if dp_rank is not None and extra.heartbeat_format is HeartbeatFormat.LEGACY:
+        raise ConfigError("heartbeat_format legacy: the old proxy cannot choose a data-parallel rank; use p2pkv's "
+                          "heartbeats (and proxy) with --data-parallel-size")
     proxies = extra.proxies
     host = advertised_host(extra.kv_host, proxies[0].host)
     if extra.heartbeat_format is HeartbeatFormat.LEGACY and extra.auth_secret:
@@ -128,4 +138,4 @@ def sender_for(config: ConnectorConfig, tp_size: int = 0, pp_size: int = 0) -> H
     return HeartbeatSender(proxies, _ROLE_NAMES[config.role],
                            Address(host, extra.http_port), Address(host, config.worker_port(0)),
                            extra.heartbeat_interval_s, extra.auth_secret.encode(), tp_size, pp_size,
-                           extra.heartbeat_format is HeartbeatFormat.LEGACY)
+                           extra.heartbeat_format is HeartbeatFormat.LEGACY, dp_rank)

@@ -77,7 +77,7 @@ class Router:
     def announce(self, a: Announcement) -> None:
         """A heartbeat arrived: add the instance to its role's pool, or renew it there."""
         self.metrics.heartbeats.labels("accepted").inc()
-        instance = Instance(a.http, a.kv)
+        instance = Instance(a.http, a.kv, a.dp_rank)
         if a.tp_size:
             self._sizes[a.http] = a.tp_size, a.pp_size
         expires_at = time.monotonic() + self.config.heartbeat_misses * a.interval_s
@@ -85,10 +85,10 @@ class Router:
         for pool in self.pools:
             if pool in wanted:
                 if pool.heard_from(instance, time.time(), expires_at):
-                    log.info("discovered %s instance %s (KV %s)%s", pool.role, a.http, a.kv,
+                    log.info("discovered %s instance %s (KV %s)%s", pool.role, instance.name, a.kv,
                              " from an old-format heartbeat" if a.legacy else "")
             elif pool.remove(instance):
-                log.info("instance %s is no longer a %s instance", a.http, pool.role)
+                log.info("instance %s is no longer a %s instance", instance.name, pool.role)
 
     @property
     def pools(self) -> tuple[Pool, Pool]:
@@ -109,17 +109,18 @@ class Router:
             if instance.kv is None:
                 raise
             log.info("decode instance %s did not say its parallel sizes (%r); taken to equal the prefill's",
-                     instance.http, exc)
+                     instance.name, exc)
             target = self._kv[instance] = KvTarget(instance.kv, 0, 0)
             return target
         address = instance.kv or Address(answer.get("kv_host") or instance.http.host, answer["kv_port"])
         tp, pp = (_size(answer.get(key)) for key in ("tp_size", "pp_size"))
         target = self._kv[instance] = KvTarget(address, tp, pp)
         log.info("decode instance %s has its KV port at %s (tensor-parallel size %s, pipeline-parallel size %s)",
-                 instance.http, address, tp or "not said", pp or "not said")
+                 instance.name, address, tp or "not said", pp or "not said")
         return target
 
     async def _probe(self, instance: Instance, headers: dict[str, str]) -> dict[str, Any]:
+        headers = instance.headers(headers)
         models = await self.client.get(f"{instance.url}/v1/models", headers=headers)
         models.raise_for_status()
         model = models.json()["data"][0]["id"]
@@ -128,7 +129,7 @@ class Router:
         resp.raise_for_status()
         answer = resp.json().get("kv_transfer_params") or {}
         if not isinstance(answer.get("kv_port"), int):
-            raise RuntimeError(f"{instance.http} did not report a KV port; is it running the p2pkv connector?")
+            raise RuntimeError(f"{instance.name} did not report a KV port; is it running the p2pkv connector?")
         return dict(answer)
 
     def authorized(self, request: Request) -> bool:
@@ -158,7 +159,7 @@ class Router:
         if decode is None:
             self.metrics.requests.labels("no_instance").inc()
             return error_response(503, "no decode instance is available")
-        trace = RequestTrace(uuid.uuid4().hex, str(decode.instance.http), started)
+        trace = RequestTrace(uuid.uuid4().hex, decode.instance.name, started)
         try:
             return await self._route(body, path, headers, decode, trace)
         except asyncio.CancelledError:  # the client went away (or the server is stopping)
@@ -195,7 +196,7 @@ class Router:
             return await self.kv_target(decode.instance, headers)
         except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as exc:
             # Without the decode side's KV address the prefill side cannot push; it holds the KV for a pull.
-            log.warning("decode instance %s did not report its KV address (%s); using GET", decode.instance.http, exc)
+            log.warning("decode instance %s did not report its KV address (%s); using GET", decode.instance.name, exc)
             return KvTarget(None, 0, 0)
 
     async def _route(self, body: dict[str, Any], path: str, headers: dict[str, str], decode: InstanceState,
@@ -210,10 +211,11 @@ class Router:
         if whole_prompt_on_decode(body, path):
             # A prefill elsewhere would be wasted: the decode instance computes the prompt whatever it is sent.
             log.debug("transfer %s: prompt logprobs asked for; decode instance %s computes the prompt",
-                      trace.transfer_id, decode.instance.http)
+                      trace.transfer_id, decode.instance.name)
             self.metrics.decode_only.inc()
             to_decode = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-            answer = await self._decoder.answer(decode, f"{decode.instance.url}{path}", to_decode, headers, trace)
+            answer = await self._decoder.answer(decode, f"{decode.instance.url}{path}", to_decode,
+                                                decode.instance.headers(headers), trace)
             assert answer is not None  # the last attempt always answers
             return answer
         for attempt in range(self.config.transfer_retries + 1):
@@ -234,14 +236,14 @@ class Router:
             if outcome is None:
                 self.metrics.fallbacks.inc()
                 log.warning("transfer %s: no prefill instance succeeded; decode instance %s prefills locally",
-                            trace.transfer_id, decode.instance.http)
+                            trace.transfer_id, decode.instance.name)
                 to_decode.pop("kv_transfer_params", None)
             else:
                 to_decode["kv_transfer_params"] = outcome
             last = attempt == self.config.transfer_retries
             try:
-                answer = await self._decoder.answer(decode, f"{decode.instance.url}{path}", to_decode, headers, trace,
-                                                    last)
+                answer = await self._decoder.answer(decode, f"{decode.instance.url}{path}", to_decode,
+                                                    decode.instance.headers(headers), trace, last)
             except asyncio.CancelledError:  # the client went away, perhaps before the decode instance had the request
                 if outcome is not None:
                     self._discarder.discard(decode.instance, discard_of(outcome, trace.transfer_id), body, headers)
@@ -253,8 +255,8 @@ class Router:
             self.metrics.reroutes.inc()
             transfer_id = uuid.uuid4().hex
             log.warning("transfer %s: the decode instance failed before answering; the request goes again as "
-                        "transfer %s (decode instance %s)", trace.transfer_id, transfer_id, decode.instance.http)
-            trace.reroute(transfer_id, str(decode.instance.http))
+                        "transfer %s (decode instance %s)", trace.transfer_id, transfer_id, decode.instance.name)
+            trace.reroute(transfer_id, decode.instance.name)
         raise AssertionError("the last attempt always answers")
 
 

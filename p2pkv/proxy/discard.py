@@ -50,15 +50,16 @@ class Discarder:
     async def _send(self, instance: Instance, request: dict[str, Any], headers: dict[str, str]) -> None:
         tid = request["kv_transfer_params"]["transfer_id"]
         try:
-            answer = await self.client.post(f"{instance.url}/v1/completions", json=request, headers=headers,
+            answer = await self.client.post(f"{instance.url}/v1/completions", json=request,
+                                            headers=instance.headers(headers),
                                             timeout=self.timeout_s)
         except httpx.HTTPError as exc:
-            log.warning("transfer %s: instance %s was not told to free it: %r", tid, instance.http, exc)
+            log.warning("transfer %s: instance %s was not told to free it: %r", tid, instance.name, exc)
             self.metrics.discards.labels("failed").inc()
             return
         if answer.status_code != 200:
-            log.warning("transfer %s: instance %s answered %d to the discard", tid, instance.http,
+            log.warning("transfer %s: instance %s answered %d to the discard", tid, instance.name,
                         answer.status_code)
         else:
-            log.info("transfer %s: its client went away; instance %s frees it", tid, instance.http)
+            log.info("transfer %s: its client went away; instance %s frees it", tid, instance.name)
         self.metrics.discards.labels("sent" if answer.status_code == 200 else "refused").inc()

@@ -7,27 +7,49 @@ from dataclasses import dataclass
 from p2pkv.errors import ConfigError
 from p2pkv.params import Address
 
+DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: which of the API server's engines serves the request
+MAX_DP_RANK = 4095
+
 
 @dataclass(frozen=True)
 class Instance:
-    """One vLLM server: its OpenAI address and, for decode instances, its KV address (learned if not given)."""
+    """One vLLM engine the proxy can route to: its OpenAI address; for decode instances, its KV address (learned
+    if not given); and where one API server fronts several data-parallel engines, the rank that reaches this one."""
 
     http: Address
     kv: Address | None = None
+    dp_rank: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> Instance:
-        """`HOST:PORT`, optionally `HOST:PORT@KVHOST:KVPORT`; an `http://` prefix is accepted."""
+        """`HOST:PORT`, optionally `HOST:PORT@KVHOST:KVPORT`, then optionally `#RANK` (a data-parallel rank);
+        an `http://` prefix is accepted."""
         text = text.removeprefix("http://").rstrip("/")
-        http, sep, kv = text.partition("@")
+        addresses, hashed, rank = text.partition("#")
+        http, sep, kv = addresses.partition("@")
+        expected = "expected HOST:PORT[@KVHOST:KVPORT][#RANK]"
+        if hashed and not (rank.isdigit() and int(rank) <= MAX_DP_RANK):
+            raise ConfigError(f"instance {text!r}: {expected}, RANK a data-parallel rank from 0 to {MAX_DP_RANK}")
         try:
-            return cls(Address.parse(http), Address.parse(kv) if sep else None)
+            return cls(Address.parse(http), Address.parse(kv) if sep else None, int(rank) if hashed else None)
         except ConfigError as exc:
-            raise ConfigError(f"instance {text!r}: expected HOST:PORT or HOST:PORT@KVHOST:KVPORT ({exc})") from None
+            raise ConfigError(f"instance {text!r}: {expected} ({exc})") from None
 
     @property
     def url(self) -> str:
         return f"http://{self.http}"
+
+    @property
+    def name(self) -> str:
+        """How logs and trace headers name it: `HOST:PORT`, or `HOST:PORT#RANK` for a data-parallel engine."""
+        return str(self.http) if self.dp_rank is None else f"{self.http}#{self.dp_rank}"
+
+    def same_engine(self, other: Instance) -> bool:
+        return self.http == other.http and self.dp_rank == other.dp_rank
+
+    def headers(self, headers: dict[str, str]) -> dict[str, str]:
+        """`headers` for a request to this engine: with the rank that pins it there, for a data-parallel one."""
+        return headers if self.dp_rank is None else {**headers, DP_RANK_HEADER: str(self.dp_rank)}
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ async def holder(router: Routing, response_id: Any, headers: dict[str, str]) -> 
     router.decode.prune()
     for state in router.decode.states:
         try:
-            resp = await router.client.get(f"{state.instance.url}{RESPONSES}/{response_id}", headers=headers,
+            resp = await router.client.get(f"{state.instance.url}{RESPONSES}/{response_id}",
+                                           headers=state.instance.headers(headers),
                                            timeout=_LOOKUP_TIMEOUT_S)
         except httpx.HTTPError:
             continue
@@ -66,7 +67,8 @@ async def forward(request: Request, path: str, find: bool = False) -> Response:
     for state in router.decode.states:
         try:
             resp = await router.client.request(request.method, f"{state.instance.url}{path}", content=body,
-                                               headers=headers, params=request.query_params)
+                                               headers=state.instance.headers(headers),
+                                               params=request.query_params)
         except httpx.HTTPError:
             continue
         answer = Response(resp.content, status_code=resp.status_code,

@@ -82,7 +82,8 @@ class Prefiller:
             started = time.monotonic()
             with self.pool.busy(state):
                 try:
-                    answer = await self.client.post(f"{state.instance.url}{path}", json=body, headers=headers,
+                    answer = await self.client.post(f"{state.instance.url}{path}", json=body,
+                                                    headers=state.instance.headers(headers),
                                                     timeout=self.config.prefill_timeout_s)
                 except asyncio.CancelledError:
                     # The client went away. vLLM aborts the prefill if it is still running; if it had finished, its
@@ -92,7 +93,7 @@ class Prefiller:
                     raise
                 except httpx.HTTPError as exc:
                     state.failures += 1
-                    log.warning("prefill instance %s failed: %r", state.instance.http, exc)
+                    log.warning("prefill instance %s failed: %r", state.instance.name, exc)
                     if isinstance(exc, httpx.ConnectError):
                         state.refused()
                     continue
@@ -101,9 +102,9 @@ class Prefiller:
                 return Response(answer.content, status_code=answer.status_code, media_type="application/json")
             params = answer.json().get("kv_transfer_params") if answer.status_code == 200 else None
             if isinstance(params, dict):
-                trace.prefilled(str(state.instance.http), started)
+                trace.prefilled(state.instance.name, started)
                 return params
             state.failures += 1
-            log.warning("prefill instance %s answered %d without kv_transfer_params", state.instance.http,
+            log.warning("prefill instance %s answered %d without kv_transfer_params", state.instance.name,
                         answer.status_code)
         return None

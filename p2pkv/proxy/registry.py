@@ -35,7 +35,7 @@ class InstanceState:
     shunned_until: float = 0.0  # monotonic: its connections were refused; others go first until then
 
     def describe(self) -> dict[str, object]:
-        return {"role": self.role, "address": str(self.instance.http),
+        return {"role": self.role, "address": str(self.instance.http), "dp_rank": self.instance.dp_rank,
                 "kv_address": str(self.instance.kv) if self.instance.kv else None,
                 "last_heartbeat": self.last_heartbeat, "in_flight": self.in_flight, "failures": self.failures,
                 "source": "heartbeat" if self.discovered else "static",
@@ -46,7 +46,7 @@ class InstanceState:
         now = time.monotonic() if now is None else now
         if self.shunned_until <= now:
             log.warning("%s instance %s refused a connection; others go first for %.0f s", self.role,
-                        self.instance.http, SHUNNED_S)
+                        self.instance.name, SHUNNED_S)
         self.shunned_until = now + SHUNNED_S
 
 
@@ -66,7 +66,7 @@ class Pool:
         if gone:
             self.states = [s for s in self.states if s not in gone]
             for state in gone:
-                log.warning("%s instance %s missed its heartbeats; dropped", self.role, state.instance.http)
+                log.warning("%s instance %s missed its heartbeats; dropped", self.role, state.instance.name)
         return gone
 
     def count(self) -> int:
@@ -74,7 +74,7 @@ class Pool:
         return len(self.states)
 
     def find(self, instance: Instance) -> InstanceState | None:
-        return next((s for s in self.states if s.instance.http == instance.http), None)
+        return next((s for s in self.states if s.instance.same_engine(instance)), None)
 
     def heard_from(self, instance: Instance, wall: float, expires_at: float) -> bool:
         """Record a heartbeat; True when the instance is new to this pool."""

@@ -200,7 +200,7 @@ class Decoder:
         except (httpx.TimeoutException, httpx.ConnectError):
             raise  # a new connection was refused: sending again would only be refused again
         except httpx.TransportError as exc:
-            log.warning("decode instance %s: %r; sending once more on a new connection", state.instance.http, exc)
+            log.warning("decode instance %s: %r; sending once more on a new connection", state.instance.name, exc)
             self.metrics.decode_resends.inc()
         return await self.client.send(self.client.build_request("POST", url, json=body, headers=headers),
                                       stream=True)
@@ -216,17 +216,17 @@ class Decoder:
         except httpx.TimeoutException as exc:
             state.in_flight -= 1
             self.metrics.requests.labels("decode_error").inc()
-            return error_response(504, f"decode instance {state.instance.http} timed out: {exc!r}", trace=trace)
+            return error_response(504, f"decode instance {state.instance.name} timed out: {exc!r}", trace=trace)
         except httpx.HTTPError as exc:
             state.in_flight -= 1
             state.failures += 1
-            log.warning("decode instance %s failed: %r", state.instance.http, exc)
+            log.warning("decode instance %s failed: %r", state.instance.name, exc)
             if isinstance(exc, httpx.ConnectError):
                 state.refused()
             if not last:
                 return None
             self.metrics.requests.labels("decode_error").inc()
-            return error_response(502, f"decode instance {state.instance.http} failed: {exc!r}", trace=trace)
+            return error_response(502, f"decode instance {state.instance.name} failed: {exc!r}", trace=trace)
         except asyncio.CancelledError:  # the client went away
             state.in_flight -= 1
             raise
@@ -245,7 +245,7 @@ class Decoder:
                 await _close(upstream)
                 state.in_flight -= 1
                 state.failures += 1
-                log.warning("decode instance %s opened its stream with error %d", state.instance.http, error)
+                log.warning("decode instance %s opened its stream with error %d", state.instance.name, error)
                 return None
             self.metrics.ttft_seconds.observe(time.monotonic() - started)
 
@@ -276,13 +276,13 @@ class Decoder:
             content = await upstream.aread()
         except httpx.HTTPError as exc:
             content = b""
-            log.warning("decode instance %s broke off its answer: %r", state.instance.http, exc)
+            log.warning("decode instance %s broke off its answer: %r", state.instance.name, exc)
         finally:
             await _close(upstream)
             state.in_flight -= 1
         if (not content or upstream.status_code >= 500) and not last:
             state.failures += 1
-            log.warning("decode instance %s answered %d (%d bytes)", state.instance.http, upstream.status_code,
+            log.warning("decode instance %s answered %d (%d bytes)", state.instance.name, upstream.status_code,
                         len(content))
             return None
         # The whole answer came at once (vLLM sends a plain answer's headers with it): its first token is here.
@@ -290,7 +290,7 @@ class Decoder:
         self.metrics.decode_seconds.observe(time.monotonic() - trace.started)
         if not content:
             self.metrics.requests.labels("decode_error").inc()
-            return error_response(502, f"decode instance {state.instance.http} returned an empty answer", trace=trace)
+            return error_response(502, f"decode instance {state.instance.name} returned an empty answer", trace=trace)
         outcome = "ok" if upstream.status_code == 200 else "decode_error"
         self.metrics.requests.labels(outcome).inc()
         trace.finish(upstream.status_code, outcome)

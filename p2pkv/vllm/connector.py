@@ -55,6 +55,23 @@ def _stage_layers(vllm_config: VllmConfig) -> tuple[int, StageLayers]:
     return total, layers
 
 
+def _data_parallel(vllm_config: VllmConfig) -> tuple[int, int | None]:
+    """This engine's data-parallel rank on this host (its ports' offset), and the rank the proxy names to the
+    instance's API server to reach it (`X-data-parallel-rank`), or None where the API server fronts no other
+    engine: no data parallelism, or external load balancing (one API server per rank)."""
+    pc = vllm_config.parallel_config
+    index = int(getattr(pc, "data_parallel_index", pc.data_parallel_rank))
+    # vLLM sets the local rank in each engine of a data-parallel instance; for a dense model it then treats every
+    # engine as one of size 1 and rank 0, keeping the rank in `data_parallel_index`.
+    if pc.data_parallel_external_lb or (pc.data_parallel_rank_local is None and pc.data_parallel_size == 1
+                                        and index == 0):
+        return 0, None
+    local = index if pc.data_parallel_rank_local is None else int(pc.data_parallel_rank_local)
+    # An API server fronts its engines in rank order from its first: all of them (internal load balancing), or
+    # those of its host (hybrid).
+    return local, local if pc.data_parallel_hybrid_lb else index
+
+
 def _total_kv_heads(vllm_config: VllmConfig) -> int:
     """KV heads over all tensor-parallel ranks; MLA's latent is one head that every rank holds."""
     model = vllm_config.model_config
@@ -68,18 +85,20 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         _route_logs()
         tc = vllm_config.kv_transfer_config
-        self.config = parse_connector_config(tc.kv_role, tc.kv_port, getattr(tc, "kv_load_failure_policy", "fail"),
-                                             tc.kv_connector_extra_config)
+        config = parse_connector_config(tc.kv_role, tc.kv_port, getattr(tc, "kv_load_failure_policy", "fail"),
+                                        tc.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
+        local_dp, self.dp_rank = _data_parallel(vllm_config)
+        self.config = config.for_data_parallel_rank(local_dp, tp_size * pp_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._heartbeat: HeartbeatSender | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.config, block_size, tp_size, pp_size)
             # One announcer per instance, whatever its parallel sizes: the scheduler side is unique.
-            self._heartbeat = sender_for(self.config, tp_size, pp_size)
+            self._heartbeat = sender_for(self.config, tp_size, pp_size, self.dp_rank)
             if self._heartbeat is not None:
                 self._heartbeat.start()
         else:

@@ -17,13 +17,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 def stub_prefill(seen: list[dict[str, Any]], fail: bool = False) -> FastAPI:
     app = FastAPI()
 
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
     @app.post("/v1/completions")
     @app.post("/v1/chat/completions")
     @app.post("/v1/responses")
     @app.post("/v1/messages")
     async def complete(request: Request) -> JSONResponse:
         body = await request.json()
-        seen.append({"body": body, "auth": request.headers.get("authorization"), "path": request.url.path})
+        seen.append({"body": body, "auth": request.headers.get("authorization"), "path": request.url.path,
+                     "dp_rank": request.headers.get("x-data-parallel-rank")})
         if fail:
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         tid = body["kv_transfer_params"]["transfer_id"]
@@ -41,12 +46,13 @@ CHAT_PREAMBLE = {"choices": [{"index": 0, "delta": {"role": "assistant", "conten
 
 
 def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0, first_token_s: float = 0.0,
-                failures: list[str] | None = None, stored: tuple[str, ...] = ()) -> FastAPI:
+                failures: list[str] | None = None, stored: tuple[str, ...] = (),
+                dp_ranks: list[str | None] | None = None) -> FastAPI:
     """A decode backend; its probe answer says `tp_size` and `pp_size` when given (a p2pkv connector older than
     that does not). A stream's headers go out at once and its first chunk `first_token_s` later, as vLLM's do.
     `failures`: how the next requests fail, one entry each, as vLLM fails them: "500" (a plain answer), "error"
     (a stream opened with an error event), "late" (a stream whose error comes after a token), "400". `stored`: the
-    ids of the Responses API answers it holds."""
+    ids of the Responses API answers it holds. `dp_ranks`: gets each request's `X-data-parallel-rank` header."""
     app = FastAPI()
     failures = failures if failures is not None else []
 
@@ -85,6 +91,8 @@ def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0, 
                 answer["pp_size"] = pp_size
             return {"choices": [{"text": ""}], "kv_transfer_params": answer}
         seen.append(body)
+        if dp_ranks is not None:
+            dp_ranks.append(request.headers.get("x-data-parallel-rank"))
         failure = failures.pop(0) if failures else ""
         if failure in ("500", "400"):
             error = {"error": {**ENGINE_ERROR["error"], "code": int(failure)}}
