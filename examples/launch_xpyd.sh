@@ -4,8 +4,10 @@
 #
 #   MODEL=/models/Llama-3.1-8B-Instruct P=1 D=1 examples/launch_xpyd.sh      # 1P1D on GPUs 0 and 1
 #   MODEL=/models/Llama-3.1-8B-Instruct P=2 D=2 examples/launch_xpyd.sh      # 2P2D on GPUs 0..3
+#   MODEL=/models/Llama-3.1-8B-Instruct DP=2 examples/launch_xpyd.sh         # 1P1D, 2 engines each, GPUs 0..3
 #
-# Environment: MODEL (required), P, D (default 1 each), FIRST_GPU (0), HOST (this host's address, default
+# Environment: MODEL (required), P, D (default 1 each), DP (each instance's --data-parallel-size, 1: the proxy then
+# routes to each engine of an instance apart, see the README), FIRST_GPU (0), HOST (this host's address, default
 # 127.0.0.1), PROXY_PORT (10001), DISCOVERY_PORT (30001), BASE_HTTP (8100), BASE_KV (21001), EXTRA_ARGS (more vLLM
 # arguments, e.g. "--max-model-len 8192"), READY_TIMEOUT (seconds, 900), P2PKV_AUTH_SECRET (optional: signs every control frame and heartbeat),
 # FAILURE_POLICY (kv_load_failure_policy, recompute): with "fail" a decode instance whose KV did not arrive fails the
@@ -21,7 +23,7 @@
 # for each of their ranks r: give them their GPUs in CUDA_VISIBLE_DEVICES and keep BASE_KV's spacing of 100.
 set -euo pipefail
 : "${MODEL:?set MODEL to a model directory or name}"
-P="${P:-1}" D="${D:-1}" FIRST_GPU="${FIRST_GPU:-0}" HOST="${HOST:-127.0.0.1}"
+P="${P:-1}" D="${D:-1}" DP="${DP:-1}" FIRST_GPU="${FIRST_GPU:-0}" HOST="${HOST:-127.0.0.1}"
 PROXY_PORT="${PROXY_PORT:-10001}" DISCOVERY_PORT="${DISCOVERY_PORT:-30001}"
 BASE_HTTP="${BASE_HTTP:-8100}" BASE_KV="${BASE_KV:-21001}" EXTRA_ARGS="${EXTRA_ARGS:-}"
 FAILURE_POLICY="${FAILURE_POLICY:-recompute}"
@@ -35,26 +37,33 @@ pids+=($!)
 
 for ((i = 0; i < P + D; i++)); do
   if ((i < P)); then role=kv_producer; name="prefill$i"; else role=kv_consumer; name="decode$((i - P))"; fi
-  http=$((BASE_HTTP + i)) kv=$((BASE_KV + 100 * i))  # worker rank r binds kv + r
+  http=$((BASE_HTTP + i)) kv=$((BASE_KV + 100 * i))  # worker rank r of engine d binds kv + d * (its ranks) + r
   config=$(printf '{"kv_connector":"P2pNcclConnector","kv_connector_module_path":"p2pkv.vllm","kv_role":"%s",'\
 '"kv_port":%d,"kv_load_failure_policy":"%s","kv_connector_extra_config":{"kv_host":"%s",'\
 '"proxy_ip":"%s","proxy_port":%d,"http_port":%d}}' "$role" "$kv" "$FAILURE_POLICY" "$HOST" "$HOST" "$DISCOVERY_PORT" \
     "$http")
-  # This instance's GPU first (vLLM uses the first one it sees), then the others: pulls between instances (GET, and
-  # PUT_ASYNC transfers left for pulls) can then open each other's KV cache with CUDA IPC (cuda_ipc), which needs the
-  # peer's GPU to be visible.
-  gpus=$((FIRST_GPU + i))
-  for ((j = 0; j < P + D; j++)); do ((j != i)) && gpus="$gpus,$((FIRST_GPU + j))"; done
+  # This instance's GPUs first (vLLM uses the first ones it sees; engine d of a data-parallel instance its d-th),
+  # then the others: pulls between instances (GET, and PUT_ASYNC transfers left for pulls) can then open each
+  # other's KV cache with CUDA IPC (cuda_ipc), which needs the peer's GPU to be visible.
+  gpus=""
+  for ((g = 0; g < (P + D) * DP; g++)); do
+    k=$(((i * DP + g) % ((P + D) * DP)))
+    gpus="${gpus:+$gpus,}$((FIRST_GPU + k))"
+  done
+  dp_args=()
+  ((DP > 1)) && dp_args=(--data-parallel-size "$DP")
   # shellcheck disable=SC2086  # EXTRA_ARGS is a list of arguments
   CUDA_VISIBLE_DEVICES=$gpus python -m vllm.entrypoints.openai.api_server --model "$MODEL" \
-    --host "$HOST" --port "$http" --kv-transfer-config "$config" $EXTRA_ARGS >"$LOGS/$name.log" 2>&1 &
+    --host "$HOST" --port "$http" --kv-transfer-config "$config" "${dp_args[@]}" $EXTRA_ARGS \
+    >"$LOGS/$name.log" 2>&1 &
   pids+=($!)
   echo "$name: http://$HOST:$http (KV port $kv), log $LOGS/$name.log"
 done
 
-echo "waiting until the proxy has heard from all $((P + D)) instances..."
+engines=$(((P + D) * DP))  # each engine of a data-parallel instance announces itself
+echo "waiting until the proxy has heard from all $engines engines..."
 deadline=$((SECONDS + ${READY_TIMEOUT:-900}))
-until [ "$(curl -s "http://$HOST:$PROXY_PORT/instances" | python -c 'import json,sys; print(len(json.load(sys.stdin)["instances"]))' 2>/dev/null || echo 0)" -ge $((P + D)) ]; do
+until [ "$(curl -s "http://$HOST:$PROXY_PORT/instances" | python -c 'import json,sys; print(len(json.load(sys.stdin)["instances"]))' 2>/dev/null || echo 0)" -ge "$engines" ]; do
   for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || { echo "a process exited; see $LOGS"; exit 1; }; done
   ((SECONDS < deadline)) || { echo "not ready after ${READY_TIMEOUT:-900} s; see $LOGS"; exit 1; }
   sleep 2

@@ -61,10 +61,12 @@ def _data_parallel(vllm_config: VllmConfig) -> tuple[int, int | None]:
     engine: no data parallelism, or external load balancing (one API server per rank)."""
     pc = vllm_config.parallel_config
     index = int(getattr(pc, "data_parallel_index", pc.data_parallel_rank))
-    # vLLM sets the local rank in each engine of a data-parallel instance; for a dense model it then treats every
-    # engine as one of size 1 and rank 0, keeping the rank in `data_parallel_index`.
-    if pc.data_parallel_external_lb or (pc.data_parallel_rank_local is None and pc.data_parallel_size == 1
-                                        and index == 0):
+    # vLLM treats the engines of a dense model as independent: each of size 1 and rank 0, the rank kept in
+    # `data_parallel_index`. Engine 0 is then told from a lone engine by the suffix vLLM gives the engine id of
+    # each engine of a data-parallel instance. (The local rank says nothing: it is 0 without data parallelism.)
+    engine_id = str(getattr(vllm_config.kv_transfer_config, "engine_id", "") or "")
+    parallel = pc.data_parallel_size > 1 or index > 0 or engine_id.endswith(f"_dp{index}")
+    if pc.data_parallel_external_lb or not parallel:
         return 0, None
     local = index if pc.data_parallel_rank_local is None else int(pc.data_parallel_rank_local)
     # An API server fronts its engines in rank order from its first: all of them (internal load balancing), or

@@ -40,19 +40,22 @@ def test_each_engine_of_an_instance_binds_ports_of_its_own() -> None:
         parse_connector_config("kv_consumer", 100, "recompute", {"metrics_port": 65535}).for_data_parallel_rank(1, 1)
 
 
-def _vllm(size: int = 1, rank: int = 0, local: int | None = None, index: int | None = None, external: bool = False,
-          hybrid: bool = False) -> Any:
+def _vllm(size: int = 1, rank: int = 0, local: int | None = 0, index: int | None = None, external: bool = False,
+          hybrid: bool = False, engine_id: str = "9f3c2a61-1b2d-4e5f-8a9b-0c1d2e3f4a5b") -> Any:
     pc = SimpleNamespace(data_parallel_size=size, data_parallel_rank=rank, data_parallel_rank_local=local,
                          data_parallel_index=rank if index is None else index, data_parallel_external_lb=external,
                          data_parallel_hybrid_lb=hybrid)
-    return SimpleNamespace(parallel_config=pc)
+    return SimpleNamespace(parallel_config=pc, kv_transfer_config=SimpleNamespace(engine_id=engine_id))
 
 
 @pytest.mark.parametrize("vllm_config, expected", [
-    (_vllm(), (0, None)),  # no data parallelism
-    # A dense model: vLLM treats each engine as size 1, rank 0, keeping the rank in data_parallel_index.
-    (_vllm(local=0, index=0), (0, 0)),
-    (_vllm(local=1, index=1), (1, 1)),
+    # No data parallelism: vLLM's local rank is 0 then too (VLLM_DP_RANK_LOCAL's default), or None.
+    (_vllm(), (0, None)),
+    (_vllm(local=None), (0, None)),
+    # A dense model: vLLM treats each engine as size 1, rank 0, keeping the rank in data_parallel_index; each
+    # engine's id gets a `_dp<rank>` suffix.
+    (_vllm(local=0, index=0, engine_id="e1_dp0"), (0, 0)),
+    (_vllm(local=1, index=1, engine_id="e1_dp1"), (1, 1)),
     (_vllm(size=4, rank=1, local=1), (1, 1)),  # a mixture-of-experts model keeps its sizes
     (_vllm(local=1, index=3), (1, 3)),  # internal load balancing over hosts: the API server fronts ranks 0-3
     (_vllm(local=1, index=3, hybrid=True), (1, 1)),  # hybrid: it fronts this host's engines only
