@@ -130,13 +130,14 @@ def stop_up(proc: subprocess.Popen[bytes], expect_code: int = 0) -> None:
 @contextmanager
 def up_with_colocated(model: str, work: Path, extra: dict[str, Any], vllm_args: list[str],
                       up_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                      colocated_args: tuple[str, ...] = (),
                       ) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any], str]]:
-    """`p2pkv up` plus one colocated vLLM without a connector (the oracle); stopped cleanly afterwards. `env` is
-    added to the environment of `p2pkv up` and so of its instances."""
+    """`p2pkv up` plus one colocated vLLM without a connector (the oracle, given `colocated_args`); stopped cleanly
+    afterwards. `env` is added to the environment of `p2pkv up` and so of its instances."""
     proc, ready = start_up(model, work, extra, vllm_args, up_args, env)
     colocated = Cluster(model=model, log_dir=work / "colocated")
     port = free_port()
-    colocated.add_vllm("colocated", InstanceSpec("", port))
+    colocated.add_vllm("colocated", InstanceSpec("", port, vllm_args=colocated_args))
     try:
         colocated.start(timeout_s=900)
         info = wait_ready(proc, ready)

@@ -5,6 +5,7 @@ pushed to a decode engine's workers is where its request is decoded. Output equa
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -12,7 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from p2pkv.params import Address
+from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
+from p2pkv.proxy.instances import DP_RANK_HEADER
 from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER
 from tests.integration.conftest import instance_of, multi_rank_cluster
 from tests.integration.test_disagg import MAX_TOKENS, greedy, ids_and_logprobs, prompt, vllm_series
@@ -67,3 +69,28 @@ def test_each_request_is_decoded_by_the_engine_its_kv_went_to(dp_cluster: dict[s
         got = vllm_series(decode["http"], "vllm:p2pkv_transfers_total", direction="load", outcome="ok",
                           engine=str(rank)) - loads[rank]
         assert got == decodes[f"{decode['http']}#{rank}"]
+
+
+def test_a_decode_engine_pulls_from_the_prefill_engine_that_holds_the_blocks(dp_cluster: dict[str, Any]) -> None:
+    """GET by hand, across engines: prefill engine 1 holds the blocks and names its own KV address; decode engine 0
+    pulls from there."""
+    prefill, decode = instance_of(dp_cluster, "kv_producer"), instance_of(dp_cluster, "kv_consumer")
+    length = 300
+    text = prompt("dp-get", length)
+    params = PrefillParams(uuid.uuid4().hex, None, pull=True)
+    body = {"model": dp_cluster["model"], "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
+    resp = httpx.post(f"http://{prefill['http']}/v1/completions", json=body, headers={DP_RANK_HEADER: "1"},
+                      timeout=120)
+    assert resp.status_code == 200, resp.text
+    returned = parse_transfer_params(resp.json()["kv_transfer_params"])
+    assert isinstance(returned, DecodeParams) and returned.pull
+    assert returned.prefill_kv == Address.parse(prefill["kv"]).offset(1)
+    body = {"model": dp_cluster["model"], "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True, "ignore_eos": True, "logprobs": 1, "kv_transfer_params": returned.to_dict()}
+    resp = httpx.post(f"http://{decode['http']}/v1/completions", json=body, headers={DP_RANK_HEADER: "0"},
+                      timeout=120)
+    assert resp.status_code == 200, resp.text
+    answer = resp.json()
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
+    reference = greedy(dp_cluster["colocated"], dp_cluster["model"], text)
+    assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
