@@ -63,17 +63,17 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
     cluster = Cluster(model=model, log_dir=log_dir, host=args.host, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb)
     n = args.prefill + args.decode
     # Rank r of an instance (over its pipeline stages and data-parallel engines) binds its KV and metrics ports + r.
-    tp = max(args.prefill_tp * args.prefill_pp * args.prefill_dp, args.decode_tp * args.decode_pp * args.decode_dp)
+    ranks = max(args.prefill_tp * args.prefill_pp * args.prefill_dp, args.decode_tp * args.decode_pp * args.decode_dp)
     if args.base_port:
         http_ports = _ports(args.base_port, n, args.host)
-        kv_ports, metrics_ports = ([args.base_port + k * 1000 + i * tp for i in range(n)] for k in (1, 2))
+        kv_ports, metrics_ports = ([args.base_port + k * 1000 + i * ranks for i in range(n)] for k in (1, 2))
         discovery_port = args.base_port + 3000
     else:
         ports = free_ports(n + 2, args.host)
         http_ports = ports[:n]
         args.port = args.port or ports[-1]
         discovery_port = ports[-2]
-        blocks = free_ports(2 * n, args.host, run=tp, avoid=ports)
+        blocks = free_ports(2 * n, args.host, run=ranks, avoid=ports)
         kv_ports, metrics_ports = blocks[:n], blocks[n:]
     extra_vllm = tuple(a for a in args.vllm_args if a != "--")
     # The instances find the proxy by heartbeats, as in a real deployment; nothing is listed statically.

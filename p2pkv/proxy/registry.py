@@ -42,7 +42,8 @@ class InstanceState:
                 "shunned_s": round(max(0.0, self.shunned_until - time.monotonic()), 1)}
 
     def refused(self, now: float | None = None) -> None:
-        """A connection to it was refused: pick others first for `SHUNNED_S`."""
+        """A connection to it was refused: pick others first for `SHUNNED_S` (and other engines behind its address,
+        `Pool.pick`)."""
         now = time.monotonic() if now is None else now
         if self.shunned_until <= now:
             log.warning("%s instance %s refused a connection; others go first for %.0f s", self.role,
@@ -104,7 +105,9 @@ class Pool:
         candidates = [s for s in self.states if s.instance not in exclude]
         if not candidates:
             return None
-        candidates = [s for s in candidates if s.shunned_until <= now] or candidates
+        # A refused connection says the server is down: every engine behind its address goes after the others.
+        down = {s.instance.http for s in self.states if s.shunned_until > now}
+        candidates = [s for s in candidates if s.instance.http not in down] or candidates
         if self.policy is Policy.ROUND_ROBIN:
             return candidates[next(self._turn) % len(candidates)]
         # Least outstanding; ties go round-robin so equal instances share the load.

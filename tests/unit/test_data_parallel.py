@@ -148,3 +148,41 @@ def test_up_gives_each_engine_a_run_of_ports_and_vllm_its_data_parallel_size() -
     assert argv[argv.index("--data-parallel-size") + 1] == "2"
     assert "--data-parallel-size" not in vllm_argv("/m", InstanceSpec("kv_consumer", 8000, 21000), "127.0.0.1",
                                                    "float32")
+
+
+def test_a_refused_connection_sends_requests_away_from_every_engine_behind_that_address() -> None:
+    """A refused connection says the API server is down: its other engines are picked after the other servers'."""
+    pool = Pool("prefill", Policy.ROUND_ROBIN)
+    down, up = Address.parse("10.0.0.1:8000"), Address.parse("10.0.0.2:8000")
+    for http in (down, up):
+        for rank in (0, 1):
+            pool.heard_from(Instance(http, None, rank), 0.0, 1e12)
+    refused = pool.states[0]
+    refused.refused()
+    picked = {pool.pick(frozenset({refused.instance})).instance for _ in range(8)}  # type: ignore[union-attr]
+    assert {i.http for i in picked} == {up} and {i.dp_rank for i in picked} == {0, 1}
+    # With only the down server's engines left, they are still picked: better a try than no instance.
+    assert pool.pick(frozenset(s.instance for s in pool.states if s.instance.http == up)) is not None
+
+
+def test_server_wide_endpoints_are_asked_of_one_engine_per_server() -> None:
+    """Models and stored responses belong to the API server: a lookup through the proxy asks each server once,
+    not once per engine."""
+    d_seen: list[dict[str, Any]] = []
+    lookups: list[str] = []
+    with (serve(stub_decode(d_seen, lookups=lookups)) as d, discovering_proxy() as (proxy, _, discovery)):
+        senders = [HeartbeatSender(Address("127.0.0.1", discovery), "decode", Address.parse(d),
+                                   Address("127.0.0.1", 22000 + rank), 0.2, b"", dp_rank=rank) for rank in (0, 1)]
+        for sender in senders:
+            sender.start()
+        try:
+            wait_for(lambda: len(listed(proxy)) == 2)
+            resp = httpx.get(f"http://{proxy}/v1/responses/resp_missing", timeout=10)
+            assert resp.status_code == 404
+            resp = httpx.post(f"http://{proxy}/v1/responses", timeout=10, json={
+                "model": "tiny", "input": "x", "previous_response_id": "resp_missing"})
+            assert resp.status_code == 200
+        finally:
+            for sender in senders:
+                sender.close()
+    assert lookups == ["resp_missing", "resp_missing"]  # once for each request, not once per engine
