@@ -182,6 +182,18 @@ class ReceiveStore:
             self._items[transfer_id] = item
             self._settled.notify_all()
 
+    def drop_all(self, reason: str) -> int:
+        """Fail every transfer staged or arriving now, freeing its bytes (a load of it fails, and its request
+        computes the prompt itself; chunks still to come are dropped); returns how many. Transfers taken by a load
+        are not here any more, and are not touched."""
+        with self._lock:
+            live = [item for item in self._items.values() if item.state is not StageState.FAILED]
+            for item in live:
+                item.state, item.reason, item.touched = StageState.FAILED, reason, time.monotonic()
+                self._release_locked(item)
+            self._settled.notify_all()
+        return len(live)
+
     def fail_from_source(self, source: str, reason: str) -> None:
         """A connection broke: every transfer it had not finished is failed."""
         with self._lock:

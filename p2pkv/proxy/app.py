@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from p2pkv.discovery import Announcement
 from p2pkv.params import Address, DiscardParams, PrefillParams, ProbeParams
 from p2pkv.proxy.batch import batch_prompts, merge, merge_streams, trace_headers
+from p2pkv.proxy.control import add_control_routes
 from p2pkv.proxy.discard import Discarder, discard_of
 from p2pkv.proxy.discovery import DiscoveryListener, start
 from p2pkv.proxy.instances import Instance, ProxyConfig
@@ -330,6 +331,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         return await route(request, MESSAGES)
 
     add_passthrough_routes(app)
+    add_control_routes(app)
 
     @app.get("/instances")
     async def instances(request: Request) -> dict[str, list[dict[str, object]]]:

@@ -25,6 +25,14 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+try:  # newer vLLM counts prompt tokens served from a cache by where they came from
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _P2P_SOURCE: Any = CacheHitSource.P2P
+except ImportError:  # older ones do not
+    _P2P_SOURCE = None
+
+
 def _route_logs() -> None:
     """vLLM only configures its own loggers; give p2pkv's one handler so per-transfer lines are seen."""
     logger = logging.getLogger("p2pkv")
@@ -82,6 +90,9 @@ def _total_kv_heads(vllm_config: VllmConfig) -> int:
 
 class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """Drop-in for vLLM's removed P2pNcclConnector: `kv_connector_module_path="p2pkv.vllm"`."""
+
+    # The prompt tokens it loads came from another instance (vllm:prompt_tokens_cached_by_source{source="p2p"}).
+    _cache_hit_source = _P2P_SOURCE
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -190,6 +201,16 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def reset_cache(self) -> bool:
+        """vLLM resets its caches: KV staged or held before is not loaded after (see SchedulerSide.reset)."""
+        self.scheduler.reset()
+        return True
+
+    def has_pending_push_work(self) -> bool:
+        """Keeps vLLM stepping (idle or paused) until the workers have been told of a reset. A vLLM that does not
+        ask tells them with the next request's step, still before its loads."""
+        return self.scheduler.reset_pending
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

@@ -78,3 +78,6 @@ class P2pkvMetadata(KVConnectorMetadata):  # type: ignore[misc]
     abandoned: list[str] = field(default_factory=list)
     wanted: list[Wanted] = field(default_factory=list)
     idle: bool = False  # the step computes nothing (vLLM steps on while transfers are in flight)
+    # vLLM reset its caches since the last step (a weight update, or on request): what is staged here was computed
+    # before, and is dropped before this step's loads.
+    reset: bool = False

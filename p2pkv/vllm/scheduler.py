@@ -79,6 +79,7 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._discards: list[Discard] = []
         self._abandoned: list[str] = []
+        self._reset = False  # vLLM reset its caches: the workers drop what is staged at the next step
         # Decode requests waiting for blocks: what is held for their transfers is kept while they wait.
         self._waiting = WaitingRequests(min(config.extra.lease_s, config.extra.staging_expiry_s), tp_size, pp_size)
         # A claim is kept a while after its load, so that late samples of the same request do not wait for KV
@@ -222,11 +223,28 @@ class SchedulerSide:
         self._discards.append(Discard(transfer_id, prefill_kv if pulled else None, prefill_tp, prefill_pp,
                                       None if pulled else prefill_kv))
 
+    def reset(self) -> None:
+        """vLLM resets its caches (its prefix cache with the connector's: after a weight update, on `/pause` with
+        the cache cleared, or `/reset_prefix_cache?reset_external=true`). No KV computed before may be loaded after:
+        the workers drop what is staged for this instance at the next step, before its loads, and blocks held here
+        for a pull are no longer offered, so their requests compute their prompts where they decode. vLLM's own
+        reset fails while those blocks are held; it succeeds once they are freed, a step later."""
+        self._reset = True
+        for producer, _ in self._producing.values():
+            if producer.saved or producer.preempted:
+                self._abandon(producer)
+
+    @property
+    def reset_pending(self) -> bool:
+        """A reset not yet told to the workers: vLLM must step once more (it may be idle, or paused)."""
+        return self._reset
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pkvMetadata:
         now = time.monotonic()
         meta = P2pkvMetadata(loads=self._loads, discards=self._discards, abandoned=self._abandoned,
-                             wanted=self._waiting.due(now), idle=not scheduler_output.total_num_scheduled_tokens)
-        self._loads, self._discards, self._abandoned = [], [], []
+                             wanted=self._waiting.due(now), idle=not scheduler_output.total_num_scheduled_tokens,
+                             reset=self._reset)
+        self._loads, self._discards, self._abandoned, self._reset = [], [], [], False
         self._forget_claims(now)
         if not self._producers:
             return meta

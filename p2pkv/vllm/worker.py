@@ -128,6 +128,9 @@ class WorkerSide:
         self._meta = meta
         self._pushed = {s.transfer_id: set() for s in meta.saves}
         self._left = set()
+        if meta.reset:
+            dropped = self.engine.store.drop_all("dropped by a cache reset (its KV predates it)")
+            log.info("cache reset: dropped %d staged transfers", dropped)
         self.loading.start(meta.loads)
         self.loading.discard(meta.discards)
         if meta.abandoned:

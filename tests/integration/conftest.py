@@ -189,5 +189,8 @@ def up_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     extra = {"test_fault_injection": True, "transfer_timeout_s": TRANSFER_TIMEOUT_S}
     # Chunked prefill: prompts longer than this take several steps on the prefill instance.
     vllm_args = ["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]
-    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("up"), extra, vllm_args) as (proc, info, colocated):
+    # Dev mode serves vLLM's cache-reset and pause endpoints, which an RL trainer calls after a weight update.
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("up"), extra, vllm_args, env=env) as (
+            proc, info, colocated):
         yield UpCluster(proc, info, colocated, tiny_model)

@@ -144,6 +144,9 @@ def test_a_request_is_traced_from_its_answer_into_every_log(up_cluster: UpCluste
         time.sleep(0.2)
 
 
+P2P_HITS = "vllm:prompt_tokens_cached_by_source_total"
+
+
 def vllm_series(address: str, name: str, **labels: str) -> float:
     """The sum of `name`'s series on a vLLM instance's own /metrics whose labels include `labels`."""
     total = 0.0
@@ -168,7 +171,8 @@ def test_transfers_show_in_vllms_own_metrics_and_log(up_cluster: UpCluster) -> N
               "sends": vllm_series(prefill["http"], sends[0], **sends[1]),
               "loaded": vllm_series(decode["http"], loaded[0], **loaded[1]),
               "own_loaded": metric(decode["metrics"], "p2pkv_bytes_loaded_total"),
-              "timed": vllm_series(prefill["http"], "vllm:p2pkv_transfer_seconds_count", direction="send")}
+              "timed": vllm_series(prefill["http"], "vllm:p2pkv_transfer_seconds_count", direction="send"),
+              "p2p": vllm_series(decode["http"], P2P_HITS, source="p2p")}
     n = 4
     for i in range(n):
         greedy(up_cluster.proxy, up_cluster.model, prompt(f"vllm-metrics{i}", 300))
@@ -186,6 +190,8 @@ def test_transfers_show_in_vllms_own_metrics_and_log(up_cluster: UpCluster) -> N
             break
         time.sleep(0.2)
     assert got == {"loads": n, "sends": n, "loaded": own_loaded, "timed": n}
+    # vLLM counts the prompt tokens loaded as served from another instance: every one but the last of each prompt.
+    assert vllm_series(decode["http"], P2P_HITS, source="p2p") - before["p2p"] == n * 299
     logs = Path(up_cluster.info["log_dir"])
     deadline = time.monotonic() + 15  # vLLM logs its stats every 10 s
     while not ("KV Transfer metrics: loads ok=" in (logs / f"{decode['name']}.log").read_text(errors="replace")
@@ -750,3 +756,84 @@ def test_the_responses_and_anthropic_messages_apis_move_the_kv_too(up_cluster: U
             assert resp.status_code == 200
             events = "".join(resp.iter_text())
         assert ("response.completed" if path == "/v1/responses" else "message_stop") in events
+
+
+def test_kv_staged_or_held_before_a_cache_reset_is_not_loaded_after(up_cluster: UpCluster) -> None:
+    """vLLM resets its caches after a weight update (`/pause` clears them; here `/reset_prefix_cache` with the
+    connector's, which the cluster's dev mode serves): KV computed before must not be loaded after. On the decode
+    instance a staged push is dropped at once; on the prefill instance blocks held for a pull stop being offered,
+    so vLLM's reset, which fails while they are held, succeeds a step later instead of after the lease (30 s).
+    Requests naming either transfer then compute their prompts on the decode instance, at once, and answer as the
+    colocated instance does."""
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    returned = {}
+    for pull in (False, True):
+        text = prompt(f"reset-{pull}", 3 * BLOCK_SIZE)
+        params = PrefillParams(uuid.uuid4().hex, None if pull else Address.parse(decode["kv"]), pull=pull)
+        body = {"model": up_cluster.model, "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
+        answer = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
+        assert isinstance(answer, DecodeParams)
+        returned[text] = answer
+    assert _until(lambda: metric(decode["metrics"], "p2pkv_staging_bytes") > 0, 5)
+    assert metric(prefill["http"], "vllm:kv_cache_usage_perc") > 0
+
+    def reset(address: str) -> bool:
+        resp = httpx.post(f"http://{address}/reset_prefix_cache", params={"reset_external": "true"}, timeout=30)
+        assert resp.status_code == 200, resp.text
+        return bool(resp.json()["success"])
+
+    assert reset(decode["http"])
+    assert _until(lambda: metric(decode["metrics"], "p2pkv_staging_bytes") == 0, 5)
+    started = time.monotonic()
+    assert not reset(prefill["http"])  # the blocks held for the pull: freed at the next step
+    assert _until(lambda: reset(prefill["http"]), 5)
+    assert time.monotonic() - started < 10
+    assert metric(prefill["http"], "vllm:kv_cache_usage_perc") == 0
+    for text, params in returned.items():
+        late = {"model": up_cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+                "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": params.to_dict()}
+        started = time.monotonic()
+        answer = complete(f"http://{decode['http']}", late)
+        assert time.monotonic() - started < TRANSFER_TIMEOUT_S
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert ids_and_logprobs(answer)[0] == ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, text))[0]
+    # The cluster serves on, moving KV as before.
+    after = prompt("after-reset", 300)
+    answer = greedy(up_cluster.proxy, up_cluster.model, after)
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 299
+
+
+def test_a_pause_through_the_proxy_does_not_wait_for_pulls_and_drops_what_predates_it(up_cluster: UpCluster) -> None:
+    """An RL trainer pauses the cluster through the proxy to update the weights (`POST /pause`, vLLM's default
+    mode=abort with the caches cleared), then resumes it. A prefill instance holding blocks for a pull would pause
+    only once they were pulled or their lease (30 s) ran out: the proxy has it drop them first, and the pause
+    returns in seconds. What was staged on the decode instance before the pause is not loaded after it."""
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    returned = {}
+    for pull in (False, True):
+        text = prompt(f"pause-{pull}", 3 * BLOCK_SIZE)
+        params = PrefillParams(uuid.uuid4().hex, None if pull else Address.parse(decode["kv"]), pull=pull)
+        body = {"model": up_cluster.model, "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
+        answer = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
+        assert isinstance(answer, DecodeParams)
+        returned[text] = answer
+    assert _until(lambda: metric(decode["metrics"], "p2pkv_staging_bytes") > 0, 5)
+    assert metric(prefill["http"], "vllm:kv_cache_usage_perc") > 0
+    started = time.monotonic()
+    resp = httpx.post(f"{up_cluster.proxy}/pause", timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert time.monotonic() - started < 10
+    assert sorted(a["role"] for a in resp.json()["instances"]) == ["decode", "prefill"]
+    assert httpx.get(f"{up_cluster.proxy}/is_paused", timeout=30).json()["is_paused"] is True
+    assert _until(lambda: metric(decode["metrics"], "p2pkv_staging_bytes") == 0, 5)
+    assert metric(prefill["http"], "vllm:kv_cache_usage_perc") == 0
+    resp = httpx.post(f"{up_cluster.proxy}/resume", timeout=30)
+    assert resp.status_code == 200 and resp.json()["status"] == "resumed", resp.text
+    for text, params in returned.items():
+        late = {"model": up_cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+                "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": params.to_dict()}
+        answer = complete(f"http://{decode['http']}", late)
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert ids_and_logprobs(answer)[0] == ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, text))[0]
+    answer = greedy(up_cluster.proxy, up_cluster.model, prompt("after-pause", 300))
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 299

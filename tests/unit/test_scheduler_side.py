@@ -629,3 +629,40 @@ def test_a_request_with_invalid_params_is_not_tracked_and_logged_once(caplog: py
     s.on_new_request(req)
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert len([r for r in caplog.records if "invalid kv_transfer_params" in r.getMessage()]) == 1
+
+
+def test_a_cache_reset_is_told_to_the_workers_once_and_keeps_vllm_stepping_until_then() -> None:
+    """vLLM resets its caches (after a weight update): the next step's metadata tells the workers to drop what
+    is staged, before that step's loads; until that step, the connector asks vLLM to keep stepping (an idle or
+    paused engine would not step otherwise)."""
+    s = side("kv_consumer")
+    assert not s.reset_pending and s.build_connector_meta(step()).reset is False
+    req = decode_req(300)
+    s.reset()
+    assert s.reset_pending
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, Blocks([5, 6, 7]), 299)
+    meta = s.build_connector_meta(step())
+    assert meta.reset and [load.transfer_id for load in meta.loads] == ["t1"]  # dropped first, then loaded
+    assert not s.reset_pending and s.build_connector_meta(step()).reset is False
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_cache_reset_stops_offering_blocks_held_for_a_pull(finished: bool) -> None:
+    """On a prefill instance, blocks held for a pull hold KV computed before the reset: no longer offered (the
+    decode side computes the prompt), and freed, which vLLM's own reset waits for. A transfer that was already
+    abandoned is not named twice; a prompt saved after the reset is offered as usual."""
+    s = side("kv_producer")
+    req = _saved_producer(s)
+    if finished:
+        req.set_status("FINISHED_LENGTH_CAPPED")
+        assert s.request_finished(req, [1, 2, 3])[0]
+    s.reset()
+    assert s.build_connector_meta(step()).abandoned == ["t1"]
+    s.reset()
+    assert s.build_connector_meta(step()).abandoned == []
+    later = Req("q", list(range(300)), PrefillParams("t2", None).to_dict())
+    s.update_state_after_alloc(later, Blocks([4, 5, 6]), 0)
+    meta = s.build_connector_meta(step([SimpleNamespace(req_id="q", block_ids=([4, 5, 6],), num_computed_tokens=0)],
+                                       scheduled={"q": 300}))
+    assert [save.transfer_id for save in meta.saves] == ["t2"] and meta.abandoned == []

@@ -90,3 +90,27 @@ def test_expiry_counts_from_the_last_chunk_not_the_first() -> None:
     assert s.expire() == 2
     assert s.state("slow") is None and s.state("pulled") is None
     assert s.bytes_in_use == 0
+
+
+def test_a_cache_reset_drops_what_is_staged_and_arriving_but_not_what_a_load_took() -> None:
+    """vLLM reset its caches (a weight update): KV staged before must not be loaded after. Complete and half-arrived
+    transfers fail with the reset's reason and free their bytes; later chunks of a half-arrived one are dropped;
+    one a load already took is the load's; a transfer that begins after the reset is staged as usual."""
+    s = store()
+    assert land(s, PushBlocks("done", 0, 0, BLOCKS, BLOCKS, LAYERS, LAYERS), 1)
+    assert land(s, PushBlocks("half", 0, 0, BLOCKS, BLOCKS, LAYERS, 2), 2)
+    assert land(s, PushBlocks("taken", 0, 0, BLOCKS, BLOCKS, LAYERS, LAYERS), 3)
+    taken = s.take("taken")
+    assert taken is not None
+    s.fail("refused", "no staging space")
+    assert s.drop_all("dropped by a cache reset") == 2
+    assert s.state("done") is StageState.FAILED and s.reason("done") == "dropped by a cache reset"
+    assert s.state("half") is StageState.FAILED
+    assert s.reason("refused") == "no staging space"
+    assert not land(s, PushBlocks("half", 2, 0, BLOCKS, BLOCKS, LAYERS, 2), 4)
+    assert s.bytes_in_use == taken.nbytes
+    assert s.wait("done", time.monotonic() + 10) is StageState.FAILED
+    s.release(taken)
+    assert s.bytes_in_use == 0
+    assert land(s, PushBlocks("after", 0, 0, BLOCKS, BLOCKS, LAYERS, LAYERS), 5)
+    assert s.state("after") is StageState.COMPLETE

@@ -1,0 +1,137 @@
+"""vLLM's controls for weight updates (an RL trainer's pause, cache reset and resume), sent by the proxy to every
+instance in the order disaggregation needs.
+
+vLLM serves them where its dev mode is on (`VLLM_SERVER_DEV_MODE=1`). Sent to each instance by hand they race:
+a decode instance that pauses and clears its cache before a prefill instance has sent what it computed keeps KV
+of the old weights, and a prefill instance pauses only once the blocks it holds for pulls are pulled or their
+lease ends. Through the proxy:
+- `POST /pause` pauses the prefill instances first (each returns once its pushes in flight are sent), then the
+  decode instances. With `mode=abort` (vLLM's default) and the cache cleared, the prefill instances first reset
+  their caches with the connector's, so they stop holding blocks for pulls that the abort makes moot;
+- `POST /reset_prefix_cache` resets the prefill instances, then the decode instances;
+- `POST /resume` resumes the decode instances, then the prefill instances;
+- `GET /is_paused` asks them all.
+Each answers with every instance's answer, and 502 if any instance failed. One request per API server (its
+data-parallel engines pause together).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from p2pkv.params import Address
+from p2pkv.proxy.passthrough import forward_headers
+from p2pkv.proxy.registry import Pool
+from p2pkv.proxy.upstream import error_response
+
+CONTROL_TIMEOUT_S = 600.0  # a pause in mode=wait lasts as long as the longest request in flight
+_SERVED = ("/pause", "/resume", "/reset_prefix_cache", "/is_paused")
+
+
+class Controlled(Protocol):
+    """What of the proxy's router the controls use."""
+
+    client: httpx.AsyncClient
+    prefill: Pool
+    decode: Pool
+
+    def authorized(self, request: Request) -> bool: ...
+
+
+def _servers(pool: Pool) -> list[Address]:
+    pool.prune()
+    return list(dict.fromkeys(state.instance.http for state in pool.states))
+
+
+async def _send(router: Controlled, method: str, role: str, servers: list[Address], path: str,
+                params: dict[str, str], headers: dict[str, str]) -> list[dict[str, Any]]:
+    async def one(server: Address) -> dict[str, Any]:
+        answer: dict[str, Any] = {"instance": str(server), "role": role}
+        try:
+            resp = await router.client.request(method, f"http://{server}{path}", params=params, headers=headers,
+                                               timeout=CONTROL_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            return {**answer, "status_code": 502, "error": f"{type(exc).__name__}: {exc}"}
+        try:
+            body: Any = resp.json()
+        except ValueError:
+            body = resp.text
+        return {**answer, "status_code": resp.status_code, "body": body}
+
+    return list(await asyncio.gather(*(one(server) for server in servers)))
+
+
+def _ok(answers: list[dict[str, Any]]) -> bool:
+    return all(a["status_code"] == 200 for a in answers)
+
+
+def _answer(key: str, value: Any, answers: list[dict[str, Any]]) -> Response:
+    if not answers:
+        return error_response(503, "no instances known to the proxy")
+    failed = not _ok(answers)
+    return JSONResponse({key: value, "instances": answers}, status_code=502 if failed else 200)
+
+
+def _truthy(value: str | None, default: bool) -> bool:
+    return default if value is None else value.lower() in ("1", "true", "yes")
+
+
+async def pause(router: Controlled, request: Request) -> Response:
+    params = dict(request.query_params)
+    headers = forward_headers(request)
+    prefill, decode = _servers(router.prefill), _servers(router.decode)
+    answers: list[dict[str, Any]] = []
+    if params.get("mode", "abort") == "abort" and _truthy(params.get("clear_cache"), True):
+        # Blocks held for pulls would keep each prefill instance busy until their lease ends; the abort makes
+        # those pulls moot. vLLM's reset fails while the blocks are held: its answer is not the pause's.
+        await _send(router, "POST", "prefill", prefill, "/reset_prefix_cache", {"reset_external": "true"}, headers)
+    answers += await _send(router, "POST", "prefill", prefill, "/pause", params, headers)
+    if _ok(answers):
+        answers += await _send(router, "POST", "decode", decode, "/pause", params, headers)
+    return _answer("status", "paused" if _ok(answers) else "failed", answers)
+
+
+async def reset_prefix_cache(router: Controlled, request: Request) -> Response:
+    params, headers = dict(request.query_params), forward_headers(request)
+    answers = await _send(router, "POST", "prefill", _servers(router.prefill), "/reset_prefix_cache", params, headers)
+    answers += await _send(router, "POST", "decode", _servers(router.decode), "/reset_prefix_cache", params, headers)
+    success = _ok(answers) and all(isinstance(a["body"], dict) and a["body"].get("success") for a in answers)
+    return _answer("success", success, answers)
+
+
+async def resume(router: Controlled, request: Request) -> Response:
+    headers = forward_headers(request)
+    answers = await _send(router, "POST", "decode", _servers(router.decode), "/resume", {}, headers)
+    answers += await _send(router, "POST", "prefill", _servers(router.prefill), "/resume", {}, headers)
+    return _answer("status", "resumed" if _ok(answers) else "failed", answers)
+
+
+async def is_paused(router: Controlled, request: Request) -> Response:
+    headers = forward_headers(request)
+    answers = await _send(router, "GET", "prefill", _servers(router.prefill), "/is_paused", {}, headers)
+    answers += await _send(router, "GET", "decode", _servers(router.decode), "/is_paused", {}, headers)
+    paused = _ok(answers) and all(isinstance(a["body"], dict) and a["body"].get("is_paused") for a in answers)
+    return _answer("is_paused", paused, answers)
+
+
+def add_control_routes(app: FastAPI) -> None:
+    handlers = {"/pause": (pause, "POST"), "/resume": (resume, "POST"),
+                "/reset_prefix_cache": (reset_prefix_cache, "POST"), "/is_paused": (is_paused, "GET")}
+    assert set(handlers) == set(_SERVED)
+    for path, (handler, method) in handlers.items():
+        app.add_api_route(path, _endpoint(handler), methods=[method], include_in_schema=False)
+
+
+def _endpoint(handler: Any) -> Any:
+    async def endpoint(request: Request) -> Response:
+        router: Controlled = request.app.state.router
+        if not router.authorized(request):
+            return error_response(401, "missing or wrong API key", "authentication_error")
+        response: Response = await handler(router, request)
+        return response
+    return endpoint

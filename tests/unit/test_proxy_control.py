@@ -1,0 +1,167 @@
+"""The proxy's weight-update controls (pause, cache reset, resume) against stub instances that are real HTTP
+servers: each instance's answer, and the order disaggregation needs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from p2pkv.cli.cluster import free_port
+from p2pkv.proxy import Instance, ProxyConfig, create_app
+from tests.helpers.servers import serve
+
+PAUSE_S = 0.3  # how long a stub takes to pause (vLLM returns once it is idle)
+
+
+def stub_instance(name: str, calls: list[dict[str, Any]], pause_status: int = 200, reset_ok: bool = True) -> FastAPI:
+    """vLLM's dev-mode controls, recording each call: which instance, the path, its query and when it ran."""
+    app = FastAPI()
+    state = {"paused": False}
+
+    def record(request: Request, began: float) -> None:
+        calls.append({"name": name, "path": request.url.path, "query": dict(request.query_params), "began": began,
+                      "ended": time.monotonic(), "auth": request.headers.get("authorization")})
+
+    @app.post("/pause")
+    async def pause(request: Request) -> JSONResponse:
+        began = time.monotonic()
+        time.sleep(PAUSE_S)
+        record(request, began)
+        if pause_status != 200:
+            return JSONResponse({"error": "Failed to pause generation"}, status_code=pause_status)
+        state["paused"] = True
+        return JSONResponse({"status": "paused"})
+
+    @app.post("/resume")
+    async def resume(request: Request) -> JSONResponse:
+        record(request, time.monotonic())
+        state["paused"] = False
+        return JSONResponse({"status": "resumed"})
+
+    @app.post("/reset_prefix_cache")
+    async def reset(request: Request) -> JSONResponse:
+        record(request, time.monotonic())
+        return JSONResponse({"success": reset_ok})
+
+    @app.get("/is_paused")
+    async def is_paused(request: Request) -> JSONResponse:
+        record(request, time.monotonic())
+        return JSONResponse({"is_paused": state["paused"]})
+
+    return app
+
+
+@contextmanager
+def cluster(prefill: list[FastAPI], decode: list[FastAPI], api_key: str = "",
+            dp: bool = False) -> Iterator[str]:
+    """A proxy over the stub instances; with `dp`, each is listed as two data-parallel engines of one server."""
+    with ExitStack() as stack:
+        def listed(apps: list[FastAPI]) -> tuple[Instance, ...]:
+            servers = [stack.enter_context(serve(app)) for app in apps]
+            return tuple(Instance.parse(f"{s}#{r}" if dp else s) for s in servers for r in ((0, 1) if dp else (0,)))
+
+        config = ProxyConfig(prefill=listed(prefill), decode=listed(decode), api_key=api_key)
+        yield stack.enter_context(serve(create_app(config)))
+
+
+def paths(calls: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(c["name"], c["path"]) for c in sorted(calls, key=lambda c: c["began"])]
+
+
+def test_pause_resets_and_pauses_prefill_instances_before_any_decode_instance() -> None:
+    """mode=abort (the default) clears the caches: each prefill instance first resets its cache with the
+    connector's (it stops holding blocks for pulls the abort makes moot), then pauses; the decode instances pause
+    once every prefill instance has (their pushes in flight have landed). Each instance's answer comes back."""
+    calls: list[dict[str, Any]] = []
+    with cluster([stub_instance("p0", calls), stub_instance("p1", calls)],
+                 [stub_instance("d0", calls)]) as proxy:
+        resp = httpx.post(f"http://{proxy}/pause", params={"mode": "abort"}, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["status"] == "paused"
+    assert sorted((a["role"], a["body"]["status"]) for a in resp.json()["instances"]) == [
+        ("decode", "paused"), ("prefill", "paused"), ("prefill", "paused")]
+    resets = [c for c in calls if c["path"] == "/reset_prefix_cache"]
+    assert sorted(c["name"] for c in resets) == ["p0", "p1"]
+    assert all(c["query"] == {"reset_external": "true"} for c in resets)
+    pauses = {c["name"]: c for c in calls if c["path"] == "/pause"}
+    assert set(pauses) == {"p0", "p1", "d0"}
+    assert all(c["query"] == {"mode": "abort"} for c in pauses.values())
+    assert max(c["ended"] for c in resets) <= min(pauses["p0"]["began"], pauses["p1"]["began"])
+    assert pauses["d0"]["began"] >= max(pauses["p0"]["ended"], pauses["p1"]["ended"])
+    # The prefill instances pause together, not one after the other.
+    assert abs(pauses["p0"]["began"] - pauses["p1"]["began"]) < PAUSE_S
+
+
+@pytest.mark.parametrize("query", [{"mode": "wait"}, {"mode": "keep"}, {"mode": "abort", "clear_cache": "false"}])
+def test_a_pause_that_keeps_requests_or_caches_resets_nothing(query: dict[str, str]) -> None:
+    """Requests that go on (wait, keep) still pull what prefill instances hold for them, and a pause that keeps
+    the caches keeps them: no reset first; the order holds."""
+    calls: list[dict[str, Any]] = []
+    with cluster([stub_instance("p0", calls)], [stub_instance("d0", calls)]) as proxy:
+        resp = httpx.post(f"http://{proxy}/pause", params=query, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert paths(calls) == [("p0", "/pause"), ("d0", "/pause")]
+    assert all(c["query"] == query for c in calls)
+
+
+def test_a_prefill_instance_that_fails_to_pause_fails_the_pause_and_no_decode_instance_pauses() -> None:
+    calls: list[dict[str, Any]] = []
+    with cluster([stub_instance("p0", calls, pause_status=500)], [stub_instance("d0", calls)]) as proxy:
+        resp = httpx.post(f"http://{proxy}/pause", timeout=30)
+    assert resp.status_code == 502
+    assert resp.json()["status"] == "failed"
+    assert [a["status_code"] for a in resp.json()["instances"]] == [500]
+    assert ("d0", "/pause") not in paths(calls)
+
+
+def test_resume_goes_to_decode_instances_first_and_is_paused_asks_all() -> None:
+    calls: list[dict[str, Any]] = []
+    with cluster([stub_instance("p0", calls)], [stub_instance("d0", calls)]) as proxy:
+        assert httpx.get(f"http://{proxy}/is_paused", timeout=30).json()["is_paused"] is False
+        httpx.post(f"http://{proxy}/pause", params={"mode": "keep"}, timeout=30).raise_for_status()
+        assert httpx.get(f"http://{proxy}/is_paused", timeout=30).json()["is_paused"] is True
+        calls.clear()
+        resp = httpx.post(f"http://{proxy}/resume", timeout=30)
+        assert resp.status_code == 200 and resp.json()["status"] == "resumed"
+        assert paths(calls) == [("d0", "/resume"), ("p0", "/resume")]
+        assert httpx.get(f"http://{proxy}/is_paused", timeout=30).json()["is_paused"] is False
+
+
+@pytest.mark.parametrize("prefill_ok", [True, False])
+def test_reset_prefix_cache_succeeds_only_where_every_instance_did(prefill_ok: bool) -> None:
+    """vLLM's reset fails while blocks are held (a caller retries): the proxy's succeeds only if all did."""
+    calls: list[dict[str, Any]] = []
+    with cluster([stub_instance("p0", calls, reset_ok=prefill_ok)], [stub_instance("d0", calls)]) as proxy:
+        resp = httpx.post(f"http://{proxy}/reset_prefix_cache", params={"reset_external": "true"}, timeout=30)
+    assert resp.status_code == 200
+    assert resp.json()["success"] is prefill_ok
+    assert paths(calls) == [("p0", "/reset_prefix_cache"), ("d0", "/reset_prefix_cache")]
+    assert all(c["query"] == {"reset_external": "true"} for c in calls)
+
+
+def test_controls_need_the_api_key_pass_it_on_and_go_once_per_api_server() -> None:
+    """An instance's data-parallel engines pause together: one call per API server. The proxy's API key guards
+    the controls, and goes on to the instances (vLLM's `--api-key`)."""
+    calls: list[dict[str, Any]] = []
+    with cluster([stub_instance("p0", calls)], [stub_instance("d0", calls)], api_key="k1", dp=True) as proxy:
+        assert httpx.post(f"http://{proxy}/pause", timeout=30).status_code == 401
+        assert calls == []
+        resp = httpx.post(f"http://{proxy}/pause", headers={"Authorization": "Bearer k1"}, timeout=30)
+    assert resp.status_code == 200
+    assert paths(calls) == [("p0", "/reset_prefix_cache"), ("p0", "/pause"), ("d0", "/pause")]
+    assert {c["auth"] for c in calls} == {"Bearer k1"}
+
+
+def test_no_instances_is_an_error_not_a_success() -> None:
+    """A proxy that has discovered no instance yet paused nothing."""
+    with serve(create_app(ProxyConfig(prefill=(), decode=(), discovery_host="127.0.0.1",
+                                      discovery_port=free_port()))) as proxy:
+        resp = httpx.post(f"http://{proxy}/pause", timeout=30)
+    assert resp.status_code == 503
