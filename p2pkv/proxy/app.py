@@ -72,6 +72,10 @@ class Router:
         self._sizes: dict[Address, tuple[int, int]] = {}  # (tensor, pipeline) sizes heartbeats gave, by HTTP address
         self._discarder = Discarder(client, metrics, config.connect_timeout_s + 10.0)
         self._prefiller = Prefiller(config, client, metrics, self.prefill, self._discarder)
+        # Cleared while the cluster is paused through this proxy (p2pkv.proxy.control): new requests wait here for
+        # the resume, rather than in a paused instance's queue, where their prefill would time out and be retried.
+        self.running = asyncio.Event()
+        self.running.set()
         for pool in (self.prefill, self.decode):
             metrics.instances.labels(pool.role).set_function(pool.count)
 
@@ -147,6 +151,13 @@ class Router:
         if not isinstance(body, dict):
             self.metrics.requests.labels("bad_request").inc()
             return error_response(400, "request body must be a JSON object", "invalid_request_error")
+        if not self.running.is_set():
+            remaining = self.config.request_timeout_s - (time.monotonic() - started)
+            try:
+                await asyncio.wait_for(self.running.wait(), max(0.0, remaining))
+            except TimeoutError:
+                self.metrics.requests.labels("paused").inc()
+                return error_response(503, "the cluster is paused (POST /resume to the proxy resumes it)")
         headers = forward_headers(request)
         prompts = batch_prompts(body, path)
         if prompts is not None:

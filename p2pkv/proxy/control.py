@@ -12,7 +12,9 @@ lease ends. Through the proxy:
 - `POST /resume` resumes the decode instances, then the prefill instances;
 - `GET /is_paused` asks them all.
 Each answers with every instance's answer, and 502 if any instance failed. One request per API server (its
-data-parallel engines pause together).
+data-parallel engines pause together). From a pause until the resume, client requests wait at the proxy (at most
+their `request_timeout_s`, then 503), not in a paused instance's queue, where their prefill would time out and go
+to a decode instance alone.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Controlled(Protocol):
     client: httpx.AsyncClient
     prefill: Pool
     decode: Pool
+    running: asyncio.Event  # cleared while paused: new requests wait at the proxy
 
     def authorized(self, request: Request) -> bool: ...
 
@@ -86,6 +89,7 @@ async def pause(router: Controlled, request: Request) -> Response:
     headers = forward_headers(request)
     prefill, decode = _servers(router.prefill), _servers(router.decode)
     answers: list[dict[str, Any]] = []
+    router.running.clear()  # from now on, new requests wait here for the resume
     if params.get("mode", "abort") == "abort" and _truthy(params.get("clear_cache"), True):
         # Blocks held for pulls would keep each prefill instance busy until their lease ends; the abort makes
         # those pulls moot. vLLM's reset fails while the blocks are held: its answer is not the pause's.
@@ -93,6 +97,8 @@ async def pause(router: Controlled, request: Request) -> Response:
     answers += await _send(router, "POST", "prefill", prefill, "/pause", params, headers)
     if _ok(answers):
         answers += await _send(router, "POST", "decode", decode, "/pause", params, headers)
+    if not _ok(answers):
+        router.running.set()  # not paused: the requests held here go on (a retry of the pause holds them again)
     return _answer("status", "paused" if _ok(answers) else "failed", answers)
 
 
@@ -108,6 +114,7 @@ async def resume(router: Controlled, request: Request) -> Response:
     headers = forward_headers(request)
     answers = await _send(router, "POST", "decode", _servers(router.decode), "/resume", {}, headers)
     answers += await _send(router, "POST", "prefill", _servers(router.prefill), "/resume", {}, headers)
+    router.running.set()  # an instance that failed to resume queues what it gets; the others serve
     return _answer("status", "resumed" if _ok(answers) else "failed", answers)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -827,13 +828,20 @@ def test_a_pause_through_the_proxy_does_not_wait_for_pulls_and_drops_what_predat
     assert httpx.get(f"{up_cluster.proxy}/is_paused", timeout=30).json()["is_paused"] is True
     assert _until(lambda: metric(decode["metrics"], "p2pkv_staging_bytes") == 0, 5)
     assert metric(prefill["http"], "vllm:kv_cache_usage_perc") == 0
+    # A request that comes while paused waits at the proxy, and goes through once the cluster resumes.
+    waiting: list[dict[str, Any]] = []
+    client = threading.Thread(target=lambda: waiting.append(greedy(up_cluster.proxy, up_cluster.model,
+                                                                   prompt("during-pause", 300))))
+    client.start()
+    time.sleep(2)
+    assert not waiting
     resp = httpx.post(f"{up_cluster.proxy}/resume", timeout=30)
     assert resp.status_code == 200 and resp.json()["status"] == "resumed", resp.text
+    client.join(120)
+    assert waiting and waiting[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 299
     for text, params in returned.items():
         late = {"model": up_cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
                 "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": params.to_dict()}
         answer = complete(f"http://{decode['http']}", late)
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert ids_and_logprobs(answer)[0] == ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, text))[0]
-    answer = greedy(up_cluster.proxy, up_cluster.model, prompt("after-pause", 300))
-    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 299

@@ -3,6 +3,7 @@ servers: each instance's answer, and the order disaggregation needs."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -16,13 +17,16 @@ from fastapi.responses import JSONResponse
 from p2pkv.cli.cluster import free_port
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from tests.helpers.servers import serve
+from tests.helpers.stubs import stub_decode, stub_prefill
 
 PAUSE_S = 0.3  # how long a stub takes to pause (vLLM returns once it is idle)
 
 
-def stub_instance(name: str, calls: list[dict[str, Any]], pause_status: int = 200, reset_ok: bool = True) -> FastAPI:
-    """vLLM's dev-mode controls, recording each call: which instance, the path, its query and when it ran."""
-    app = FastAPI()
+def stub_instance(name: str, calls: list[dict[str, Any]], pause_status: int = 200, reset_ok: bool = True,
+                  app: FastAPI | None = None) -> FastAPI:
+    """vLLM's dev-mode controls, recording each call: which instance, the path, its query and when it ran; added
+    to `app` (a stub that also serves completions) where given."""
+    app = app or FastAPI()
     state = {"paused": False}
 
     def record(request: Request, began: float) -> None:
@@ -59,15 +63,16 @@ def stub_instance(name: str, calls: list[dict[str, Any]], pause_status: int = 20
 
 
 @contextmanager
-def cluster(prefill: list[FastAPI], decode: list[FastAPI], api_key: str = "",
-            dp: bool = False) -> Iterator[str]:
+def cluster(prefill: list[FastAPI], decode: list[FastAPI], api_key: str = "", dp: bool = False,
+            request_timeout_s: float = 600.0) -> Iterator[str]:
     """A proxy over the stub instances; with `dp`, each is listed as two data-parallel engines of one server."""
     with ExitStack() as stack:
         def listed(apps: list[FastAPI]) -> tuple[Instance, ...]:
             servers = [stack.enter_context(serve(app)) for app in apps]
             return tuple(Instance.parse(f"{s}#{r}" if dp else s) for s in servers for r in ((0, 1) if dp else (0,)))
 
-        config = ProxyConfig(prefill=listed(prefill), decode=listed(decode), api_key=api_key)
+        config = ProxyConfig(prefill=listed(prefill), decode=listed(decode), api_key=api_key,
+                             request_timeout_s=request_timeout_s)
         yield stack.enter_context(serve(create_app(config)))
 
 
@@ -165,3 +170,46 @@ def test_no_instances_is_an_error_not_a_success() -> None:
                                       discovery_port=free_port()))) as proxy:
         resp = httpx.post(f"http://{proxy}/pause", timeout=30)
     assert resp.status_code == 503
+
+
+def test_requests_wait_at_the_proxy_while_the_cluster_is_paused_and_go_on_when_it_resumes() -> None:
+    """A request that comes while the cluster is paused through the proxy is not sent to a paused instance (its
+    prefill would time out there and go to a decode instance alone): it waits at the proxy, and goes on at the
+    resume."""
+    calls: list[dict[str, Any]] = []
+    p_seen: list[dict[str, Any]] = []
+    d_seen: list[dict[str, Any]] = []
+    with cluster([stub_instance("p0", calls, app=stub_prefill(p_seen))],
+                 [stub_instance("d0", calls, app=stub_decode(d_seen))]) as proxy:
+        httpx.post(f"http://{proxy}/pause", timeout=30).raise_for_status()
+        answers: list[httpx.Response] = []
+        client = threading.Thread(target=lambda: answers.append(httpx.post(
+            f"http://{proxy}/v1/completions", json={"prompt": "hi", "max_tokens": 5}, timeout=30)))
+        client.start()
+        time.sleep(1.0)
+        assert p_seen == [] and d_seen == [] and answers == []
+        resumed = time.monotonic()
+        httpx.post(f"http://{proxy}/resume", timeout=30).raise_for_status()
+        client.join(30)
+        assert answers and answers[0].status_code == 200, answers
+        assert len(p_seen) == 1 and len(d_seen) == 1
+        assert time.monotonic() - resumed < 5
+
+
+def test_a_request_waits_for_a_resume_no_longer_than_its_timeout_and_a_failed_pause_holds_nothing() -> None:
+    calls: list[dict[str, Any]] = []
+    p_seen: list[dict[str, Any]] = []
+    with cluster([stub_instance("p0", calls, app=stub_prefill(p_seen))],
+                 [stub_instance("d0", calls, app=stub_decode([]))], request_timeout_s=1.0) as proxy:
+        httpx.post(f"http://{proxy}/pause", timeout=30).raise_for_status()
+        started = time.monotonic()
+        resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "hi", "max_tokens": 5}, timeout=30)
+        assert resp.status_code == 503 and "paused" in resp.text
+        assert 0.8 < time.monotonic() - started < 5
+        assert p_seen == []
+        assert 'p2pkv_proxy_requests_total{outcome="paused"} 1.0' in httpx.get(f"http://{proxy}/metrics").text
+    with cluster([stub_instance("p0", calls, app=stub_prefill(p_seen), pause_status=500)],
+                 [stub_instance("d0", calls, app=stub_decode([]))]) as proxy:
+        assert httpx.post(f"http://{proxy}/pause", timeout=30).status_code == 502
+        resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "hi", "max_tokens": 5}, timeout=30)
+        assert resp.status_code == 200 and len(p_seen) == 1
