@@ -1,10 +1,13 @@
 """`p2pkv bench soak`: many requests through a local 1P1D cluster; checks that every request succeeds, that
 staging and pool usage return to zero, and that no vLLM process keeps growing (resident memory between the
-middle of the run and its end)."""
+middle of the run and its end). With `--pause-every`, the cluster is also paused through the proxy and resumed
+again and again while the requests go, as an RL trainer does to update the weights: a request the pause aborts
+(vLLM's `finish_reason` "abort") is counted apart, every other must succeed, and nothing may be left held."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import tempfile
 import time
@@ -32,6 +35,9 @@ class SoakResult:
     received: dict[str, float] = field(default_factory=dict)  # decode's bytes received, by transport
     digests: dict[str, float] = field(default_factory=dict)  # with integrity_check: decode's digests by outcome
     left: int = 0  # requests whose client went away on purpose before the answer (the mixed soak's "leave")
+    aborted: int = 0  # requests a pause aborted (`--pause-every`)
+    pauses: list[float] = field(default_factory=list)  # how long each pause took to answer, seconds
+    pause_failures: int = 0  # pauses or resumes that did not answer 200
     kv_usage: dict[str, float] = field(default_factory=dict)  # vLLM's KV cache usage of each instance at the end
 
     def growth(self, name: str) -> float:
@@ -40,7 +46,8 @@ class SoakResult:
     @property
     def ok(self) -> bool:
         mismatches = sum(v for k, v in self.digests.items() if 'outcome="mismatch"' in k)
-        return (self.failures == 0 and self.staging_bytes == 0 and self.pool_bytes == 0 and mismatches == 0
+        return (self.failures == 0 and self.pause_failures == 0 and self.staging_bytes == 0 and self.pool_bytes == 0
+                and mismatches == 0
                 and not any(self.kv_usage.values())
                 and all(self.growth(n) < RSS_GROWTH_LIMIT for n in self.rss_mark_mb if n in self.rss_end_mb))
 
@@ -111,6 +118,14 @@ def leave_after(i: int, mixed: bool) -> float | None:
     return 0.05 + 0.075 * ((i // len(SHAPES)) % 7)
 
 
+def aborted(body: dict[str, Any], resp: httpx.Response) -> bool:
+    """A whole answer of which a choice was cut short by a pause (vLLM's `finish_reason` "abort")."""
+    if body.get("stream"):
+        return '"finish_reason":"abort"' in resp.text.replace(" ", "")
+    choices = resp.json().get("choices")
+    return isinstance(choices, list) and any(c.get("finish_reason") == "abort" for c in choices)
+
+
 def answered(body: dict[str, Any], resp: httpx.Response) -> bool:
     """Whether the answer is a whole one: a stream to its end, or a choice per prompt and sample."""
     if resp.status_code != 200:
@@ -139,6 +154,8 @@ async def _drive(proxy: str, model: str, requests: int, concurrency: int, mark: 
                                              timeout=leave if leave is not None else client.timeout)
                     if not answered(body, resp):
                         result.failures += 1
+                    elif aborted(body, resp):
+                        result.aborted += 1
                 except httpx.TimeoutException:
                     if leave is None:
                         result.failures += 1
@@ -151,6 +168,40 @@ async def _drive(proxy: str, model: str, requests: int, concurrency: int, mark: 
                 on_mark.set()
 
         await asyncio.gather(*(one(i) for i in range(requests)))
+
+
+async def _pausing(proxy: str, every_s: float, result: SoakResult, stop: asyncio.Event) -> None:
+    """Every `every_s` until `stop`: pause the cluster through the proxy (vLLM's default, mode=abort with the
+    caches cleared), hold it a second (the weight update), resume it."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+            if stop.is_set():
+                return
+            started = time.monotonic()
+            try:
+                paused = await client.post(f"{proxy}/pause")
+                result.pauses.append(time.monotonic() - started)
+                await asyncio.sleep(1.0)
+                resumed = await client.post(f"{proxy}/resume")
+            except httpx.HTTPError:
+                result.pause_failures += 1
+                continue
+            result.pause_failures += (paused.status_code != 200) + (resumed.status_code != 200)
+
+
+async def _with_pauses(drive: Coroutine[Any, Any, None], proxy: str, every_s: float, result: SoakResult) -> None:
+    if every_s <= 0:
+        await drive
+        return
+    stop = asyncio.Event()
+    pauser = asyncio.ensure_future(_pausing(proxy, every_s, result, stop))
+    try:
+        await drive
+    finally:
+        stop.set()
+        await pauser
 
 
 async def _noting_mark(drive: Coroutine[Any, Any, None], marked: asyncio.Event, at_mark: Callable[[], None]) -> None:
@@ -166,8 +217,11 @@ async def _noting_mark(drive: Coroutine[Any, Any, None], marked: asyncio.Event, 
 
 
 def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_type: str = "PUT_ASYNC",
-             transport: str = "auto", integrity_check: bool = False, mixed: bool = False) -> SoakResult:
-    cluster = Cluster(model=model, log_dir=log_dir)
+             transport: str = "auto", integrity_check: bool = False, mixed: bool = False,
+             pause_every_s: float = 0.0) -> SoakResult:
+    # vLLM serves its pause and resume in dev mode only.
+    cluster = Cluster(model=model, log_dir=log_dir,
+                      extra_env={"VLLM_SERVER_DEV_MODE": "1"} if pause_every_s > 0 else {})
     p_http, p_kv, d_http, d_kv, d_metrics, proxy_port = free_ports(6)
     mode: dict[str, object] = {"send_type": send_type, "transport": transport, "integrity_check": integrity_check}
     prefill = cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv, mode))
@@ -186,8 +240,9 @@ def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_ty
             print(f"[soak] {mark} requests done; resident memory noted", flush=True)
 
         started = time.monotonic()
-        asyncio.run(_noting_mark(_drive(f"http://127.0.0.1:{proxy_port}", model, requests, concurrency, mark,
-                                        marked, result, mixed), marked, at_mark))
+        proxy = f"http://127.0.0.1:{proxy_port}"
+        drive = _drive(proxy, model, requests, concurrency, mark, marked, result, mixed)
+        asyncio.run(_noting_mark(_with_pauses(drive, proxy, pause_every_s, result), marked, at_mark))
         result.seconds = time.monotonic() - started
         time.sleep(1.0)  # let the last transfers' bookkeeping settle
         result.rss_end_mb = {**tree_rss_mb(prefill), **tree_rss_mb(decode)}
@@ -214,20 +269,27 @@ def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_ty
 
 
 def main(model: str | None, requests: int, concurrency: int, send_type: str = "PUT_ASYNC",
-         transport: str = "auto", integrity_check: bool = False, mixed: bool = False) -> int:
+         transport: str = "auto", integrity_check: bool = False, mixed: bool = False,
+         pause_every_s: float = 0.0) -> int:
     if model is None:
         from p2pkv.cli.up import default_model_dir
         from p2pkv.tinymodel import write_tiny_model
 
         model = str(write_tiny_model(default_model_dir()))
     log_dir = Path(tempfile.mkdtemp(prefix="p2pkv-soak-"))
-    r = run_soak(model, requests, concurrency, log_dir, send_type, transport, integrity_check, mixed)
+    r = run_soak(model, requests, concurrency, log_dir, send_type, transport, integrity_check, mixed, pause_every_s)
     print(f"{'metric':<46}{'value':>14}")
     print(f"{'requests':<46}{r.requests:>14}")
     print(f"{'failed requests':<46}{r.failures:>14}")
     print(f"{'requests per second':<46}{r.requests / r.seconds:>14.1f}")
     if r.left:
         print(f"{'requests whose client went away (on purpose)':<46}{r.left:>14}")
+    if pause_every_s > 0:
+        print(f"{'pauses through the proxy':<46}{len(r.pauses):>14}")
+        if r.pauses:
+            print(f"{'  longest pause to answer (s)':<46}{max(r.pauses):>14.2f}")
+        print(f"{'  pauses or resumes that failed':<46}{r.pause_failures:>14}")
+        print(f"{'requests a pause aborted':<46}{r.aborted:>14}")
     print(f"{'decode staging bytes at the end':<46}{r.staging_bytes:>14.0f}")
     for name, usage in sorted(r.kv_usage.items()):
         print(f"{name + ' KV cache usage at the end':<46}{usage:>14.4f}")

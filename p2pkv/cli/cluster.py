@@ -191,9 +191,10 @@ class Cluster:
     dtype: str = "float32"
     kv_cache_gb: float = 1.0
     processes: list[Process] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)  # set in every process it starts
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        env = {**os.environ, **self.extra_env}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.kv_cache_gb:g}")
         # vLLM's CPU linear layers keep their own cache of 32 oneDNN GEMM kernels per layer, keyed by the number of
         # tokens in the batch. oneDNN's global primitive cache (1024 entries by default) keeps a second copy of each,

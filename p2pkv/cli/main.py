@@ -60,7 +60,7 @@ def _bench_soak(args: argparse.Namespace) -> int:
     from p2pkv.bench.soak import main as bench_soak
 
     return bench_soak(args.model, args.requests, args.concurrency, args.send_type, args.transport,
-                      args.integrity_check, args.mixed)
+                      args.integrity_check, args.mixed, args.pause_every)
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
@@ -165,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="requests of every shape in turn: plain, n=3, batches of 3 prompts, one-token prompts, a "
                            "prompt the decode instance holds whole, prompt logprobs, streams, streamed batches, and "
                            "clients that go away before their answer")
+    soak.add_argument("--pause-every", type=float, default=0.0, metavar="SECONDS",
+                      help="pause the cluster through the proxy every SECONDS (mode=abort, caches cleared), hold it "
+                           "a second and resume it, as an RL trainer updating the weights does; requests a pause "
+                           "aborts are counted apart")
     soak.set_defaults(func=_bench_soak)
     btransfer = bench.add_parser("transfer", help="engine transfers per transport against same-run baselines")
     btransfer.add_argument("--sizes", nargs="+", default=None, metavar="BYTES",

@@ -185,3 +185,56 @@ def test_an_answer_short_of_a_choice_or_a_stream_cut_short_is_a_failure() -> Non
     assert answered(stream, httpx.Response(200, text='data: {}\n\ndata: [DONE]\n\n'))
     assert not answered(stream, httpx.Response(200, text='data: {}\n\n'))
     assert not answered({"prompt": "a"}, httpx.Response(500, json={"choices": [{}]}))
+
+
+class _PausingStub(_Handler):
+    """Answers completions in full, every third cut short by a pause (finish_reason "abort"); counts pauses and
+    resumes, the pauses answering `pause_status`."""
+
+    pause_status = 200
+    calls: list[str] = []
+
+    def answer(self, body: dict[str, object]) -> bytes:
+        number = int(str(body["prompt"]).split()[0])
+        reason = "abort" if number % 3 == 0 else "length"
+        return json.dumps({"choices": [{"text": "x", "finish_reason": reason}]}).encode()
+
+    def do_POST(self) -> None:
+        if self.path in ("/pause", "/resume"):
+            _PausingStub.calls.append(self.path)
+            status = _PausingStub.pause_status if self.path == "/pause" else 200
+            self.send_response(status)
+            self.send_header("content-length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+            return
+        super().do_POST()
+
+
+@pytest.mark.parametrize("pause_status", [200, 500])
+def test_a_soak_with_pauses_counts_aborted_requests_apart_and_fails_on_a_failed_pause(pause_status: int) -> None:
+    """`--pause-every`: the cluster is paused and resumed through the proxy while requests go; those a pause cut
+    short (vLLM's finish_reason "abort") are counted apart, not as failures; a pause that fails fails the soak."""
+    from p2pkv.bench.soak import _with_pauses
+
+    _PausingStub.pause_status, _PausingStub.calls = pause_status, []
+    server = _Server(("127.0.0.1", 0), _PausingStub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+
+    async def slow_drive(url: str, result: SoakResult) -> None:
+        await asyncio.sleep(0.5)  # long enough for a pause every 0.1 s to come
+        await _drive(url, "m", 30, 4, 15, asyncio.Event(), result)
+
+    try:
+        result = SoakResult(30, 0, 0.0)
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        asyncio.run(asyncio.wait_for(_with_pauses(slow_drive(url, result), url, 0.1, result), 30))
+    finally:
+        server.shutdown()
+        thread.join(5)
+    assert result.failures == 0 and result.aborted == 10
+    assert result.pauses and _PausingStub.calls[:2] == ["/pause", "/resume"]
+    assert result.pause_failures == (0 if pause_status == 200 else len(result.pauses))
+    result.rss_mark_mb = result.rss_end_mb = {}
+    assert result.ok is (pause_status == 200)
