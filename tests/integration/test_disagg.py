@@ -759,6 +759,37 @@ def test_the_responses_and_anthropic_messages_apis_move_the_kv_too(up_cluster: U
         assert ("response.completed" if path == "/v1/responses" else "message_stop") in events
 
 
+def _pushed_and_held(up_cluster: UpCluster, tag: str) -> dict[str, DecodeParams]:
+    """Two prompts prefilled by hand, their decode requests not sent: one pushed and staged on the decode instance,
+    one held on the prefill instance for a pull. Their prompts and the parameters the prefill instance answered."""
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    returned = {}
+    for pull in (False, True):
+        text = prompt(f"{tag}-{pull}", 3 * BLOCK_SIZE)
+        params = PrefillParams(uuid.uuid4().hex, None if pull else Address.parse(decode["kv"]), pull=pull)
+        body = {"model": up_cluster.model, "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
+        answer = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
+        assert isinstance(answer, DecodeParams)
+        returned[text] = answer
+    assert _until(lambda: metric(decode["metrics"], "p2pkv_staging_bytes") > 0, 5)
+    assert metric(prefill["http"], "vllm:kv_cache_usage_perc") > 0
+    return returned
+
+
+def _computed_on_decode(up_cluster: UpCluster, returned: dict[str, DecodeParams]) -> None:
+    """Each decode request, sent now, loads nothing and answers at once (no wait for KV) as the colocated
+    instance does."""
+    decode = up_cluster.instance("kv_consumer")
+    for text, params in returned.items():
+        late = {"model": up_cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+                "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": params.to_dict()}
+        started = time.monotonic()
+        answer = complete(f"http://{decode['http']}", late)
+        assert time.monotonic() - started < TRANSFER_TIMEOUT_S
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert ids_and_logprobs(answer)[0] == ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, text))[0]
+
+
 def test_kv_staged_or_held_before_a_cache_reset_is_not_loaded_after(up_cluster: UpCluster) -> None:
     """vLLM resets its caches after a weight update (`/pause` clears them; here `/reset_prefix_cache` with the
     connector's, which the cluster's dev mode serves): KV computed before must not be loaded after. On the decode
@@ -767,16 +798,7 @@ def test_kv_staged_or_held_before_a_cache_reset_is_not_loaded_after(up_cluster: 
     Requests naming either transfer then compute their prompts on the decode instance, at once, and answer as the
     colocated instance does."""
     prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
-    returned = {}
-    for pull in (False, True):
-        text = prompt(f"reset-{pull}", 3 * BLOCK_SIZE)
-        params = PrefillParams(uuid.uuid4().hex, None if pull else Address.parse(decode["kv"]), pull=pull)
-        body = {"model": up_cluster.model, "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
-        answer = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
-        assert isinstance(answer, DecodeParams)
-        returned[text] = answer
-    assert _until(lambda: metric(decode["metrics"], "p2pkv_staging_bytes") > 0, 5)
-    assert metric(prefill["http"], "vllm:kv_cache_usage_perc") > 0
+    returned = _pushed_and_held(up_cluster, "reset")
 
     def reset(address: str) -> bool:
         resp = httpx.post(f"http://{address}/reset_prefix_cache", params={"reset_external": "true"}, timeout=30)
@@ -790,14 +812,7 @@ def test_kv_staged_or_held_before_a_cache_reset_is_not_loaded_after(up_cluster: 
     assert _until(lambda: reset(prefill["http"]), 5)
     assert time.monotonic() - started < 10
     assert metric(prefill["http"], "vllm:kv_cache_usage_perc") == 0
-    for text, params in returned.items():
-        late = {"model": up_cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
-                "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": params.to_dict()}
-        started = time.monotonic()
-        answer = complete(f"http://{decode['http']}", late)
-        assert time.monotonic() - started < TRANSFER_TIMEOUT_S
-        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        assert ids_and_logprobs(answer)[0] == ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, text))[0]
+    _computed_on_decode(up_cluster, returned)
     # The cluster serves on, moving KV as before.
     after = prompt("after-reset", 300)
     answer = greedy(up_cluster.proxy, up_cluster.model, after)
@@ -810,16 +825,7 @@ def test_a_pause_through_the_proxy_does_not_wait_for_pulls_and_drops_what_predat
     only once they were pulled or their lease (30 s) ran out: the proxy has it drop them first, and the pause
     returns in seconds. What was staged on the decode instance before the pause is not loaded after it."""
     prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
-    returned = {}
-    for pull in (False, True):
-        text = prompt(f"pause-{pull}", 3 * BLOCK_SIZE)
-        params = PrefillParams(uuid.uuid4().hex, None if pull else Address.parse(decode["kv"]), pull=pull)
-        body = {"model": up_cluster.model, "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
-        answer = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
-        assert isinstance(answer, DecodeParams)
-        returned[text] = answer
-    assert _until(lambda: metric(decode["metrics"], "p2pkv_staging_bytes") > 0, 5)
-    assert metric(prefill["http"], "vllm:kv_cache_usage_perc") > 0
+    returned = _pushed_and_held(up_cluster, "pause")
     started = time.monotonic()
     resp = httpx.post(f"{up_cluster.proxy}/pause", timeout=120)
     assert resp.status_code == 200, resp.text
@@ -839,9 +845,4 @@ def test_a_pause_through_the_proxy_does_not_wait_for_pulls_and_drops_what_predat
     assert resp.status_code == 200 and resp.json()["status"] == "resumed", resp.text
     client.join(120)
     assert waiting and waiting[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 299
-    for text, params in returned.items():
-        late = {"model": up_cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
-                "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": params.to_dict()}
-        answer = complete(f"http://{decode['http']}", late)
-        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        assert ids_and_logprobs(answer)[0] == ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, text))[0]
+    _computed_on_decode(up_cluster, returned)
