@@ -6,8 +6,9 @@ a decode instance that pauses and clears its cache before a prefill instance has
 of the old weights, and a prefill instance pauses only once the blocks it holds for pulls are pulled or their
 lease ends. Through the proxy:
 - `POST /pause` pauses the prefill instances first (each returns once its pushes in flight are sent), then the
-  decode instances. With `mode=abort` (vLLM's default) and the cache cleared, the prefill instances first reset
-  their caches with the connector's, so they stop holding blocks for pulls that the abort makes moot;
+  decode instances; if one fails, those it paused are resumed. With `mode=abort` (vLLM's default) and the cache
+  cleared, the prefill instances first reset their caches with the connector's, so they stop holding blocks for
+  pulls that the abort makes moot;
 - `POST /reset_prefix_cache` resets the prefill instances, then the decode instances;
 - `POST /resume` resumes the decode instances, then the prefill instances;
 - `GET /is_paused` asks them all.
@@ -98,7 +99,11 @@ async def pause(router: Controlled, request: Request) -> Response:
     if _ok(answers):
         answers += await _send(router, "POST", "decode", decode, "/pause", params, headers)
     if not _ok(answers):
-        router.running.set()  # not paused: the requests held here go on (a retry of the pause holds them again)
+        # Not paused: no instance is left paused either (requests would wait there, each until its prefill timed
+        # out), and the requests held here go on. A retry of the pause holds them again.
+        paused = [Address.parse(a["instance"]) for a in answers if a["status_code"] == 200]
+        await _send(router, "POST", "rollback", paused, "/resume", {}, headers)
+        router.running.set()
     return _answer("status", "paused" if _ok(answers) else "failed", answers)
 
 

@@ -213,3 +213,15 @@ def test_a_request_waits_for_a_resume_no_longer_than_its_timeout_and_a_failed_pa
         assert httpx.post(f"http://{proxy}/pause", timeout=30).status_code == 502
         resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "hi", "max_tokens": 5}, timeout=30)
         assert resp.status_code == 200 and len(p_seen) == 1
+
+
+def test_a_decode_instance_that_fails_to_pause_leaves_no_instance_paused() -> None:
+    """A pause that fails part way (here a decode instance without vLLM's dev mode, which answers 404) leaves no
+    instance paused: the prefill instances it paused are resumed, and the answer says which failed."""
+    calls: list[dict[str, Any]] = []
+    with cluster([stub_instance("p0", calls)], [stub_instance("d0", calls, pause_status=404)]) as proxy:
+        resp = httpx.post(f"http://{proxy}/pause", timeout=30)
+    assert resp.status_code == 502 and resp.json()["status"] == "failed"
+    assert sorted((a["role"], a["status_code"]) for a in resp.json()["instances"]) == [("decode", 404),
+                                                                                       ("prefill", 200)]
+    assert paths(calls) == [("p0", "/reset_prefix_cache"), ("p0", "/pause"), ("d0", "/pause"), ("p0", "/resume")]
