@@ -33,7 +33,6 @@ from p2pkv.proxy.registry import Pool
 from p2pkv.proxy.upstream import error_response
 
 CONTROL_TIMEOUT_S = 600.0  # a pause in mode=wait lasts as long as the longest request in flight
-_SERVED = ("/pause", "/resume", "/reset_prefix_cache", "/is_paused")
 
 
 class Controlled(Protocol):
@@ -48,8 +47,7 @@ class Controlled(Protocol):
 
 
 def _servers(pool: Pool) -> list[Address]:
-    pool.prune()
-    return list(dict.fromkeys(state.instance.http for state in pool.states))
+    return [state.instance.http for state in pool.servers()]
 
 
 async def _send(router: Controlled, method: str, role: str, servers: list[Address], path: str,
@@ -82,7 +80,7 @@ def _answer(key: str, value: Any, answers: list[dict[str, Any]]) -> Response:
 
 
 def _truthy(value: str | None, default: bool) -> bool:
-    return default if value is None else value.lower() in ("1", "true", "yes")
+    return default if value is None else value.lower() in ("1", "true", "yes", "on")
 
 
 async def pause(router: Controlled, request: Request) -> Response:
@@ -134,7 +132,6 @@ async def is_paused(router: Controlled, request: Request) -> Response:
 def add_control_routes(app: FastAPI) -> None:
     handlers = {"/pause": (pause, "POST"), "/resume": (resume, "POST"),
                 "/reset_prefix_cache": (reset_prefix_cache, "POST"), "/is_paused": (is_paused, "GET")}
-    assert set(handlers) == set(_SERVED)
     for path, (handler, method) in handlers.items():
         app.add_api_route(path, _endpoint(handler), methods=[method], include_in_schema=False)
 

@@ -10,7 +10,6 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from p2pkv.params import Address
 from p2pkv.proxy.prefill import MESSAGES, RESPONSES
 from p2pkv.proxy.registry import InstanceState, Pool
 from p2pkv.proxy.upstream import error_response
@@ -35,22 +34,12 @@ def forward_headers(request: Request) -> dict[str, str]:
     return {"authorization": auth} if auth else {}
 
 
-def _servers(states: list[InstanceState]) -> list[InstanceState]:
-    """One engine per API server: what these endpoints touch (models, tokenizer, stored responses) is the server's,
-    the same through any of its data-parallel engines."""
-    first: dict[Address, InstanceState] = {}
-    for state in states:
-        first.setdefault(state.instance.http, state)
-    return list(first.values())
-
-
 async def holder(router: Routing, response_id: Any, headers: dict[str, str]) -> InstanceState | None:
     """The decode instance whose response store holds this response (Responses API), if one does: asked of each
     in turn."""
     if not isinstance(response_id, str) or not response_id or "/" in response_id:
         return None
-    router.decode.prune()
-    for state in _servers(router.decode.states):
+    for state in router.decode.servers():
         try:
             resp = await router.client.get(f"{state.instance.url}{RESPONSES}/{response_id}",
                                            headers=state.instance.headers(headers),
@@ -72,9 +61,8 @@ async def forward(request: Request, path: str, find: bool = False) -> Response:
     headers = forward_headers(request)
     if body is not None:
         headers["content-type"] = request.headers.get("content-type", "application/json")
-    router.decode.prune()
     missing: Response | None = None
-    for state in _servers(router.decode.states):
+    for state in router.decode.servers():
         try:
             resp = await router.client.request(request.method, f"{state.instance.url}{path}", content=body,
                                                headers=state.instance.headers(headers),

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from p2pkv.params import Address
 from p2pkv.proxy.instances import Instance
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,15 @@ class Pool:
     def count(self) -> int:
         self.prune()
         return len(self.states)
+
+    def servers(self) -> list[InstanceState]:
+        """One engine per API server (the first listed), after pruning: for what belongs to the server rather than
+        to an engine (models, tokenizer, stored responses; pause and resume, which reach all its engines)."""
+        self.prune()
+        first: dict[Address, InstanceState] = {}
+        for state in self.states:
+            first.setdefault(state.instance.http, state)
+        return list(first.values())
 
     def find(self, instance: Instance) -> InstanceState | None:
         return next((s for s in self.states if s.instance.same_engine(instance)), None)
