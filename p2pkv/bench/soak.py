@@ -37,7 +37,8 @@ class SoakResult:
     left: int = 0  # requests whose client went away on purpose before the answer (the mixed soak's "leave")
     aborted: int = 0  # requests a pause aborted (`--pause-every`)
     pauses: list[float] = field(default_factory=list)  # how long each pause took to answer, seconds
-    pause_failures: int = 0  # pauses or resumes that did not answer 200
+    pause_failures: int = 0  # pauses, weight reloads or resumes that did not answer 200
+    reloads: list[float] = field(default_factory=list)  # `--reload-weights`: how long each reload took, seconds
     kv_usage: dict[str, float] = field(default_factory=dict)  # vLLM's KV cache usage of each instance at the end
 
     def growth(self, name: str) -> float:
@@ -170,10 +171,13 @@ async def _drive(proxy: str, model: str, requests: int, concurrency: int, mark: 
         await asyncio.gather(*(one(i) for i in range(requests)))
 
 
-async def _pausing(proxy: str, every_s: float, result: SoakResult, stop: asyncio.Event) -> None:
+async def _pausing(proxy: str, every_s: float, result: SoakResult, stop: asyncio.Event,
+                   reload_from: str | None = None) -> None:
     """Every `every_s` until `stop`: pause the cluster through the proxy (vLLM's default, mode=abort with the
-    caches cleared), hold it a second (the weight update), resume it."""
-    async with httpx.AsyncClient(timeout=120) as client:
+    caches cleared); hold it a second, or with `reload_from` have every instance reload its weights from that
+    checkpoint (through the proxy's `/collective_rpc`); resume it."""
+    rpc = {"method": "reload_weights", "kwargs": {"weights_path": reload_from}}
+    async with httpx.AsyncClient(timeout=300) as client:
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), every_s)
@@ -183,20 +187,28 @@ async def _pausing(proxy: str, every_s: float, result: SoakResult, stop: asyncio
             try:
                 paused = await client.post(f"{proxy}/pause")
                 result.pauses.append(time.monotonic() - started)
-                await asyncio.sleep(1.0)
+                reloaded_ok = True
+                if reload_from is None:
+                    await asyncio.sleep(1.0)
+                elif paused.status_code == 200:
+                    started = time.monotonic()
+                    reloaded = await client.post(f"{proxy}/collective_rpc", json=rpc)
+                    result.reloads.append(time.monotonic() - started)
+                    reloaded_ok = reloaded.status_code == 200
                 resumed = await client.post(f"{proxy}/resume")
             except httpx.HTTPError:
                 result.pause_failures += 1
                 continue
-            result.pause_failures += (paused.status_code != 200) + (resumed.status_code != 200)
+            result.pause_failures += (paused.status_code != 200) + (not reloaded_ok) + (resumed.status_code != 200)
 
 
-async def _with_pauses(drive: Coroutine[Any, Any, None], proxy: str, every_s: float, result: SoakResult) -> None:
+async def _with_pauses(drive: Coroutine[Any, Any, None], proxy: str, every_s: float, result: SoakResult,
+                       reload_from: str | None = None) -> None:
     if every_s <= 0:
         await drive
         return
     stop = asyncio.Event()
-    pauser = asyncio.ensure_future(_pausing(proxy, every_s, result, stop))
+    pauser = asyncio.ensure_future(_pausing(proxy, every_s, result, stop, reload_from))
     try:
         await drive
     finally:
@@ -218,7 +230,9 @@ async def _noting_mark(drive: Coroutine[Any, Any, None], marked: asyncio.Event, 
 
 def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_type: str = "PUT_ASYNC",
              transport: str = "auto", integrity_check: bool = False, mixed: bool = False,
-             pause_every_s: float = 0.0) -> SoakResult:
+             pause_every_s: float = 0.0, reload_weights: bool = False) -> SoakResult:
+    """`reload_weights`: each pause reloads every instance's weights from `model` (the same weights: the outputs
+    do not change, the update's path is exercised under load)."""
     # vLLM serves its pause and resume in dev mode only.
     cluster = Cluster(model=model, log_dir=log_dir,
                       extra_env={"VLLM_SERVER_DEV_MODE": "1"} if pause_every_s > 0 else {})
@@ -242,7 +256,8 @@ def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_ty
         started = time.monotonic()
         proxy = f"http://127.0.0.1:{proxy_port}"
         drive = _drive(proxy, model, requests, concurrency, mark, marked, result, mixed)
-        asyncio.run(_noting_mark(_with_pauses(drive, proxy, pause_every_s, result), marked, at_mark))
+        reload_from = model if reload_weights else None
+        asyncio.run(_noting_mark(_with_pauses(drive, proxy, pause_every_s, result, reload_from), marked, at_mark))
         result.seconds = time.monotonic() - started
         time.sleep(1.0)  # let the last transfers' bookkeeping settle
         result.rss_end_mb = {**tree_rss_mb(prefill), **tree_rss_mb(decode)}
@@ -270,14 +285,15 @@ def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_ty
 
 def main(model: str | None, requests: int, concurrency: int, send_type: str = "PUT_ASYNC",
          transport: str = "auto", integrity_check: bool = False, mixed: bool = False,
-         pause_every_s: float = 0.0) -> int:
+         pause_every_s: float = 0.0, reload_weights: bool = False) -> int:
     if model is None:
         from p2pkv.cli.up import default_model_dir
         from p2pkv.tinymodel import write_tiny_model
 
         model = str(write_tiny_model(default_model_dir()))
     log_dir = Path(tempfile.mkdtemp(prefix="p2pkv-soak-"))
-    r = run_soak(model, requests, concurrency, log_dir, send_type, transport, integrity_check, mixed, pause_every_s)
+    r = run_soak(model, requests, concurrency, log_dir, send_type, transport, integrity_check, mixed, pause_every_s,
+                 reload_weights)
     print(f"{'metric':<46}{'value':>14}")
     print(f"{'requests':<46}{r.requests:>14}")
     print(f"{'failed requests':<46}{r.failures:>14}")
@@ -288,7 +304,9 @@ def main(model: str | None, requests: int, concurrency: int, send_type: str = "P
         print(f"{'pauses through the proxy':<46}{len(r.pauses):>14}")
         if r.pauses:
             print(f"{'  longest pause to answer (s)':<46}{max(r.pauses):>14.2f}")
-        print(f"{'  pauses or resumes that failed':<46}{r.pause_failures:>14}")
+        if r.reloads:
+            print(f"{'  weight reloads (longest, s)':<46}{len(r.reloads):>8} ({max(r.reloads):.2f})")
+        print(f"{'  pauses, reloads or resumes that failed':<46}{r.pause_failures:>14}")
         print(f"{'requests a pause aborted':<46}{r.aborted:>14}")
     print(f"{'decode staging bytes at the end':<46}{r.staging_bytes:>14.0f}")
     for name, usage in sorted(r.kv_usage.items()):

@@ -59,8 +59,10 @@ def _at_least_one(text: str) -> int:
 def _bench_soak(args: argparse.Namespace) -> int:
     from p2pkv.bench.soak import main as bench_soak
 
+    if args.reload_weights and args.pause_every <= 0:
+        raise SystemExit("p2pkv bench soak: --reload-weights reloads during pauses; it needs --pause-every")
     return bench_soak(args.model, args.requests, args.concurrency, args.send_type, args.transport,
-                      args.integrity_check, args.mixed, args.pause_every)
+                      args.integrity_check, args.mixed, args.pause_every, args.reload_weights)
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
@@ -169,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="pause the cluster through the proxy every SECONDS (mode=abort, caches cleared), hold it "
                            "a second and resume it, as an RL trainer updating the weights does; requests a pause "
                            "aborts are counted apart")
+    soak.add_argument("--reload-weights", action="store_true",
+                      help="with --pause-every: during each pause every instance reloads its weights from the model "
+                           "directory (vLLM's reload_weights through the proxy's /collective_rpc) instead of idling "
+                           "a second")
     soak.set_defaults(func=_bench_soak)
     btransfer = bench.add_parser("transfer", help="engine transfers per transport against same-run baselines")
     btransfer.add_argument("--sizes", nargs="+", default=None, metavar="BYTES",

@@ -11,7 +11,9 @@ lease ends. Through the proxy:
   pulls that the abort makes moot;
 - `POST /reset_prefix_cache` resets the prefill instances, then the decode instances;
 - `POST /resume` resumes the decode instances, then the prefill instances;
-- `GET /is_paused` asks them all.
+- `GET /is_paused` asks them all;
+- `POST /collective_rpc` (vLLM's: a method run on every worker, e.g. `reload_weights` from a checkpoint path) goes
+  to every instance at once, with the client's body unchanged.
 Each answers with every instance's answer, and 502 if any instance failed. One request per API server (its
 data-parallel engines pause together). From a pause until the resume, client requests wait at the proxy (at most
 their `request_timeout_s`, then 503), not in a paused instance's queue, where their prefill would time out and go
@@ -51,19 +53,22 @@ def _servers(pool: Pool) -> list[Address]:
 
 
 async def _send(router: Controlled, method: str, role: str, servers: list[Address], path: str,
-                params: dict[str, str], headers: dict[str, str]) -> list[dict[str, Any]]:
+                params: dict[str, str], headers: dict[str, str], body: bytes | None = None) -> list[dict[str, Any]]:
+    if body is not None:
+        headers = {**headers, "content-type": "application/json"}
+
     async def one(server: Address) -> dict[str, Any]:
         answer: dict[str, Any] = {"instance": str(server), "role": role}
         try:
             resp = await router.client.request(method, f"http://{server}{path}", params=params, headers=headers,
-                                               timeout=CONTROL_TIMEOUT_S)
+                                               content=body, timeout=CONTROL_TIMEOUT_S)
         except httpx.HTTPError as exc:
             return {**answer, "status_code": 502, "error": f"{type(exc).__name__}: {exc}"}
         try:
-            body: Any = resp.json()
+            answered: Any = resp.json()
         except ValueError:
-            body = resp.text
-        return {**answer, "status_code": resp.status_code, "body": body}
+            answered = resp.text
+        return {**answer, "status_code": resp.status_code, "body": answered}
 
     return list(await asyncio.gather(*(one(server) for server in servers)))
 
@@ -129,9 +134,20 @@ async def is_paused(router: Controlled, request: Request) -> Response:
     return _answer("is_paused", paused, answers)
 
 
+async def collective_rpc(router: Controlled, request: Request) -> Response:
+    """Every instance runs the method (each its own weights, so all at once). The body is vLLM's to check."""
+    body, headers = await request.body(), forward_headers(request)
+    prefill, decode = await asyncio.gather(
+        _send(router, "POST", "prefill", _servers(router.prefill), "/collective_rpc", {}, headers, body),
+        _send(router, "POST", "decode", _servers(router.decode), "/collective_rpc", {}, headers, body))
+    answers = prefill + decode
+    return _answer("status", "done" if _ok(answers) else "failed", answers)
+
+
 def add_control_routes(app: FastAPI) -> None:
     handlers = {"/pause": (pause, "POST"), "/resume": (resume, "POST"),
-                "/reset_prefix_cache": (reset_prefix_cache, "POST"), "/is_paused": (is_paused, "GET")}
+                "/reset_prefix_cache": (reset_prefix_cache, "POST"), "/is_paused": (is_paused, "GET"),
+                "/collective_rpc": (collective_rpc, "POST")}
     for path, (handler, method) in handlers.items():
         app.add_api_route(path, _endpoint(handler), methods=[method], include_in_schema=False)
 

@@ -130,12 +130,13 @@ def stop_up(proc: subprocess.Popen[bytes], expect_code: int = 0) -> None:
 @contextmanager
 def up_with_colocated(model: str, work: Path, extra: dict[str, Any], vllm_args: list[str],
                       up_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                      colocated_args: tuple[str, ...] = (),
+                      colocated_args: tuple[str, ...] = (), colocated_env: dict[str, str] | None = None,
                       ) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any], str]]:
-    """`p2pkv up` plus one colocated vLLM without a connector (the oracle, given `colocated_args`); stopped cleanly
-    afterwards. `env` is added to the environment of `p2pkv up` and so of its instances."""
+    """`p2pkv up` plus one colocated vLLM without a connector (the oracle, given `colocated_args` and
+    `colocated_env`); stopped cleanly afterwards. `env` is added to the environment of `p2pkv up` and so of its
+    instances."""
     proc, ready = start_up(model, work, extra, vllm_args, up_args, env)
-    colocated = Cluster(model=model, log_dir=work / "colocated")
+    colocated = Cluster(model=model, log_dir=work / "colocated", extra_env=dict(colocated_env or {}))
     port = free_port()
     colocated.add_vllm("colocated", InstanceSpec("", port, vllm_args=colocated_args))
     try:
@@ -189,8 +190,10 @@ def up_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     extra = {"test_fault_injection": True, "transfer_timeout_s": TRANSFER_TIMEOUT_S}
     # Chunked prefill: prompts longer than this take several steps on the prefill instance.
     vllm_args = ["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]
-    # Dev mode serves vLLM's cache-reset and pause endpoints, which an RL trainer calls after a weight update.
+    # Dev mode serves vLLM's cache-reset, pause and collective_rpc endpoints, which an RL trainer calls to update
+    # the weights (the colocated instance's weights are updated with the cluster's).
     env = {"VLLM_SERVER_DEV_MODE": "1"}
-    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("up"), extra, vllm_args, env=env) as (
+    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("up"), extra, vllm_args, env=env,
+                           colocated_env=env) as (
             proc, info, colocated):
         yield UpCluster(proc, info, colocated, tiny_model)

@@ -15,6 +15,7 @@ import pytest
 
 from p2pkv.params import Address, DecodeParams, DiscardParams, PrefillParams, parse_transfer_params
 from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, TRANSFER_HEADER
+from p2pkv.tinymodel import TinyModelSpec, write_tiny_model
 from tests.integration.conftest import (
     BLOCK_SIZE,
     TRANSFER_TIMEOUT_S,
@@ -846,3 +847,49 @@ def test_a_pause_through_the_proxy_does_not_wait_for_pulls_and_drops_what_predat
     client.join(120)
     assert waiting and waiting[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 299
     _computed_on_decode(up_cluster, returned)
+
+
+def _update_weights(up_cluster: UpCluster, weights: str) -> None:
+    """An RL trainer's update, through the proxy: pause (mode=abort, caches cleared), every instance reloads its
+    weights from `weights` (vLLM's `reload_weights`, run on each worker), resume. The colocated instance (the
+    oracle) gets the same by hand."""
+    rpc = {"method": "reload_weights", "kwargs": {"weights_path": weights}}
+    resp = httpx.post(f"{up_cluster.proxy}/pause", timeout=120)
+    assert resp.status_code == 200, resp.text
+    resp = httpx.post(f"{up_cluster.proxy}/collective_rpc", json=rpc, timeout=300)
+    assert resp.status_code == 200, resp.text
+    assert sorted(a["role"] for a in resp.json()["instances"]) == ["decode", "prefill"]
+    resp = httpx.post(f"{up_cluster.proxy}/resume", timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert httpx.post(f"{up_cluster.colocated}/collective_rpc", json=rpc, timeout=300).status_code == 200
+    assert httpx.post(f"{up_cluster.colocated}/reset_prefix_cache", timeout=30).json()["success"]
+
+
+def test_after_a_weight_update_through_the_proxy_the_cluster_answers_with_the_new_weights(
+        up_cluster: UpCluster, tmp_path: Path) -> None:
+    """The RL loop on a real weight change: a new checkpoint (the tiny model with other random weights) is loaded
+    into every instance through the proxy between a pause and a resume. Nothing computed with the old weights is
+    loaded after: not the prefix caches of either instance, not a push staged on the decode instance, not blocks
+    held for a pull. So the cluster answers token for token as the colocated instance with the new weights does,
+    and those differ from the old ones. Last in this module: it changes the shared cluster's weights, and puts the
+    old ones back."""
+    new_weights = str(write_tiny_model(tmp_path / "step-2", TinyModelSpec(seed=4321)))
+    model = up_cluster.model
+    warm = prompt("update-warm", 300)
+    old = ids_and_logprobs(greedy(up_cluster.proxy, model, warm))[0]  # now in both instances' prefix caches
+    returned = _pushed_and_held(up_cluster, "update")
+    _update_weights(up_cluster, new_weights)
+    try:
+        oracle = ids_and_logprobs(greedy(up_cluster.colocated, model, warm))[0]
+        assert oracle != old  # the weights did change
+        again = greedy(up_cluster.proxy, model, warm)
+        assert ids_and_logprobs(again)[0] == oracle
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 299  # moved again, computed anew
+        _computed_on_decode(up_cluster, returned)
+        fresh = prompt("update-fresh", 200)
+        answer = greedy(up_cluster.proxy, model, fresh)
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 199
+        assert ids_and_logprobs(answer)[0] == ids_and_logprobs(greedy(up_cluster.colocated, model, fresh))[0]
+    finally:
+        _update_weights(up_cluster, model)
+    assert ids_and_logprobs(greedy(up_cluster.proxy, model, warm))[0] == old

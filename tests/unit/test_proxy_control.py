@@ -23,15 +23,15 @@ PAUSE_S = 0.3  # how long a stub takes to pause (vLLM returns once it is idle)
 
 
 def stub_instance(name: str, calls: list[dict[str, Any]], pause_status: int = 200, reset_ok: bool = True,
-                  app: FastAPI | None = None) -> FastAPI:
+                  app: FastAPI | None = None, rpc_status: int = 200) -> FastAPI:
     """vLLM's dev-mode controls, recording each call: which instance, the path, its query and when it ran; added
     to `app` (a stub that also serves completions) where given."""
     app = app or FastAPI()
     state = {"paused": False}
 
-    def record(request: Request, began: float) -> None:
+    def record(request: Request, began: float, body: Any = None) -> None:
         calls.append({"name": name, "path": request.url.path, "query": dict(request.query_params), "began": began,
-                      "ended": time.monotonic(), "auth": request.headers.get("authorization")})
+                      "ended": time.monotonic(), "auth": request.headers.get("authorization"), "body": body})
 
     @app.post("/pause")
     async def pause(request: Request) -> JSONResponse:
@@ -53,6 +53,16 @@ def stub_instance(name: str, calls: list[dict[str, Any]], pause_status: int = 20
     async def reset(request: Request) -> JSONResponse:
         record(request, time.monotonic())
         return JSONResponse({"success": reset_ok})
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(request: Request) -> JSONResponse:
+        began = time.monotonic()
+        time.sleep(PAUSE_S)  # reloading weights takes a while
+        body = await request.json()
+        record(request, began, body)
+        if rpc_status != 200:
+            return JSONResponse({"detail": "no such method"}, status_code=rpc_status)
+        return JSONResponse({"results": [f"{name} ran {body['method']}"]})
 
     @app.get("/is_paused")
     async def is_paused(request: Request) -> JSONResponse:
@@ -162,6 +172,37 @@ def test_controls_need_the_api_key_pass_it_on_and_go_once_per_api_server() -> No
     assert resp.status_code == 200
     assert paths(calls) == [("p0", "/reset_prefix_cache"), ("p0", "/pause"), ("d0", "/pause")]
     assert {c["auth"] for c in calls} == {"Bearer k1"}
+
+
+def test_collective_rpc_runs_on_every_instance_at_once_with_the_clients_body() -> None:
+    """A trainer reloads the weights of the whole cluster in one call: each API server gets the body as sent
+    (once, with the API key), all at the same time, and each answer comes back."""
+    calls: list[dict[str, Any]] = []
+    body = {"method": "reload_weights", "kwargs": {"weights_path": "/ckpt/step-2"}}
+    with cluster([stub_instance("p0", calls), stub_instance("p1", calls)], [stub_instance("d0", calls)],
+                 api_key="k1", dp=True) as proxy:
+        assert httpx.post(f"http://{proxy}/collective_rpc", json=body, timeout=30).status_code == 401
+        assert calls == []
+        resp = httpx.post(f"http://{proxy}/collective_rpc", json=body, headers={"Authorization": "Bearer k1"},
+                          timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["status"] == "done"
+    assert sorted((a["role"], a["body"]["results"][0]) for a in resp.json()["instances"]) == [
+        ("decode", "d0 ran reload_weights"), ("prefill", "p0 ran reload_weights"),
+        ("prefill", "p1 ran reload_weights")]
+    assert sorted(c["name"] for c in calls) == ["d0", "p0", "p1"]
+    assert all(c["body"] == body and c["auth"] == "Bearer k1" for c in calls)
+    assert max(c["began"] for c in calls) < min(c["ended"] for c in calls)  # together, not in turn
+
+
+def test_collective_rpc_that_fails_anywhere_is_a_failure() -> None:
+    calls: list[dict[str, Any]] = []
+    with cluster([stub_instance("p0", calls)], [stub_instance("d0", calls, rpc_status=400)]) as proxy:
+        resp = httpx.post(f"http://{proxy}/collective_rpc", json={"method": "nope"}, timeout=30)
+    assert resp.status_code == 502
+    assert resp.json()["status"] == "failed"
+    assert sorted((a["role"], a["status_code"]) for a in resp.json()["instances"]) == [("decode", 400),
+                                                                                      ("prefill", 200)]
 
 
 def test_no_instances_is_an_error_not_a_success() -> None:

@@ -192,7 +192,9 @@ class _PausingStub(_Handler):
     resumes, the pauses answering `pause_status`."""
 
     pause_status = 200
+    rpc_status = 200
     calls: list[str] = []
+    rpc_bodies: list[object] = []
 
     def answer(self, body: dict[str, object]) -> bytes:
         number = int(str(body["prompt"]).split()[0])
@@ -200,9 +202,12 @@ class _PausingStub(_Handler):
         return json.dumps({"choices": [{"text": "x", "finish_reason": reason}]}).encode()
 
     def do_POST(self) -> None:
-        if self.path in ("/pause", "/resume"):
+        if self.path in ("/pause", "/resume", "/collective_rpc"):
             _PausingStub.calls.append(self.path)
-            status = _PausingStub.pause_status if self.path == "/pause" else 200
+            status = {"/pause": _PausingStub.pause_status, "/collective_rpc": _PausingStub.rpc_status}.get(self.path,
+                                                                                                          200)
+            if self.path == "/collective_rpc":
+                _PausingStub.rpc_bodies.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
             self.send_response(status)
             self.send_header("content-length", "2")
             self.end_headers()
@@ -238,3 +243,36 @@ def test_a_soak_with_pauses_counts_aborted_requests_apart_and_fails_on_a_failed_
     assert result.pause_failures == (0 if pause_status == 200 else len(result.pauses))
     result.rss_mark_mb = result.rss_end_mb = {}
     assert result.ok is (pause_status == 200)
+
+
+@pytest.mark.parametrize("rpc_status", [200, 500])
+def test_a_soak_that_reloads_weights_reloads_them_in_each_pause_and_fails_on_a_failed_reload(rpc_status: int) -> None:
+    """`--reload-weights`: in each pause every instance reloads its weights from the model directory, through the
+    proxy's `/collective_rpc`, before the resume; a reload that fails fails the soak."""
+    from p2pkv.bench.soak import _with_pauses
+
+    _PausingStub.pause_status, _PausingStub.rpc_status = 200, rpc_status
+    _PausingStub.calls, _PausingStub.rpc_bodies = [], []
+    server = _Server(("127.0.0.1", 0), _PausingStub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+
+    async def slow_drive(url: str, result: SoakResult) -> None:
+        await asyncio.sleep(0.5)
+        await _drive(url, "m", 30, 4, 15, asyncio.Event(), result)
+
+    try:
+        result = SoakResult(30, 0, 0.0)
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        asyncio.run(asyncio.wait_for(_with_pauses(slow_drive(url, result), url, 0.1, result, "/models/m"), 30))
+    finally:
+        server.shutdown()
+        thread.join(5)
+    assert result.failures == 0 and result.pauses
+    assert _PausingStub.calls[:3] == ["/pause", "/collective_rpc", "/resume"]
+    assert len(result.reloads) == len(result.pauses) == _PausingStub.calls.count("/collective_rpc")
+    assert all(b == {"method": "reload_weights", "kwargs": {"weights_path": "/models/m"}}
+               for b in _PausingStub.rpc_bodies)
+    assert result.pause_failures == (0 if rpc_status == 200 else len(result.pauses))
+    result.rss_mark_mb = result.rss_end_mb = {}
+    assert result.ok is (rpc_status == 200)
