@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import random
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -28,6 +30,7 @@ from tests.integration.conftest import (
 pytestmark = pytest.mark.vllm
 LAYERS = 4
 MAX_TOKENS = 16
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def prompt(tag: str, length: int) -> str:
@@ -850,17 +853,17 @@ def test_a_pause_through_the_proxy_does_not_wait_for_pulls_and_drops_what_predat
 
 
 def _update_weights(up_cluster: UpCluster, weights: str) -> None:
-    """An RL trainer's update, through the proxy: pause (mode=abort, caches cleared), every instance reloads its
-    weights from `weights` (vLLM's `reload_weights`, run on each worker), resume. The colocated instance (the
-    oracle) gets the same by hand."""
+    """An RL trainer's update, through the proxy, by `examples/rl_weight_update.py`: pause (mode=abort, caches
+    cleared), every instance reloads its weights from `weights` (vLLM's `reload_weights`, run on each worker),
+    resume. The colocated instance (the oracle) gets the same by hand."""
+    run = subprocess.run([sys.executable, str(EXAMPLES / "rl_weight_update.py"), "--proxy", up_cluster.proxy,
+                          "--weights", weights], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [line.split(":")[0] for line in run.stdout.splitlines() if not line.startswith(" ")] == [
+        "pause", "reload", "resume"]
+    reloaded = run.stdout.split("reload:")[1].split("resume:")[0]
+    assert sorted(line.split()[0] for line in reloaded.splitlines()[1:]) == ["decode", "prefill"]
     rpc = {"method": "reload_weights", "kwargs": {"weights_path": weights}}
-    resp = httpx.post(f"{up_cluster.proxy}/pause", timeout=120)
-    assert resp.status_code == 200, resp.text
-    resp = httpx.post(f"{up_cluster.proxy}/collective_rpc", json=rpc, timeout=300)
-    assert resp.status_code == 200, resp.text
-    assert sorted(a["role"] for a in resp.json()["instances"]) == ["decode", "prefill"]
-    resp = httpx.post(f"{up_cluster.proxy}/resume", timeout=30)
-    assert resp.status_code == 200, resp.text
     assert httpx.post(f"{up_cluster.colocated}/collective_rpc", json=rpc, timeout=300).status_code == 200
     assert httpx.post(f"{up_cluster.colocated}/reset_prefix_cache", timeout=30).json()["success"]
 

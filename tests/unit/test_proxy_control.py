@@ -3,10 +3,13 @@ servers: each instance's answer, and the order disaggregation needs."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -203,6 +206,26 @@ def test_collective_rpc_that_fails_anywhere_is_a_failure() -> None:
     assert resp.json()["status"] == "failed"
     assert sorted((a["role"], a["status_code"]) for a in resp.json()["instances"]) == [("decode", 400),
                                                                                       ("prefill", 200)]
+
+
+@pytest.mark.parametrize("rpc_status", [200, 400])
+def test_the_weight_update_example_pauses_reloads_and_always_resumes(rpc_status: int) -> None:
+    """`examples/rl_weight_update.py`: pause, reload, resume through the proxy; a reload that fails on one
+    instance still resumes the cluster, and the example exits non-zero."""
+    calls: list[dict[str, Any]] = []
+    example = Path(__file__).resolve().parents[2] / "examples" / "rl_weight_update.py"
+    with cluster([stub_instance("p0", calls)], [stub_instance("d0", calls, rpc_status=rpc_status)],
+                 api_key="k1") as proxy:
+        run = subprocess.run([sys.executable, str(example), "--proxy", f"http://{proxy}", "--weights", "/ckpt/2",
+                              "--api-key", "k1"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == (0 if rpc_status == 200 else 1), run.stdout + run.stderr
+    steps = [(c["name"], c["path"]) for c in sorted(calls, key=lambda c: c["ended"])
+             if c["path"] != "/reset_prefix_cache"]
+    assert steps[:2] == [("p0", "/pause"), ("d0", "/pause")]
+    assert sorted(steps[2:4]) == [("d0", "/collective_rpc"), ("p0", "/collective_rpc")]
+    assert steps[4:] == [("d0", "/resume"), ("p0", "/resume")]
+    assert all(c["body"]["kwargs"] == {"weights_path": "/ckpt/2"} for c in calls if c["path"] == "/collective_rpc")
+    assert f"reload: HTTP {200 if rpc_status == 200 else 502}" in run.stdout
 
 
 def test_no_instances_is_an_error_not_a_success() -> None:
