@@ -127,28 +127,62 @@ def stop_up(proc: subprocess.Popen[bytes], expect_code: int = 0) -> None:
     assert not [p for p in family if _alive(p)], "p2pkv up left processes behind"
 
 
+class Oracle:
+    """One colocated vLLM without a connector: the oracle that disaggregated answers are compared with. Its
+    processes start at once; `url` waits until it serves."""
+
+    def __init__(self, model: str, log_dir: Path, args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
+        self._cluster = Cluster(model=model, log_dir=log_dir, extra_env=dict(env or {}))
+        self._port = free_port()
+        self._cluster.add_vllm("colocated", InstanceSpec("", self._port, vllm_args=args))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._ready = False
+        for proc in self._cluster.processes:
+            proc.start()
+
+    def url(self) -> str:
+        if not self._ready:
+            self._cluster.wait_healthy(self._cluster.processes, 900)
+            self._ready = True
+        return f"http://127.0.0.1:{self._port}"
+
+    def stop(self) -> None:
+        self._cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def oracle(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Oracle]:
+    """The oracle of every module whose oracle runs with vLLM's defaults: one vLLM start for the whole run instead
+    of one per module (each start costs tens of seconds of both cores). Dev mode: a test may update its weights,
+    and must put them back."""
+    shared = Oracle(tiny_model, tmp_path_factory.mktemp("oracle"), env={"VLLM_SERVER_DEV_MODE": "1"})
+    try:
+        yield shared
+    finally:
+        shared.stop()
+
+
 @contextmanager
 def up_with_colocated(model: str, work: Path, extra: dict[str, Any], vllm_args: list[str],
                       up_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                      colocated_args: tuple[str, ...] = (), colocated_env: dict[str, str] | None = None,
+                      colocated_args: tuple[str, ...] = (), shared: Oracle | None = None,
                       ) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any], str]]:
-    """`p2pkv up` plus one colocated vLLM without a connector (the oracle, given `colocated_args` and
-    `colocated_env`); stopped cleanly afterwards. `env` is added to the environment of `p2pkv up` and so of its
-    instances."""
+    """`p2pkv up` plus the oracle: `shared`, or else one colocated vLLM of its own, started with `colocated_args`;
+    stopped cleanly afterwards. `env` is added to the environment of `p2pkv up` and so of its instances."""
+    oracle = shared if shared is not None else Oracle(model, work / "colocated", colocated_args)
     proc, ready = start_up(model, work, extra, vllm_args, up_args, env)
-    colocated = Cluster(model=model, log_dir=work / "colocated", extra_env=dict(colocated_env or {}))
-    port = free_port()
-    colocated.add_vllm("colocated", InstanceSpec("", port, vllm_args=colocated_args))
     try:
-        colocated.start(timeout_s=900)
+        colocated = oracle.url()
         info = wait_ready(proc, ready)
-        yield proc, info, f"http://127.0.0.1:{port}"
+        yield proc, info, colocated
         assert len(psutil.Process(proc.pid).children(recursive=True)) >= 3
         stop_up(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
-        colocated.stop()
+        if oracle is not shared:
+            oracle.stop()
 
 
 # Several vLLM ranks and the colocated one share this host's two cores, where vLLM's workers spin for a second after
@@ -162,11 +196,11 @@ MULTI_RANK_EXTRA = {"transfer_timeout_s": 30.0, "test_fault_injection": True, "h
 
 
 @contextmanager
-def multi_rank_cluster(model: str, work: Path, up_args: tuple[str, ...],
+def multi_rank_cluster(model: str, work: Path, up_args: tuple[str, ...], shared: Oracle,
                        env: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
-    """`p2pkv up` with `up_args` (PUT_ASYNC) beside a colocated instance, both warmed up; its ready file's
-    description, with `model` and `colocated` (the colocated instance's URL) added."""
-    with up_with_colocated(model, work, MULTI_RANK_EXTRA, [], up_args, env) as (_, info, colocated):
+    """`p2pkv up` with `up_args` (PUT_ASYNC) beside the shared oracle, both warmed up; its ready file's
+    description, with `model` and `colocated` (the oracle's URL) added."""
+    with up_with_colocated(model, work, MULTI_RANK_EXTRA, [], up_args, env, shared=shared) as (_, info, colocated):
         info.update(model=model, colocated=colocated)
         for base in (info["proxy"], colocated):
             complete(base, {"model": model, "prompt": "warm up " * 25, "max_tokens": 16, "temperature": 0})
@@ -186,14 +220,13 @@ def per_rank(instance: dict[str, Any], series: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def up_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
+def up_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory, oracle: Oracle) -> Iterator[UpCluster]:
     extra = {"test_fault_injection": True, "transfer_timeout_s": TRANSFER_TIMEOUT_S}
     # Chunked prefill: prompts longer than this take several steps on the prefill instance.
     vllm_args = ["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]
     # Dev mode serves vLLM's cache-reset, pause and collective_rpc endpoints, which an RL trainer calls to update
-    # the weights (the colocated instance's weights are updated with the cluster's).
+    # the weights (the oracle's weights are updated with the cluster's, and put back with them).
     env = {"VLLM_SERVER_DEV_MODE": "1"}
-    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("up"), extra, vllm_args, env=env,
-                           colocated_env=env) as (
+    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("up"), extra, vllm_args, env=env, shared=oracle) as (
             proc, info, colocated):
         yield UpCluster(proc, info, colocated, tiny_model)

@@ -874,8 +874,8 @@ def test_after_a_weight_update_through_the_proxy_the_cluster_answers_with_the_ne
     into every instance through the proxy between a pause and a resume. Nothing computed with the old weights is
     loaded after: not the prefix caches of either instance, not a push staged on the decode instance, not blocks
     held for a pull. So the cluster answers token for token as the colocated instance with the new weights does,
-    and those differ from the old ones. Last in this module: it changes the shared cluster's weights, and puts the
-    old ones back."""
+    and those differ from the old ones. Last in this module: it changes the weights of the module's cluster and of
+    the oracle every module shares, and puts the old ones back."""
     new_weights = str(write_tiny_model(tmp_path / "step-2", TinyModelSpec(seed=4321)))
     model = up_cluster.model
     warm = prompt("update-warm", 300)
@@ -895,4 +895,6 @@ def test_after_a_weight_update_through_the_proxy_the_cluster_answers_with_the_ne
         assert ids_and_logprobs(answer)[0] == ids_and_logprobs(greedy(up_cluster.colocated, model, fresh))[0]
     finally:
         _update_weights(up_cluster, model)
+    # The old weights are back, in the cluster and in the oracle the later modules share.
     assert ids_and_logprobs(greedy(up_cluster.proxy, model, warm))[0] == old
+    assert ids_and_logprobs(greedy(up_cluster.colocated, model, warm))[0] == old

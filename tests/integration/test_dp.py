@@ -16,16 +16,17 @@ import pytest
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
 from p2pkv.proxy.instances import DP_RANK_HEADER
 from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER
-from tests.integration.conftest import instance_of, multi_rank_cluster
+from tests.integration.conftest import Oracle, instance_of, multi_rank_cluster
 from tests.integration.test_disagg import MAX_TOKENS, greedy, ids_and_logprobs, prompt, vllm_series
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def dp_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def dp_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory,
+               oracle: Oracle) -> Iterator[dict[str, Any]]:
     with multi_rank_cluster(tiny_model, tmp_path_factory.mktemp("dp"), ("--prefill-dp", "2", "--decode-dp", "2"),
-                            ) as info:
+                            oracle) as info:
         yield info
 
 

@@ -18,7 +18,14 @@ import pytest
 from p2pkv.params import PrefillParams
 from p2pkv.pipes import PIPE_ENV
 from p2pkv.staging import STAGE_ENV
-from tests.integration.conftest import BLOCK_SIZE, UpCluster, kv_bytes_per_block_and_layer, metric, up_with_colocated
+from tests.integration.conftest import (
+    BLOCK_SIZE,
+    Oracle,
+    UpCluster,
+    kv_bytes_per_block_and_layer,
+    metric,
+    up_with_colocated,
+)
 from tests.integration.test_disagg import LAYERS, greedy, ids_and_logprobs, prompt, two_steps
 from tests.integration.test_staged import LEFT, served_like_colocated
 
@@ -27,10 +34,10 @@ BY_PIPE = '{transport="gloo"}'
 
 
 @pytest.fixture(scope="module")
-def piped(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def piped(tiny_model: str, tmp_path_factory: pytest.TempPathFactory, oracle: Oracle) -> Iterator[dict[str, Any]]:
     extra = {"transport": "nccl", "transfer_timeout_s": 5.0}
     with up_with_colocated(tiny_model, tmp_path_factory.mktemp("pipe"), extra, [], (),
-                           {STAGE_ENV: "1", PIPE_ENV: "gloo"}) as (proc, info, colocated):
+                           {STAGE_ENV: "1", PIPE_ENV: "gloo"}, shared=oracle) as (proc, info, colocated):
         info.update(model=tiny_model, colocated=colocated, up=proc)
         yield info
 

@@ -18,6 +18,7 @@ import pytest
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
 from tests.integration.conftest import (
     BLOCK_SIZE,
+    Oracle,
     complete,
     instance_of,
     kv_bytes_per_block_and_layer,
@@ -34,12 +35,12 @@ CHECKED = 'p2pkv_digests_total{{direction="{}",outcome="ok"}}'  # integrity_chec
 
 
 @pytest.fixture(scope="module", params=[(2, 1, 2, 1), (2, 1, 1, 2)], ids=["pp2-pp2", "pp2tp1-pp1tp2"])
-def pp_cluster(request: pytest.FixtureRequest, tiny_model: str,
-               tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def pp_cluster(request: pytest.FixtureRequest, tiny_model: str, tmp_path_factory: pytest.TempPathFactory,
+               oracle: Oracle) -> Iterator[dict[str, Any]]:
     prefill_pp, prefill_tp, decode_pp, decode_tp = request.param
     up_args = ("--prefill-pp", str(prefill_pp), "--prefill-tp", str(prefill_tp), "--decode-pp", str(decode_pp),
                "--decode-tp", str(decode_tp))
-    with multi_rank_cluster(tiny_model, tmp_path_factory.mktemp("pp"), up_args) as info:
+    with multi_rank_cluster(tiny_model, tmp_path_factory.mktemp("pp"), up_args, oracle) as info:
         yield info
 
 

@@ -15,7 +15,14 @@ import pytest
 
 from p2pkv.params import PrefillParams
 from p2pkv.staging import STAGE_ENV
-from tests.integration.conftest import BLOCK_SIZE, UpCluster, kv_bytes_per_block_and_layer, metric, up_with_colocated
+from tests.integration.conftest import (
+    BLOCK_SIZE,
+    Oracle,
+    UpCluster,
+    kv_bytes_per_block_and_layer,
+    metric,
+    up_with_colocated,
+)
 from tests.integration.test_disagg import LAYERS, greedy, ids_and_logprobs, prompt, two_steps
 
 pytestmark = pytest.mark.vllm
@@ -34,9 +41,9 @@ SERIES = {
 
 
 @pytest.fixture(scope="module")
-def staged(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
+def staged(tiny_model: str, tmp_path_factory: pytest.TempPathFactory, oracle: Oracle) -> Iterator[UpCluster]:
     with up_with_colocated(tiny_model, tmp_path_factory.mktemp("staged"), {"transfer_timeout_s": 5.0}, [], (),
-                           {STAGE_ENV: "1"}) as (proc, info, colocated):
+                           {STAGE_ENV: "1"}, shared=oracle) as (proc, info, colocated):
         cluster = UpCluster(proc, info, colocated, tiny_model)
         # The first transfer opens the prefill worker's link to the decode worker; the layers its forward produced
         # before the handshake ended were copied to a host buffer (and then not sent). Later ones copy nothing.

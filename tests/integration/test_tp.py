@@ -16,7 +16,7 @@ import pytest
 
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
 from p2pkv.staging import STAGE_ENV
-from tests.integration.conftest import complete, instance_of, multi_rank_cluster, per_rank
+from tests.integration.conftest import Oracle, complete, instance_of, multi_rank_cluster, per_rank
 from tests.integration.test_disagg import MAX_TOKENS, greedy, ids_and_logprobs, prompt
 from tests.integration.test_staged import served_like_colocated
 
@@ -27,13 +27,13 @@ MISMATCHED = 'p2pkv_digests_total{direction="pull",outcome="mismatch"}'
 
 
 @pytest.fixture(scope="module", params=[(2, 1)], ids=["p2d1-staged"])
-def tp_cluster(request: pytest.FixtureRequest, tiny_model: str,
-               tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def tp_cluster(request: pytest.FixtureRequest, tiny_model: str, tmp_path_factory: pytest.TempPathFactory,
+               oracle: Oracle) -> Iterator[dict[str, Any]]:
     prefill_tp, decode_tp = request.param
     # PUT_ASYNC: the proxy asks for pulls.
     env = {STAGE_ENV: "1"} if prefill_tp > decode_tp else {}
     up_args = ("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp))
-    with multi_rank_cluster(tiny_model, tmp_path_factory.mktemp("tp"), up_args, env) as info:
+    with multi_rank_cluster(tiny_model, tmp_path_factory.mktemp("tp"), up_args, oracle, env) as info:
         yield info
 
 

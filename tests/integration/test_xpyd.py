@@ -18,14 +18,15 @@ import pytest
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
 from p2pkv.staging import STAGE_ENV
 from tests.helpers.relay import FlipRelay
-from tests.integration.conftest import complete, metric, up_with_colocated
+from tests.integration.conftest import Oracle, complete, metric, up_with_colocated
 from tests.integration.test_disagg import MAX_TOKENS, greedy, ids_and_logprobs, prompt
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def cluster_2p2d(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def cluster_2p2d(tiny_model: str, tmp_path_factory: pytest.TempPathFactory,
+                 oracle: Oracle) -> Iterator[dict[str, Any]]:
     # The clean stop at the end also checks that `p2pkv up` still serves after losing a prefill instance.
     # This cluster moves KV over tcp (the 1P1D one uses shm, the default between instances of one host), and
     # through host buffers as a GPU cache does (P2PKV_STAGE_KV): the GPU path's logic, run on vLLM's CPU build.
@@ -33,7 +34,7 @@ def cluster_2p2d(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> I
     work = tmp_path_factory.mktemp("xpyd")
     up_args = ("--prefill", "2", "--decode", "2")
     with up_with_colocated(tiny_model, work, {"transport": "tcp", "integrity_check": True}, [], up_args,
-                           {STAGE_ENV: "1"}) as (proc, info, coloc):
+                           {STAGE_ENV: "1"}, shared=oracle) as (proc, info, coloc):
         info.update(model=tiny_model, colocated=coloc, up=proc)
         yield info
 
