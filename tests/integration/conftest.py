@@ -171,7 +171,12 @@ def up_with_colocated(model: str, work: Path, extra: dict[str, Any], vllm_args: 
     """`p2pkv up` plus the oracle: `shared`, or else one colocated vLLM of its own, started with `colocated_args`;
     stopped cleanly afterwards. `env` is added to the environment of `p2pkv up` and so of its instances."""
     oracle = shared if shared is not None else Oracle(model, work / "colocated", colocated_args)
-    proc, ready = start_up(model, work, extra, vllm_args, up_args, env)
+    try:
+        proc, ready = start_up(model, work, extra, vllm_args, up_args, env)
+    except BaseException:
+        if oracle is not shared:
+            oracle.stop()
+        raise
     try:
         colocated = oracle.url()
         info = wait_ready(proc, ready)
