@@ -14,8 +14,8 @@ import pytest
 from p2pkv.engine.sender import PushJob, _frames
 from p2pkv.errors import TransferTimeout
 from p2pkv.params import Address
-from p2pkv.protocol import FrameLimits, PayloadCopied, PushAck, PushBlocks
-from p2pkv.transport.tcp import TcpConnection
+from p2pkv.protocol import FrameLimits, PayloadCopied, PushAck, PushBlocks, encode_frame
+from p2pkv.transport.tcp import TcpConnection, tune_socket
 
 
 @pytest.fixture
@@ -172,6 +172,55 @@ def test_the_receiving_side_asks_for_prompt_acks_after_each_payload_and_after_it
         before = counted.quick_acks
         receiver.recv_payload_into_all([memoryview(halves[:1000].data), memoryview(halves[1000:].data)], soon())
         assert np.array_equal(halves, payload) and counted.quick_acks >= before + 1
+    finally:
+        sender.close()
+        receiver.close()
+
+
+class _LowatSocket(socket.socket):
+    """A TCP socket that records the low-water marks set on it."""
+
+    def setsockopt(self, level: int, option: int, value: int | bytes) -> None:  # type: ignore[override]
+        if (level, option) == (socket.SOL_SOCKET, socket.SO_RCVLOWAT):
+            self.marks = [*getattr(self, "marks", []), value]
+        super().setsockopt(level, option, value)
+
+
+def test_a_large_payload_is_waited_for_by_the_mib_never_past_its_end_and_later_frames_are_not_held() -> None:
+    # The reader is woken once a MiB has arrived, not every few segments (fewer wake-ups of the reading thread: 4 MiB
+    # pushes ran about a fifth faster); the mark is never above the bytes still due, which would stall the payload's
+    # tail until its deadline, and is back at one byte for the frames that follow.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname()[:2])
+        accepted, _ = server.accept()
+    recorded = _LowatSocket(fileno=accepted.detach())
+    for sock in (client, recorded):
+        tune_socket(sock)
+    sender = TcpConnection(client, "receiver", b"k", FrameLimits())
+    receiver = TcpConnection(recorded, "sender", b"k", FrameLimits())
+    cap = min(1 << 20, recorded.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2)
+    try:
+        payload = np.random.default_rng(6).integers(0, 256, 2 * cap + 1000, np.uint8)
+        head = encode_frame(PushBlocks("t", 0, 0, 1, 1, 1), payload.size, b"k")
+        sender.send_buffers([head, memoryview(payload[: 2 * cap].data)], soon())
+        tail = threading.Timer(0.3, sender.send_buffers, ([memoryview(payload[2 * cap :].data)], soon()))
+        tail.start()  # the last 1000 bytes come later, when the reader already waits for them
+        got = receiver.recv_frame(5, soon())
+        assert got is not None and got[1] == payload.size
+        out = np.empty(payload.size, np.uint8)
+        started = time.monotonic()
+        receiver.recv_payload_into(memoryview(out.data), time.monotonic() + 3)
+        tail.join()
+        assert time.monotonic() - started < 1.5 and np.array_equal(out, payload)
+        marks = getattr(recorded, "marks", [])
+        assert cap in marks and marks[-1] == 1 and all(m <= payload.size for m in marks)
+        assert recorded.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+        later = threading.Timer(0.2, sender.send_frame, (PushAck("t", True), (), soon()))
+        later.start()
+        started = time.monotonic()
+        ack = receiver.recv_frame(3, soon())
+        later.join()
+        assert ack is not None and ack[0] == PushAck("t", True) and time.monotonic() - started < 1
     finally:
         sender.close()
         receiver.close()
