@@ -164,14 +164,16 @@ class TcpConnection:
         if left <= 0 or not poller.poll(left * 1000):
             raise TransferTimeout(f"{what} {self.peer} timed out")
 
-    def _recv_into(self, view: memoryview, deadline: float) -> int:
-        """Bytes read into `view` (at least one); waits up to the deadline for them."""
+    def _recv_into(self, view: memoryview, deadline: float, wake_at: int = 1) -> int:
+        """Bytes read into `view` (at least one); waits up to the deadline for them, woken once `wake_at` bytes
+        have arrived (see `_wake_at`)."""
         while True:
             try:
                 n = self._sock.recv_into(view)
             except BlockingIOError:
                 if self._outbox:
                     self.flush(deadline)
+                self._wake_at(wake_at)
                 self._wait(self._readable, deadline, "receive from")
                 continue
             except OSError as exc:
@@ -213,9 +215,8 @@ class TcpConnection:
         try:
             while got < view.nbytes:
                 left = view.nbytes - got
-                if left >= _LOWAT_FROM or self._lowat > 1:
-                    self._wake_at(min(left, self._lowat_cap))
-                n = self._recv_into(view[got:], deadline)
+                wake_at = min(left, self._lowat_cap) if left >= _LOWAT_FROM else 1
+                n = self._recv_into(view[got:], deadline, wake_at)
                 if hasher is not None:
                     hasher.update(view[got : got + n])
                 got += n
@@ -228,7 +229,9 @@ class TcpConnection:
 
     def _wake_at(self, nbytes: int) -> None:
         """Have the kernel wake this side's waits for input only once `nbytes` have arrived (or the receive window
-        is nearly full, or the peer closed). Never more than the bytes still due: the rest may never come."""
+        is nearly full, or the peer closed). Never more than the bytes still due: the rest may never come. Set just
+        before a wait (a read that finds its bytes there costs no system call for it), and back to one byte once a
+        payload is in, before `recv_frame` or `is_alive` polls the socket."""
         if nbytes != self._lowat:
             try:
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)

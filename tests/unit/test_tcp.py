@@ -199,21 +199,29 @@ def test_a_large_payload_is_waited_for_by_the_mib_never_past_its_end_and_later_f
     sender = TcpConnection(client, "receiver", b"k", FrameLimits())
     receiver = TcpConnection(recorded, "sender", b"k", FrameLimits())
     cap = min(1 << 20, recorded.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2)
+    tail = cap // 2
+    payload = np.random.default_rng(6).integers(0, 256, 2 * cap + tail, np.uint8)
+
+    def send_in_three() -> None:  # each part arrives once the reader already waits for it
+        sender.send_buffers([encode_frame(PushBlocks("t", 0, 0, 1, 1, 1), payload.size, b"k"),
+                             memoryview(payload[:cap].data)], soon())
+        time.sleep(0.3)
+        sender.send_buffers([memoryview(payload[cap : 2 * cap].data)], soon())
+        time.sleep(0.3)
+        sender.send_buffers([memoryview(payload[2 * cap :].data)], soon())
+
+    parts = threading.Thread(target=send_in_three)
+    parts.start()
     try:
-        payload = np.random.default_rng(6).integers(0, 256, 2 * cap + 1000, np.uint8)
-        head = encode_frame(PushBlocks("t", 0, 0, 1, 1, 1), payload.size, b"k")
-        sender.send_buffers([head, memoryview(payload[: 2 * cap].data)], soon())
-        tail = threading.Timer(0.3, sender.send_buffers, ([memoryview(payload[2 * cap :].data)], soon()))
-        tail.start()  # the last 1000 bytes come later, when the reader already waits for them
         got = receiver.recv_frame(5, soon())
         assert got is not None and got[1] == payload.size
         out = np.empty(payload.size, np.uint8)
         started = time.monotonic()
         receiver.recv_payload_into(memoryview(out.data), time.monotonic() + 3)
-        tail.join()
-        assert time.monotonic() - started < 1.5 and np.array_equal(out, payload)
+        parts.join(5)
+        assert time.monotonic() - started < 2 and np.array_equal(out, payload)
         marks = getattr(recorded, "marks", [])
-        assert cap in marks and marks[-1] == 1 and all(m <= payload.size for m in marks)
+        assert cap in marks and tail in marks and marks[-1] == 1 and all(m <= payload.size for m in marks)
         assert recorded.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
         later = threading.Timer(0.2, sender.send_frame, (PushAck("t", True), (), soon()))
         later.start()
@@ -222,5 +230,6 @@ def test_a_large_payload_is_waited_for_by_the_mib_never_past_its_end_and_later_f
         later.join()
         assert ack is not None and ack[0] == PushAck("t", True) and time.monotonic() - started < 1
     finally:
+        parts.join(5)
         sender.close()
         receiver.close()
