@@ -31,6 +31,7 @@ from p2pkv.bench.transfer_peer import (
 from p2pkv.engine import TransferEngine
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.store import StageState
+from p2pkv.memory.huge import thp_mode
 from p2pkv.params import Address
 from p2pkv.transport.split_read import SplitReader
 from p2pkv.transport.tcp import tune_socket
@@ -217,14 +218,15 @@ def memcpy_gbps(nbytes: int, budget_bytes: int) -> float:
 
 
 def run(sizes: Sequence[int], transports: Sequence[str], budget_bytes: int,
-        repeats: int = 1, checks: bool = False) -> tuple[list[Row], dict[str, float]]:
+        repeats: int = 1, checks: bool = False, huge_pages: bool = True) -> tuple[list[Row], dict[str, float]]:
     """Each figure is the best of `repeats` runs, for the transports and their baselines alike (this host's
     neighbours come and go; the best run is the one they disturbed least). `checks`: integrity_check on the
-    engines' links (the baselines are unchanged)."""
+    engines' links (the baselines are unchanged). `huge_pages`: the sending side's KV (and the kernel reference's
+    source) is backed by huge pages, as the connector backs vLLM's CPU KV cache by default."""
     baselines = {"tcp": socket_gbps, "shm": memcpy_gbps}
     rows = []
     for nbytes in sizes:
-        shape = Shape.of(nbytes)
+        shape = Shape.of(nbytes, huge_pages=huge_pages)
         row = Row(shape.nbytes)
         for transport in transports:
             row.transport_gbps[transport] = max(transfer_gbps(shape, transport, budget_bytes, checks)
@@ -234,9 +236,11 @@ def run(sizes: Sequence[int], transports: Sequence[str], budget_bytes: int,
         if "shm" in transports:
             row.kernel_gbps = max(kernel_gbps(shape, budget_bytes) for _ in range(repeats))
         rows.append(row)
-    latencies = {f"a 64 KiB transfer over {t}": latency_ms(Shape.of(LATENCY_BYTES), t, checks=checks)
+    latencies = {f"a 64 KiB transfer over {t}": latency_ms(Shape.of(LATENCY_BYTES, huge_pages=huge_pages), t,
+                                                                         checks=checks)
                  for t in transports}
-    latencies.update({f"a 1 MiB pull (GET) over {t}": pull_latency_ms(Shape.of(PULL_BYTES), t, checks=checks)
+    latencies.update({f"a 1 MiB pull (GET) over {t}": pull_latency_ms(
+        Shape.of(PULL_BYTES, huge_pages=huge_pages), t, checks=checks)
                       for t in transports})
     return rows, latencies
 
@@ -274,10 +278,14 @@ def write_plot(rows: Sequence[Row], transports: Sequence[str], path: Path) -> No
 
 
 def main(sizes: Sequence[int], transports: Sequence[str], budget_bytes: int, plot: str, repeats: int = 3,
-         checks: bool = False) -> int:
-    rows, latencies = run(sizes, transports, budget_bytes, repeats, checks)
+         checks: bool = False, huge_pages: bool = True) -> int:
+    rows, latencies = run(sizes, transports, budget_bytes, repeats, checks, huge_pages)
     if checks:
         print("integrity_check on: every engine payload carries its digest, checked where it lands")
+    mode = thp_mode() or "not on this host"
+    backing = ("2 MiB pages, as the connector backs vLLM's (huge_pages)" if huge_pages
+               else "the pages it was allocated in (--no-huge-pages)")
+    print(f"the sending side's KV: {backing}; the host's THP setting: {mode}")
     header = f"{'size':>9}"
     for t in transports:
         header += f"{t + ' GB/s':>12}{'baseline':>10}{'ratio':>8}"

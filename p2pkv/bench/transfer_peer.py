@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import time
@@ -13,13 +14,14 @@ import numpy as np
 from p2pkv.config import ExtraConfig, Transport
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.sender import OutState
+from p2pkv.memory.huge import HUGE, back_with_huge_pages
 from p2pkv.params import Address
 from p2pkv.protocol import LayoutDigest
 from p2pkv.transport import cma
 from p2pkv.transport.tcp import tune_socket
 
 WINDOW = 8  # transfers in flight at once in a throughput run: a prefill batch of 8 requests pushing together
-_PAGE = 4096
+_SLACK = 2 * HUGE
 _TORCH_OFFSET = 64
 
 
@@ -30,12 +32,13 @@ class Shape:
     layers: int
     blocks: int
     block_bytes: int
+    huge_pages: bool = True  # the sending side's KV backed as the connector backs vLLM's (its `huge_pages` key)
 
     @classmethod
-    def of(cls, nbytes: int, layers: int = 8, max_block: int = 256 << 10) -> Shape:
+    def of(cls, nbytes: int, layers: int = 8, max_block: int = 256 << 10, huge_pages: bool = True) -> Shape:
         per_layer = max(1, nbytes // layers)
         blocks = max(1, -(-per_layer // max_block))
-        return cls(layers, blocks, max(1, per_layer // blocks))
+        return cls(layers, blocks, max(1, per_layer // blocks), huge_pages)
 
     @property
     def nbytes(self) -> int:
@@ -46,12 +49,19 @@ class Shape:
 
 
 def kv_buffer(shape: Shape) -> np.ndarray:
-    """Zeroed bytes laid out as `layers` rows, placed like a KV cache tensor: torch's CPU allocator returns large
-    buffers 64 bytes into a page (numpy's malloc-backed arrays sit 16 bytes in, which makes the kernel's copy
-    between processes up to a third slower against page-aligned staging, or a real KV cache, than between two KV
-    caches)."""
-    raw = np.zeros(shape.nbytes + 2 * _PAGE, np.uint8)
-    start = (_TORCH_OFFSET - raw.ctypes.data) % _PAGE
+    """Zeroed bytes laid out as `layers` rows, placed as a transfer's blocks lie in vLLM's KV cache: inside a larger
+    buffer (a cache holds many transfers; this one has 4 MiB more), 64 bytes past a 2 MiB boundary, as torch's CPU
+    allocator places a large buffer 64 bytes into a page (numpy's malloc-backed arrays sit 16 bytes in, which made
+    the kernel's copy between processes up to a third slower against page-aligned staging, or a real KV cache, than
+    between two KV caches). Its pages are faulted in by writing zeros, as `torch.zeros` does vLLM's cache: 4 KiB
+    pages where THP is `madvise` (numpy advises its own large arrays for huge pages, torch does not). With
+    `huge_pages`, the buffer is then backed as the connector backs vLLM's cache."""
+    region = mmap.mmap(-1, shape.nbytes + _SLACK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = np.frombuffer(region, np.uint8)  # keeps the mapping alive
+    raw[:] = 0
+    if shape.huge_pages:
+        back_with_huge_pages(raw.ctypes.data, raw.nbytes)
+    start = (-raw.ctypes.data) % HUGE + _TORCH_OFFSET
     return raw[start : start + shape.nbytes].reshape(shape.layers, shape.blocks * shape.block_bytes)
 
 

@@ -71,7 +71,7 @@ def _bench_transfer(args: argparse.Namespace) -> int:
 
     sizes = [int(s) for s in args.sizes] if args.sizes else SIZES
     return bench_transfer(sizes, args.transports, int(args.budget_mb * (1 << 20)), args.plot, args.repeats,
-                          args.integrity_check)
+                          args.integrity_check, not args.no_huge_pages)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="runs per figure, transports and baselines alike; the best one counts")
     btransfer.add_argument("--integrity-check", action="store_true",
                            help="the engines' links check payload digests (integrity_check); baselines unchanged")
+    btransfer.add_argument("--no-huge-pages", action="store_true",
+                           help="leave the sending side's KV in the pages it was allocated in, as the connector does "
+                                "with huge_pages set to false (the default backs it by 2 MiB pages)")
     btransfer.set_defaults(func=_bench_transfer)
 
     bserve = bench.add_parser("serve", help="vLLM's serving benchmark: 1P1D through the proxy against colocated")

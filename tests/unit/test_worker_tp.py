@@ -18,6 +18,7 @@ from p2pkv.config import parse_connector_config
 from p2pkv.engine.offers import OfferState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import HEADS_DIFFER, PULL_INSTEAD, StageState
+from p2pkv.memory.huge import HUGE, thp_mode
 from p2pkv.params import Address
 from p2pkv.pipes import PIPE_ENV
 from p2pkv.staging import STAGE_ENV
@@ -758,3 +759,36 @@ def test_the_lease_of_an_offer_counts_from_when_its_request_finishes(sides: list
     decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid22", 0, (0, 1), pull_from=Address("127.0.0.1", p_port))]))
     settle(decode, "d-req", sending=False)
     assert decode.take_load_errors() == (set() if running else {0, 1})
+
+
+@pytest.mark.skipif(thp_mode() in ("", "never"), reason="this host has no transparent huge pages")
+@pytest.mark.parametrize("case", ["auto", "tcp", "huge_pages-off"])
+def test_a_host_kv_cache_is_backed_by_huge_pages_where_peers_on_this_host_may_copy_it(sides: list[WorkerSide],
+                                                                                        case: str) -> None:
+    # vLLM's cache: one torch.zeros buffer (4 KiB pages where THP is `madvise`), a view of it per layer. Registered
+    # with a transport that may read it across processes (auto, shm), it is faulted in again as 2 MiB pages; the
+    # bytes a forward writes afterwards move as before.
+    blocks = 1024  # 2 MiB a layer
+    p_port, d_port = free_ports(2, run=1)
+    transport = "tcp" if case == "tcp" else "auto"
+    keys = {"huge_pages": False} if case == "huge_pages-off" else {}
+    kvs = []
+    for role, port in (("kv_producer", p_port), ("kv_consumer", d_port)):
+        buf = torch.zeros(MODEL_LAYERS * blocks * HEADS * TOKENS * 2 * DIM)
+        kv = {f"model.layers.{i}.self_attn.attn": view.view(blocks, HEADS, TOKENS, 2 * DIM)
+              for i, view in enumerate(buf.chunk(MODEL_LAYERS))}
+        sides.append(worker(role, port, 0, 1, HEADS, kv, 0, 1, transport, keys))
+        kvs.append(kv)
+    prefill, decode = sides
+    for side in sides:
+        if case == "auto":
+            assert side.huge_pages is not None and side.huge_pages.advised >= 3 * HUGE
+            assert side.huge_pages.huge >= side.huge_pages.refaulted >= 3 * HUGE
+        else:
+            assert side.huge_pages is None
+    p_kv, d_kv = kvs
+    for tensor in p_kv.values():
+        tensor.copy_(torch.rand(tensor.shape))
+    push_once(prefill, decode, list(p_kv), "tid-huge", p_port, d_port, lambda: None)
+    for name in d_kv:
+        assert torch.equal(d_kv[name][[4, 0]], p_kv[name][[1, 3]])
