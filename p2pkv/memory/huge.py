@@ -6,12 +6,14 @@ one at a time. Out of 4 KiB pages it moved 1 MiB at 11 to 12 GB/s on the develop
 `torch.zeros` buffer, faulted in as 4 KiB pages where the host's THP setting is `madvise` (the development
 machine's).
 
-`back_with_huge_pages` advises `MADV_HUGEPAGE` on a region's 2 MiB-aligned interior, then hands its 2 MiB chunks
-that hold only zeros back to the kernel (`MADV_DONTNEED`) and touches each once, so it faults them in again as huge
-pages, zeros as before. A chunk holding any other byte is left as it is (the kernel's khugepaged may merge it later),
-and so is memory that is not private and anonymous (a file's, a shared mapping's). So no byte of the region changes,
-provided nothing writes to it meanwhile: the caller's to ensure (vLLM registers its KV cache before any forward).
-Linux only; elsewhere, or with THP off (`never`), it does nothing.
+`prepare` advises `MADV_HUGEPAGE` on a region's 2 MiB-aligned interior, then hands its runs of 2 MiB chunks that
+hold only zeros back to the kernel (`MADV_DONTNEED`); they read as zeros as before, and `populate` faults them in
+again (`MADV_POPULATE_WRITE`, which writes nothing), as huge pages where the kernel has them. A chunk holding any
+other byte is left as it is (the kernel's khugepaged may merge it later), and so is memory that is not private and
+anonymous (a file's, a shared mapping's). So no byte of the region changes, provided nothing writes to it during
+`prepare`: the caller's to ensure (vLLM registers its KV cache before any forward). Writes during `populate` are
+safe, so a worker runs it on a thread of its own (`HugePageFiller`): faulting in 2 MiB pages took up to 7 s per
+GiB on this project's virtual machine. Linux only; elsewhere, or with THP off (`never`), nothing is done.
 """
 
 from __future__ import annotations
@@ -19,16 +21,21 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from p2pkv.engine.threads import engine_thread
 
 log = logging.getLogger(__name__)
 
 HUGE = 2 << 20
 _MADV_DONTNEED = 4
 _MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; before, handed-back chunks are faulted in by their first write
+_POPULATE_STEP = 32 * HUGE  # how much one call faults in: the filler checks its stop event between calls
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -36,8 +43,18 @@ _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 class HugeResult:
     mode: str  # the host's THP setting (`always`, `madvise`, `never`), "" where there is none
     advised: int  # bytes of the region advised for huge pages
-    refaulted: int  # of those, bytes handed back and faulted in again (all-zero chunks)
+    refaulted: int  # of those, bytes handed back (all-zero chunks) and faulted in again
     huge: int  # bytes of the advised part that the kernel now backs with huge pages
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What `prepare` did: the region's advised interior, and the runs it handed back, to be faulted in again."""
+
+    mode: str
+    advised: int = 0
+    spans: tuple[tuple[int, int], ...] = ()
+    runs: tuple[tuple[int, int], ...] = ()
 
 
 def thp_mode() -> str:
@@ -106,16 +123,15 @@ def _zero_runs(libc: ctypes.CDLL, start: int, end: int) -> list[tuple[int, int]]
     return runs
 
 
-def back_with_huge_pages(address: int, nbytes: int) -> HugeResult:
-    """Advise [address, address + nbytes) for huge pages and re-fault its all-zero 2 MiB chunks as such (above)."""
+def prepare(address: int, nbytes: int) -> Prepared:
+    """Advise [address, address + nbytes) for huge pages and hand back its all-zero 2 MiB chunks (above)."""
     mode = thp_mode()
     libc = _libc()
-    if libc is None or mode in ("", "never") or nbytes <= 0:
-        return HugeResult(mode, 0, 0, 0)
     start, end = -(-address // HUGE) * HUGE, (address + nbytes) // HUGE * HUGE
-    if end <= start:
-        return HugeResult(mode, 0, 0, 0)
-    advised = refaulted = 0
+    if libc is None or mode in ("", "never") or end <= start:
+        return Prepared(mode)
+    spans: list[tuple[int, int]] = []
+    runs: list[tuple[int, int]] = []
     for lo, hi in _anonymous_spans(start, end):
         lo, hi = -(-lo // HUGE) * HUGE, hi // HUGE * HUGE
         if hi <= lo:
@@ -124,30 +140,91 @@ def back_with_huge_pages(address: int, nbytes: int) -> HugeResult:
             log.info("huge pages: madvise(MADV_HUGEPAGE) failed (errno %d); the KV cache keeps its pages",
                      ctypes.get_errno())
             continue
-        advised += hi - lo
+        spans.append((lo, hi))
         if _huge_bytes(lo, hi) >= hi - lo:  # in huge pages already (THP `always`)
             continue
-        for run_lo, run_hi in _zero_runs(libc, lo, hi):
+        for run in _zero_runs(libc, lo, hi):
             # One call per run of zero chunks: a call per chunk, each followed by its fault, took 30 times longer.
-            if libc.madvise(run_lo, run_hi - run_lo, _MADV_DONTNEED) != 0:
-                continue
-            for chunk in range(run_lo, run_hi, HUGE):
-                ctypes.memset(chunk, 0, 1)  # faults the chunk in again, as one huge page where the kernel has one
-            refaulted += run_hi - run_lo
-    huge = _huge_bytes(start, end) if advised else 0
-    return HugeResult(mode, advised, refaulted, huge)
+            if libc.madvise(run[0], run[1] - run[0], _MADV_DONTNEED) == 0:
+                runs.append(run)
+    return Prepared(mode, sum(hi - lo for lo, hi in spans), tuple(spans), tuple(runs))
 
 
-def back_kv_with_huge_pages(regions: Iterable[tuple[int, int]]) -> HugeResult:
-    """`back_with_huge_pages` for each (address, nbytes) of a KV cache just allocated, the sum, and one log line."""
-    started = time.monotonic()
-    results = [back_with_huge_pages(address, nbytes) for address, nbytes in sorted(set(regions))]
-    total = HugeResult(thp_mode(), sum(r.advised for r in results), sum(r.refaulted for r in results),
-                       sum(r.huge for r in results))
-    if total.advised:
-        log.info("KV cache: %d MiB advised for 2 MiB pages, %d MiB faulted in again, %d MiB now in huge pages "
-                 "(THP: %s; %.2f s)", total.advised >> 20, total.refaulted >> 20, total.huge >> 20, total.mode,
-                 time.monotonic() - started)
-    else:
-        log.info("KV cache: left in its pages (THP: %s)", total.mode or "not on this host")
-    return total
+def populate(runs: Iterable[tuple[int, int]], stop: threading.Event | None = None) -> int:
+    """Fault handed-back runs in again without writing to them; the bytes done (fewer if stopped, or where the
+    kernel cannot: those are faulted in by their first write)."""
+    libc = _libc()
+    if libc is None:
+        return 0
+    done = 0
+    for lo, hi in runs:
+        for step in range(lo, hi, _POPULATE_STEP):
+            if stop is not None and stop.is_set():
+                return done
+            size = min(_POPULATE_STEP, hi - step)
+            if libc.madvise(step, size, _MADV_POPULATE_WRITE) != 0:
+                log.info("huge pages: madvise(MADV_POPULATE_WRITE) failed (errno %d); the rest is faulted in as "
+                         "it is first written", ctypes.get_errno())
+                return done
+            done += size
+    return done
+
+
+def result_of(prepared: Iterable[Prepared], refaulted: int) -> HugeResult:
+    items = list(prepared)
+    huge = sum(_huge_bytes(lo, hi) for p in items for lo, hi in p.spans)
+    return HugeResult(thp_mode(), sum(p.advised for p in items), refaulted, huge)
+
+
+def back_with_huge_pages(address: int, nbytes: int) -> HugeResult:
+    """`prepare` and `populate` at once, on the calling thread."""
+    prepared = prepare(address, nbytes)
+    return result_of([prepared], populate(prepared.runs))
+
+
+class HugePageFiller:
+    """A worker's KV cache: `prepare`d at once (nothing may write to it meanwhile), then faulted in again on an owned
+    thread while vLLM goes on starting; stopped by `close`."""
+
+    def __init__(self, regions: Iterable[tuple[int, int]]) -> None:
+        started = time.monotonic()
+        self._prepared = [prepare(address, nbytes) for address, nbytes in sorted(set(regions))]
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self.result: HugeResult | None = None
+        self._thread = engine_thread(self._run, "p2pkv-huge-pages")
+        advised = sum(p.advised for p in self._prepared)
+        handed = sum(hi - lo for p in self._prepared for lo, hi in p.runs)
+        mode = self._prepared[0].mode if self._prepared else thp_mode()
+        if advised:
+            log.info("KV cache: %d MiB advised for 2 MiB pages, %d MiB of it handed back (%.2f s), to be faulted in "
+                     "again as such on a thread of its own (THP: %s)", advised >> 20, handed >> 20,
+                     time.monotonic() - started, mode)
+        else:
+            log.info("KV cache: left in its pages (THP: %s)", mode or "not on this host")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            done = populate((run for p in self._prepared for run in p.runs), self._stop)
+            self.result = result_of(self._prepared, done)
+            if self.result.advised:
+                log.info("KV cache: %d MiB faulted in again, %d MiB now in huge pages (%.2f s)", done >> 20,
+                         self.result.huge >> 20, time.monotonic() - started)
+        except Exception:  # a hint that failed must not take the worker down
+            log.exception("KV cache: faulting in huge pages failed")
+        finally:
+            self._done.set()
+
+    def wait(self, timeout_s: float) -> HugeResult | None:
+        """The result once the thread is done (None if it is not within `timeout_s`, or failed)."""
+        self._done.wait(timeout_s)
+        return self.result
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)

@@ -21,7 +21,7 @@ from p2pkv.engine.sender import OutState
 from p2pkv.errors import IncompatiblePeerError
 from p2pkv.ipc import CacheAccess
 from p2pkv.layout import KvBlocks
-from p2pkv.memory.huge import HugeResult, back_kv_with_huge_pages
+from p2pkv.memory.huge import HugePageFiller
 from p2pkv.pipes import make_pipes
 from p2pkv.slices import HeadSlices
 from p2pkv.stages import StageLayers
@@ -84,7 +84,7 @@ class WorkerSide:
         # KV behind a device copy (a GPU's): every layer is pushed as the forward computes it, whatever the link,
         # so that the copy overlaps the compute (see `save_layer` for host KV).
         self._staged = False
-        self.huge_pages: HugeResult | None = None  # what register_kv_caches did to the KV cache's pages
+        self.huge_pages: HugePageFiller | None = None  # the KV cache's pages, made huge by register_kv_caches
 
     @property
     def engine(self) -> TransferEngine:
@@ -107,8 +107,9 @@ class WorkerSide:
             if extra.huge_pages and extra.transport in (Transport.AUTO, Transport.SHM):
                 # Peers on this host copy from it with the kernel's cross-process copy, twice as fast out of 2 MiB
                 # pages; vLLM has just zeroed it, and nothing writes to it before its first forward.
-                storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors}
-                self.huge_pages = back_kv_with_huge_pages(storages)
+                self.huge_pages = HugePageFiller(
+                    (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors)
+                self.huge_pages.start()
             self._blocks = InPlaceBlocks(KvBlocks.from_tensors(tensors, self._block_size, kernel,
                                                                self._at.total_heads))
         self._slices = HeadSlices(tensors, self._block_size, kernel, self._blocks, device)
@@ -356,5 +357,7 @@ class WorkerSide:
         return self._loading.take_errors() if self._loading is not None else set()
 
     def shutdown(self) -> None:
+        if self.huge_pages is not None:
+            self.huge_pages.close()
         if self._engine is not None:
             self._engine.close()

@@ -1,6 +1,6 @@
 """Fresh memory backed by huge pages (`p2pkv.memory.huge`): zeroed 2 MiB chunks of a private anonymous region are
-faulted in again as huge pages, every byte stays as it was, and memory that is not private and anonymous, or a host
-with THP off, is left alone."""
+faulted in again as huge pages, every byte stays as it was (also bytes written while they are faulted in), and
+memory that is not private and anonymous, or a host with THP off, is left alone."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from p2pkv.memory import huge
-from p2pkv.memory.huge import HUGE, back_with_huge_pages, thp_mode
+from p2pkv.memory.huge import HUGE, HugePageFiller, back_with_huge_pages, populate, prepare, thp_mode
 
 needs_thp = pytest.mark.skipif(thp_mode() in ("", "never"), reason="this host has no transparent huge pages")
 
@@ -96,3 +96,34 @@ def test_the_setting_is_read_from_its_brackets(tmp_path: Path, monkeypatch: pyte
     assert thp_mode() == ""  # no such file: no THP on this kernel
     setting.write_text("always [madvise] never\n")
     assert thp_mode() == "madvise"
+
+
+@needs_thp
+def test_bytes_written_between_the_hand_back_and_the_fault_are_kept() -> None:
+    # A worker faults its cache in on a thread of its own while vLLM goes on: a forward may write first.
+    _, data = zeroed(6 * HUGE)
+    prepared = prepare(data.ctypes.data, data.nbytes)
+    assert len(prepared.runs) == 1 and prepared.runs[0][1] - prepared.runs[0][0] >= 4 * HUGE
+    first = prepared.runs[0][0] - data.ctypes.data
+    data[first + HUGE] = 5  # the first byte of a handed-back chunk
+    data[first + 3 * HUGE + 77] = 6
+    assert populate(prepared.runs) == prepared.runs[0][1] - prepared.runs[0][0]
+    assert np.count_nonzero(data) == 2 and data[first + HUGE] == 5 and data[first + 3 * HUGE + 77] == 6
+    assert huge._huge_bytes(*prepared.runs[0]) == prepared.runs[0][1] - prepared.runs[0][0]
+
+
+@needs_thp
+def test_the_filler_faults_the_cache_in_on_its_thread_and_stops_when_closed() -> None:
+    _, data = zeroed(9 * HUGE)
+    filler = HugePageFiller([(data.ctypes.data, data.nbytes)])
+    filler.start()
+    result = filler.wait(60)
+    assert result is not None and result.refaulted >= 8 * HUGE and result.huge >= result.refaulted
+    filler.close()
+
+    _, big = zeroed(512 * HUGE)
+    stopped = HugePageFiller([(big.ctypes.data, big.nbytes)])
+    stopped.close()  # before it starts: it faults nothing in and ends at once
+    stopped.start()
+    result = stopped.wait(10)
+    assert result is not None and result.refaulted == 0 and result.advised >= 510 * HUGE

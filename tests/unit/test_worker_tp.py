@@ -780,15 +780,19 @@ def test_a_host_kv_cache_is_backed_by_huge_pages_where_peers_on_this_host_may_co
         sides.append(worker(role, port, 0, 1, HEADS, kv, 0, 1, transport, keys))
         kvs.append(kv)
     prefill, decode = sides
+    p_kv, d_kv = kvs
+    for tensor in p_kv.values():  # a forward writes while the pages are still being faulted in
+        tensor.copy_(torch.rand(tensor.shape))
+    expected = {name: tensor.clone() for name, tensor in p_kv.items()}
     for side in sides:
         if case == "auto":
-            assert side.huge_pages is not None and side.huge_pages.advised >= 3 * HUGE
-            assert side.huge_pages.huge >= side.huge_pages.refaulted >= 3 * HUGE
+            assert side.huge_pages is not None
+            result = side.huge_pages.wait(60)
+            assert result is not None and result.advised >= 3 * HUGE
+            assert result.huge >= result.refaulted >= 3 * HUGE
         else:
             assert side.huge_pages is None
-    p_kv, d_kv = kvs
-    for tensor in p_kv.values():
-        tensor.copy_(torch.rand(tensor.shape))
+    assert all(torch.equal(p_kv[name], expected[name]) for name in p_kv)
     push_once(prefill, decode, list(p_kv), "tid-huge", p_port, d_port, lambda: None)
     for name in d_kv:
         assert torch.equal(d_kv[name][[4, 0]], p_kv[name][[1, 3]])
