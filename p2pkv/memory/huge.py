@@ -27,8 +27,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from p2pkv.engine.threads import engine_thread
-
 log = logging.getLogger(__name__)
 
 HUGE = 2 << 20
@@ -192,7 +190,9 @@ class HugePageFiller:
         self._stop = threading.Event()
         self._done = threading.Event()
         self.result: HugeResult | None = None
-        self._thread = engine_thread(self._run, "p2pkv-huge-pages")
+        # A plain thread, not the engine's (which widen their CPU affinity): it keeps the registering thread's CPUs,
+        # hence its NUMA node, where vLLM's worker first faulted the cache in.
+        self._thread = threading.Thread(target=self._run, name="p2pkv-huge-pages", daemon=True)
         advised = sum(p.advised for p in self._prepared)
         handed = sum(hi - lo for p in self._prepared for lo, hi in p.runs)
         mode = self._prepared[0].mode if self._prepared else thp_mode()
