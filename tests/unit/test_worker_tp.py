@@ -4,6 +4,7 @@ over real sockets; a load whose heads cannot be split fails at once, with nothin
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from p2pkv.engine.offers import OfferState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import HEADS_DIFFER, PULL_INSTEAD, StageState
 from p2pkv.memory.huge import HUGE, thp_mode
+from p2pkv.memory.huge import _huge_bytes as huge_bytes
 from p2pkv.params import Address
 from p2pkv.pipes import PIPE_ENV
 from p2pkv.staging import STAGE_ENV
@@ -765,16 +767,23 @@ def test_the_lease_of_an_offer_counts_from_when_its_request_finishes(sides: list
 @pytest.mark.parametrize("case", ["auto", "tcp", "huge_pages-off"])
 def test_a_host_kv_cache_is_backed_by_huge_pages_where_peers_on_this_host_may_copy_it(sides: list[WorkerSide],
                                                                                         case: str) -> None:
-    # vLLM's cache: one torch.zeros buffer (4 KiB pages where THP is `madvise`), a view of it per layer. Registered
-    # with a transport that may read it across processes (auto, shm), it is faulted in again as 2 MiB pages; the
-    # bytes a forward writes afterwards move as before.
+    # vLLM's cache: one zeroed buffer (4 KiB pages where THP is `madvise`), a view of it per layer. Registered with
+    # a transport that may read it across processes (auto, shm), it is faulted in again as 2 MiB pages; the bytes a
+    # forward writes afterwards move as before. The buffer is a mapping of its own, written with zeros as torch.zeros
+    # does: a torch.zeros buffer in this long-lived process may reuse memory already advised for huge pages by
+    # another test, and come up huge with nothing to do.
     blocks = 1024  # 2 MiB a layer
     p_port, d_port = free_ports(2, run=1)
     transport = "tcp" if case == "tcp" else "auto"
     keys = {"huge_pages": False} if case == "huge_pages-off" else {}
     kvs = []
     for role, port in (("kv_producer", p_port), ("kv_consumer", d_port)):
-        buf = torch.zeros(MODEL_LAYERS * blocks * HEADS * TOKENS * 2 * DIM)
+        region = mmap.mmap(-1, MODEL_LAYERS * blocks * HEADS * TOKENS * 2 * DIM * 4,
+                           flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf = torch.frombuffer(region, dtype=torch.float32)
+        buf.zero_()
+        if thp_mode() == "madvise":
+            assert huge_bytes(buf.data_ptr(), buf.data_ptr() + len(region)) == 0
         kv = {f"model.layers.{i}.self_attn.attn": view.view(blocks, HEADS, TOKENS, 2 * DIM)
               for i, view in enumerate(buf.chunk(MODEL_LAYERS))}
         sides.append(worker(role, port, 0, 1, HEADS, kv, 0, 1, transport, keys))
