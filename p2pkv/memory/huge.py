@@ -12,14 +12,16 @@ again (`MADV_POPULATE_WRITE`, which writes nothing), as huge pages where the ker
 other byte is left as it is (the kernel's khugepaged may merge it later), and so is memory that is not private and
 anonymous (a file's, a shared mapping's). So no byte of the region changes, provided nothing writes to it during
 `prepare`: the caller's to ensure (vLLM registers its KV cache before any forward). Writes during `populate` are
-safe, so a worker runs it on a thread of its own (`HugePageFiller`): faulting in 2 MiB pages took up to 7 s per
-GiB on this project's virtual machine. Linux only; elsewhere, or with THP off (`never`), nothing is done.
+safe, so a worker runs it on a thread of its own (`HugePageFiller`) at the lowest CPU priority, one huge page per
+call: faulting in 2 MiB pages took up to 8.7 s per GiB on this project's virtual machine. Linux only; elsewhere, or
+with THP off (`never`), nothing is done.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
 import threading
 import time
@@ -33,7 +35,12 @@ HUGE = 2 << 20
 _MADV_DONTNEED = 4
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; before, handed-back chunks are faulted in by their first write
-_POPULATE_STEP = 32 * HUGE  # how much one call faults in: the filler checks its stop event between calls
+# One huge page per call. The kernel holds the process's address space (`mmap_lock`, for reading) through a call, so
+# the worker's own `mmap`/`munmap` wait behind it: with 64 MiB per call (0.3 to 0.5 s here) the first request after
+# start-up took 1.6 to 1.9 s instead of about 0.3 (`docs/benchmarks.md`, twenty-third session). The stop event is
+# checked between calls.
+_POPULATE_STEP = HUGE
+_BACKGROUND_NICE = 19  # the filler's niceness: a prefetch, it yields the cores to the forward passes
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -180,6 +187,16 @@ def back_with_huge_pages(address: int, nbytes: int) -> HugeResult:
     return result_of([prepared], populate(prepared.runs))
 
 
+def lower_priority() -> bool:
+    """Give the calling thread (not its process) the lowest CPU priority: Linux's `setpriority` takes a thread id.
+    Pages it has not faulted in yet are faulted in by their first write as before, so nothing waits for it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)
+    except (OSError, AttributeError):  # not Linux, or a sandbox that forbids it
+        return False
+    return True
+
+
 class HugePageFiller:
     """A worker's KV cache: `prepare`d at once (nothing may write to it meanwhile), then faulted in again on an owned
     thread while vLLM goes on starting; stopped by `close`."""
@@ -207,6 +224,7 @@ class HugePageFiller:
         self._thread.start()
 
     def _run(self) -> None:
+        lower_priority()
         started = time.monotonic()
         try:
             done = populate((run for p in self._prepared for run in p.runs), self._stop)
