@@ -224,9 +224,10 @@ class HugePageFiller:
         self._thread.start()
 
     def _run(self) -> None:
-        lower_priority()
         started = time.monotonic()
         try:
+            if not lower_priority():
+                log.info("KV cache: the fault-in thread keeps its CPU priority (setpriority refused)")
             done = populate((run for p in self._prepared for run in p.runs), self._stop)
             self.result = result_of(self._prepared, done)
             if self.result.advised:

@@ -5,6 +5,8 @@ memory that is not private and anonymous, or a host with THP off, is left alone.
 from __future__ import annotations
 
 import mmap
+import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -149,9 +151,6 @@ def test_each_call_faults_in_one_huge_page_so_the_address_space_is_not_held_for_
 
 def test_the_filler_runs_at_the_lowest_priority_and_leaves_the_other_threads_as_they_were(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-    import threading
-
     seen: list[int] = []
 
     def record(runs: object, stop: object = None) -> int:
