@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.registry import InstanceState
+from p2pkv.proxy.sse import break_off, split_events
 from p2pkv.proxy.trace import RequestTrace
 
 log = logging.getLogger(__name__)
@@ -114,15 +115,18 @@ async def _close(upstream: httpx.Response) -> None:
 
 
 class Relay:
-    """A decode stream on its way to the client: the chunks read ahead (`head`), then the rest as it comes. Its
-    upstream request is closed, and its instance's count of requests in flight taken back, once: when it has been
-    read to its end, or broke off, or is closed (`aclose`, which also works for one never read: a batch's prompt
-    whose stream is not needed)."""
+    """A decode stream on its way to the client: the chunks read ahead (`head`), then the rest as it comes, passed on
+    whole events at a time. If its decode instance breaks off (the connection breaks, or stalls past the request
+    timeout), the stream ends with an error event in its API's form (`api`: its path) rather than mid-event, and the
+    failure is counted. Its upstream request is closed, and its instance's count of requests in flight taken back,
+    once: when it has been read to its end, or broke off, or is closed (`aclose`, which also works for one never
+    read: a batch's prompt whose stream is not needed)."""
 
     def __init__(self, head: list[bytes], raw: AsyncIterator[bytes], upstream: httpx.Response, state: InstanceState,
-                 metrics: ProxyMetrics, trace: RequestTrace) -> None:
+                 metrics: ProxyMetrics, trace: RequestTrace, api: str = "/v1/completions") -> None:
         self._chunks = self._read(head, raw)
         self._upstream, self._state, self._metrics, self._trace = upstream, state, metrics, trace
+        self._api = api
         self._timed = bool(head)
         self._closed = False
 
@@ -135,18 +139,39 @@ class Relay:
     async def _read(self, head: list[bytes], raw: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
         # Cancelled when the client goes away, which closes the upstream request too.
         outcome = "broken_off"
+        whole, pending = split_events(b"".join(head))
         try:
-            for chunk in head:
-                yield chunk
-            async for chunk in raw:
-                if not self._timed:  # a stream's headers come before its first token (vLLM sends them at once)
-                    self._timed = True
-                    self._metrics.ttft_seconds.observe(time.monotonic() - self._trace.started)
-                yield chunk
+            if whole:
+                yield whole
+            try:
+                async for chunk in raw:
+                    if not self._timed:  # a stream's headers come before its first token (vLLM sends them at once)
+                        self._timed = True
+                        self._metrics.ttft_seconds.observe(time.monotonic() - self._trace.started)
+                    whole, pending = split_events(pending + chunk)
+                    if whole:
+                        yield whole
+            except httpx.HTTPError as exc:
+                outcome = "decode_error"
+                yield self._broke_off(exc, pending)
+                return
+            if pending:
+                yield pending
             self._metrics.requests.labels("ok").inc()
             outcome = "ok"
         finally:
             await self._release(outcome)
+
+    def _broke_off(self, exc: httpx.HTTPError, held: bytes) -> bytes:
+        """The events that end the client's stream once its decode instance broke off; `held`: the part of an event
+        that came before the break, dropped."""
+        self._state.failures += 1
+        self._metrics.requests.labels("decode_error").inc()
+        status = 504 if isinstance(exc, httpx.TimeoutException) else 502
+        name = self._state.instance.name
+        log.warning("transfer %s: decode instance %s broke off its stream after its answer began (%r; %d bytes of an "
+                    "event dropped); the stream ends with an error", self._trace.transfer_id, name, exc, len(held))
+        return break_off(self._api, status, f"decode instance {name} broke off the stream: {exc!r}")
 
     async def _release(self, outcome: str) -> None:
         if self._closed:
@@ -249,7 +274,7 @@ class Decoder:
                 return None
             self.metrics.ttft_seconds.observe(time.monotonic() - started)
 
-        relay = Relay(head, raw, upstream, state, self.metrics, trace)
+        relay = Relay(head, raw, upstream, state, self.metrics, trace, httpx.URL(url).path)
         return RelayResponse(relay, [relay.aclose], trace.headers())
 
     @staticmethod
