@@ -4,6 +4,7 @@ events that end a stream whose decode instance broke off after its answer began,
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from p2pkv.proxy.prefill import MESSAGES, RESPONSES
 
@@ -27,7 +28,7 @@ def break_off(api: str, status: int, message: str) -> bytes:
         error = {"type": "error", "error": {"type": "api_error", "message": message}}
         return b"event: error\ndata: " + json.dumps(error).encode() + _END
     if api == RESPONSES:
-        error = {"type": "error", "code": str(status), "message": message, "param": None}
+        error: dict[str, Any] = {"type": "error", "code": str(status), "message": message, "param": None}
         return b"event: error\ndata: " + json.dumps(error).encode() + _END
     chunk = {"error": {"message": message, "type": "proxy_error", "param": None, "code": status}}
     return b"data: " + json.dumps(chunk).encode() + _END + _DONE
