@@ -24,11 +24,12 @@ def break_off(api: str, status: int, message: str) -> bytes:
     """The events that end a stream cut short upstream, as the API sends an error once its stream has begun (the
     OpenAI APIs' error chunk and `[DONE]`, as vLLM ends a stream that failed; an `error` event for the Messages and
     Responses APIs)."""
+    error: dict[str, Any]
     if api == MESSAGES:
         error = {"type": "error", "error": {"type": "api_error", "message": message}}
         return b"event: error\ndata: " + json.dumps(error).encode() + _END
     if api == RESPONSES:
-        error: dict[str, Any] = {"type": "error", "code": str(status), "message": message, "param": None}
+        error = {"type": "error", "code": str(status), "message": message, "param": None}
         return b"event: error\ndata: " + json.dumps(error).encode() + _END
     chunk = {"error": {"message": message, "type": "proxy_error", "param": None, "code": status}}
     return b"data: " + json.dumps(chunk).encode() + _END + _DONE
