@@ -22,6 +22,7 @@ def _proxy(args: argparse.Namespace) -> int:
                          decode=tuple(Instance.parse(d) for d in args.decode), host=args.host, port=args.port,
                          request_timeout_s=args.request_timeout, prefill_timeout_s=args.prefill_timeout,
                          prefill_retries=args.prefill_retries, transfer_retries=args.transfer_retries,
+                         stream_resumes=args.stream_resumes,
                          prefill_policy=args.prefill_policy,
                          decode_policy=args.decode_policy, api_key=os.environ.get("P2PKV_PROXY_API_KEY", ""),
                          discovery_host=args.discovery_host, discovery_port=args.discovery_port,
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="times a request whose decode instance failed before answering (KV lost under "
                             "kv_load_failure_policy=fail, a 5xx, a broken connection) goes again as a new transfer, "
                             "through a prefill instance not tried yet")
+    proxy.add_argument("--stream-resumes", type=int, default=1,
+                       help="times a completion stream whose decode instance broke off after its answer began is "
+                            "resumed: the rest is prefilled and decoded as a new transfer from the tokens streamed")
     policies = ["least-outstanding", "round-robin"]
     proxy.add_argument("--prefill-policy", choices=policies, default="least-outstanding")
     proxy.add_argument("--decode-policy", choices=policies, default="least-outstanding")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -34,8 +35,9 @@ from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.passthrough import add_passthrough_routes, forward_headers, holder
 from p2pkv.proxy.prefill import MESSAGES, RESPONSES, Prefiller, prefill_body, whole_prompt_on_decode
 from p2pkv.proxy.registry import InstanceState, Policy, Pool, static_pool
+from p2pkv.proxy.resume import Progress, resumable, with_token_ids
 from p2pkv.proxy.trace import RequestTrace
-from p2pkv.proxy.upstream import Decoder, Relay, RelayResponse, error_response
+from p2pkv.proxy.upstream import Decoder, Relay, RelayResponse, Resume, error_response
 
 log = logging.getLogger(__name__)
 
@@ -212,12 +214,14 @@ class Router:
             return KvTarget(None, 0, 0)
 
     async def _route(self, body: dict[str, Any], path: str, headers: dict[str, str], decode: InstanceState,
-                     trace: RequestTrace) -> Response:
+                     trace: RequestTrace, resumes: int | None = None) -> Response:
         """Prefill, then decode. A decode instance that fails before any of its answer went to the client (a
         5xx, which is how vLLM ends a request whose KV could not be loaded under kv_load_failure_policy=fail; a
         broken connection; an empty answer) gets the request again as a new transfer, up to `transfer_retries`
         times: prefilled on a prefill instance not tried yet (or, with none left, by the decode instance alone)
-        and decoded on another decode instance where there is one."""
+        and decoded on another decode instance where there is one. A completion stream that breaks off after its
+        answer began is resumed from the tokens it streamed, up to `resumes` times (`p2pkv.proxy.resume`)."""
+        resumes = self.config.stream_resumes if resumes is None else resumes
         tried: set[Instance] = set()  # prefill instances, over every attempt
         failed: set[Instance] = set()  # decode instances that failed this request
         if whole_prompt_on_decode(body, path):
@@ -253,9 +257,14 @@ class Router:
             else:
                 to_decode["kv_transfer_params"] = outcome
             last = attempt == self.config.transfer_retries
+            resume = None
+            if resumes > 0 and resumable(body, path):
+                resume = Resume(Progress(body), functools.partial(self._resume, path=path, headers=headers,
+                                                                  failed=decode.instance, resumes=resumes - 1))
+                to_decode = with_token_ids(to_decode)
             try:
                 answer = await self._decoder.answer(decode, f"{decode.instance.url}{path}", to_decode,
-                                                    decode.instance.headers(headers), trace, last)
+                                                    decode.instance.headers(headers), trace, last, resume)
             except asyncio.CancelledError:  # the client went away, perhaps before the decode instance had the request
                 if outcome is not None:
                     self._discarder.discard(decode.instance, discard_of(outcome, trace.transfer_id), body, headers)
@@ -270,6 +279,26 @@ class Router:
                         "transfer %s (decode instance %s)", trace.transfer_id, transfer_id, decode.instance.name)
             trace.reroute(transfer_id, decode.instance.name)
         raise AssertionError("the last attempt always answers")
+
+    async def _resume(self, body: dict[str, Any], path: str, headers: dict[str, str], failed: Instance,
+                      resumes: int) -> Relay | None:
+        """The rest of a stream that broke off: `body` (its prompt's tokens and those it streamed) prefilled and
+        decoded as a new transfer, on another decode instance where there is one; None if that did not give a
+        stream (counted as its outcome)."""
+        decode = self.decode.pick(frozenset({failed})) or self.decode.pick()
+        if decode is None:
+            self.metrics.requests.labels("no_instance").inc()
+            return None
+        self.metrics.stream_resumes.inc()
+        trace = RequestTrace(uuid.uuid4().hex, decode.instance.name, time.monotonic())
+        log.warning("stream resumed from token %d of its prompt and output as transfer %s (decode instance %s)",
+                    len(body["prompt"]), trace.transfer_id, decode.instance.name)
+        answer = await self._route(body, path, headers, decode, trace, resumes)
+        rest = answer.body_iterator if isinstance(answer, StreamingResponse) else None
+        if isinstance(rest, Relay):
+            return rest
+        log.warning("transfer %s: the resumed stream was answered %d", trace.transfer_id, answer.status_code)
+        return None
 
 
 def create_app(config: ProxyConfig) -> FastAPI:

@@ -63,6 +63,7 @@ class ProxyConfig:
     connect_timeout_s: float = 5.0
     prefill_retries: int = 2
     transfer_retries: int = 1  # times a request whose decode failed before answering is prefilled and decoded again
+    stream_resumes: int = 1  # times a completion stream that broke off after its answer began is resumed (resume.py)
     prefill_policy: str = "least-outstanding"
     decode_policy: str = "least-outstanding"
     api_key: str = ""
@@ -87,3 +88,5 @@ class ProxyConfig:
             raise ConfigError("--prefill-retries: expected 0 or more")
         if self.transfer_retries < 0:
             raise ConfigError("--transfer-retries: expected 0 or more")
+        if self.stream_resumes < 0:
+            raise ConfigError("--stream-resumes: expected 0 or more")

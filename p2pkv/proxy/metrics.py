@@ -29,6 +29,9 @@ class ProxyMetrics:
                                 "Requests prefilled and decoded again, as a new transfer, after their decode instance "
                                 "failed before answering (KV lost under kv_load_failure_policy=fail, a 5xx, a broken "
                                 "connection)", registry=r)
+        self.stream_resumes = Counter("p2pkv_proxy_stream_resumes",
+                                      "Completion streams resumed as a new transfer from the tokens they had streamed, "
+                                      "after their decode instance broke off", registry=r)
         self.fallbacks = Counter("p2pkv_proxy_decode_only_fallbacks",
                                  "Requests sent to a decode instance alone because no prefill succeeded", registry=r)
         self.decode_only = Counter("p2pkv_proxy_decode_only",

@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -23,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.registry import InstanceState
+from p2pkv.proxy.resume import Progress, each_event
 from p2pkv.proxy.sse import break_off, split_events
 from p2pkv.proxy.trace import RequestTrace
 
@@ -114,6 +116,15 @@ async def _close(upstream: httpx.Response) -> None:
         await upstream.aclose()
 
 
+@dataclass
+class Resume:
+    """A resumable stream's progress, and how to send the request for its rest: the continuation's stream, or None
+    when it could not be had (its failure counted)."""
+
+    progress: Progress
+    send: Callable[[dict[str, Any]], Awaitable[Relay | None]]
+
+
 class Relay:
     """A decode stream on its way to the client: the chunks read ahead (`head`), then the rest as it comes, passed on
     whole events at a time. If its decode instance breaks off (the connection breaks, or stalls past the request
@@ -123,10 +134,14 @@ class Relay:
     read: a batch's prompt whose stream is not needed)."""
 
     def __init__(self, head: list[bytes], raw: AsyncIterator[bytes], upstream: httpx.Response, state: InstanceState,
-                 metrics: ProxyMetrics, trace: RequestTrace, api: str = "/v1/completions") -> None:
+                 metrics: ProxyMetrics, trace: RequestTrace, api: str = "/v1/completions",
+                 resume: Resume | None = None) -> None:
+        """`resume`: how the stream goes on once its decode instance broke off (`p2pkv.proxy.resume`)."""
         self._chunks = self._read(head, raw)
         self._upstream, self._state, self._metrics, self._trace = upstream, state, metrics, trace
         self._api = api
+        self._resume = resume
+        self._rest: Relay | None = None  # the stream's continuation, once resumed
         self._timed = bool(head)
         self._closed = False
 
@@ -140,9 +155,10 @@ class Relay:
         # Cancelled when the client goes away, which closes the upstream request too.
         outcome = "broken_off"
         whole, pending = split_events(b"".join(head))
+        progress = self._resume.progress if self._resume is not None else None
         try:
             if whole:
-                yield whole
+                yield whole if progress is None else each_event(whole, progress.passed)
             try:
                 async for chunk in raw:
                     if not self._timed:  # a stream's headers come before its first token (vLLM sends them at once)
@@ -150,10 +166,16 @@ class Relay:
                         self._metrics.ttft_seconds.observe(time.monotonic() - self._trace.started)
                     whole, pending = split_events(pending + chunk)
                     if whole:
-                        yield whole
+                        yield whole if progress is None else each_event(whole, progress.passed)
             except httpx.HTTPError as exc:
-                outcome = "decode_error"
-                yield self._broke_off(exc, pending)
+                body = progress.continuation() if progress is not None else None
+                if self._resume is None or body is None:
+                    outcome = "decode_error"
+                    yield self._broke_off(exc, pending)
+                    return
+                outcome = "resumed"
+                async for block in self._continue(exc, self._resume, body):
+                    yield block
                 return
             if pending:
                 yield pending
@@ -161,6 +183,23 @@ class Relay:
             outcome = "ok"
         finally:
             await self._release(outcome)
+            if self._rest is not None:
+                await self._rest.aclose()
+
+    async def _continue(self, exc: httpx.HTTPError, resume: Resume, body: dict[str, Any]
+                        ) -> AsyncGenerator[bytes, None]:
+        """The rest of the stream from a new request for it (counted there), passed on as this one's."""
+        self._state.failures += 1
+        log.warning("transfer %s: decode instance %s broke off its stream after %d tokens (%r); resuming it",
+                    self._trace.transfer_id, self._state.instance.name, len(resume.progress.streamed), exc)
+        await self._release("resumed")  # this instance's part is over
+        self._rest = await resume.send(body)
+        if self._rest is None:
+            yield break_off(self._api, 502, f"decode instance {self._state.instance.name} broke off the stream, "
+                                            f"and it could not be resumed: {exc!r}")
+            return
+        async for block in self._rest:
+            yield each_event(block, resume.progress.continued)
 
     def _broke_off(self, exc: httpx.HTTPError, held: bytes) -> bytes:
         """The events that end the client's stream once its decode instance broke off; `held`: the part of an event
@@ -231,9 +270,9 @@ class Decoder:
                                       stream=True)
 
     async def answer(self, state: InstanceState, url: str, body: dict[str, Any], headers: dict[str, str],
-                      trace: RequestTrace, last: bool = True) -> Response | None:
+                      trace: RequestTrace, last: bool = True, resume: Resume | None = None) -> Response | None:
         """The decode instance's answer, for the client; None when it failed before any of it went out and the
-        request may go again (not `last`)."""
+        request may go again (not `last`). `resume`: a stream's, for a break after its answer began."""
         started = trace.started
         state.in_flight += 1
         try:
@@ -274,7 +313,7 @@ class Decoder:
                 return None
             self.metrics.ttft_seconds.observe(time.monotonic() - started)
 
-        relay = Relay(head, raw, upstream, state, self.metrics, trace, httpx.URL(url).path)
+        relay = Relay(head, raw, upstream, state, self.metrics, trace, httpx.URL(url).path, resume)
         return RelayResponse(relay, [relay.aclose], trace.headers())
 
     @staticmethod

@@ -1,0 +1,138 @@
+"""Resuming a completion stream whose decode instance broke off after its answer began (its process died, its
+connection broke, it stalled past the request timeout): the proxy sends what is left as a new request, whose prompt
+is the original prompt's tokens followed by the tokens already streamed, prefilled and decoded as a new transfer,
+and passes its stream on as the rest of the first (the first stream's id, usage counted as one request's).
+
+Only where the continuation is the same request: a single `/v1/completions` stream of one sample whose sampling
+does not depend on where its output began (no stop strings, which hold text back; no seed, whose generator would
+start again; no frequency or presence penalties, which count output tokens only; no structured output, whose
+grammar would start again; no logprobs, echo or prompt truncation). The decode request asks vLLM for token ids
+(`return_token_ids`), which the client gets only if it asked for them itself."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+_STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar", "guided_decoding_backend")
+_ABSENT: tuple[Any, ...] = (None, 0, 0.0, False, "", [])
+
+
+def resumable(body: dict[str, Any], path: str) -> bool:
+    """Whether the stream `body` asks for can be resumed from the tokens it streamed (see the module)."""
+    if path != "/v1/completions" or body.get("stream") is not True:
+        return False
+    prompt = body.get("prompt")
+    one_prompt = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt)
+                                             and all(isinstance(t, int) for t in prompt))
+    options = body.get("stream_options") or {}
+    return (one_prompt and body.get("n") in (None, 1) and body.get("best_of") in (None, 1)
+            and body.get("seed") is None
+            and all(body.get(k) in _ABSENT for k in ("stop", "frequency_penalty", "presence_penalty", "echo",
+                                                       "truncate_prompt_tokens", "prompt_embeds", "suffix",
+                                                       *_STRUCTURED))
+            and body.get("logprobs") is None and body.get("prompt_logprobs") is None
+            and isinstance(options, dict) and not options.get("continuous_usage_stats"))
+
+
+def with_token_ids(body: dict[str, Any]) -> dict[str, Any]:
+    return {**body, "return_token_ids": True}
+
+
+def _data(event: bytes) -> Any:
+    if not event.startswith(b"data:"):
+        return None
+    data = event[len(b"data:"):].strip()
+    if data == b"[DONE]":
+        return None
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+def _encode(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+class Progress:
+    """What a resumable stream has passed on: its prompt's tokens, the tokens streamed since, its id. Its events go
+    through `passed` (the token ids the client did not ask for taken out) and a continuation's through
+    `continued`."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+        self.client_ids = body.get("return_token_ids") is True
+        self.prompt: list[int] | None = None
+        self.streamed: list[int] = []
+        self.finished = False
+        self.id: Any = None
+
+    def passed(self, event: bytes) -> bytes:
+        chunk = _data(event)
+        choices = chunk.get("choices") if isinstance(chunk, dict) else None
+        if not isinstance(chunk, dict) or not isinstance(choices, list):
+            return event
+        self.id = chunk.get("id", self.id) if self.id is None else self.id
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            if _is_ids(choice.get("prompt_token_ids")):
+                self.prompt = choice["prompt_token_ids"]
+            if _is_ids(choice.get("token_ids")):
+                self.streamed += choice["token_ids"]
+            self.finished = self.finished or choice.get("finish_reason") is not None
+            if not self.client_ids:
+                choice.pop("prompt_token_ids", None)
+                choice.pop("token_ids", None)
+        return event if self.client_ids else _encode(chunk)
+
+    def continuation(self) -> dict[str, Any] | None:
+        """The request for the rest of the stream; None if it cannot be resumed (its prompt's tokens never came,
+        it had ended, or nothing is left to generate)."""
+        if self.prompt is None or self.finished:
+            return None
+        body = {k: v for k, v in self.body.items() if k != "kv_transfer_params"}
+        body["prompt"] = self.prompt + self.streamed
+        done = len(self.streamed)
+        max_tokens = body.get("max_tokens")
+        if isinstance(max_tokens, int):
+            if max_tokens - done <= 0:
+                return None
+            body["max_tokens"] = max_tokens - done
+        min_tokens = body.get("min_tokens")
+        if isinstance(min_tokens, int) and min_tokens:
+            body["min_tokens"] = max(0, min_tokens - done)
+        return with_token_ids(body)
+
+    def continued(self, event: bytes) -> bytes:
+        """An event of the continuation as the first stream's: its id, without the (longer) prompt's tokens, its
+        usage counted from the first stream's prompt."""
+        chunk = _data(event)
+        if not isinstance(chunk, dict) or "error" in chunk:
+            return event
+        if self.id is not None and "id" in chunk:
+            chunk["id"] = self.id
+        for choice in chunk.get("choices") or []:
+            if isinstance(choice, dict):
+                choice.pop("prompt_token_ids", None)
+                if not self.client_ids:
+                    choice.pop("token_ids", None)
+        usage = chunk.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            usage["prompt_tokens"] -= len(self.streamed)
+            if isinstance(usage.get("completion_tokens"), int):
+                usage["completion_tokens"] += len(self.streamed)
+        return _encode(chunk)
+
+
+def each_event(block: bytes, change: Callable[[bytes], bytes]) -> bytes:
+    """`block` (whole events) with each event changed by `change`."""
+    events = block.split(b"\n\n")
+    return b"".join(change(e) + b"\n\n" if e else b"" for e in events[:-1]) + events[-1]

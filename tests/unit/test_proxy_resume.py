@@ -1,0 +1,157 @@
+"""A completion stream whose decode instance breaks off after its answer began is resumed: the rest is asked for as
+a new transfer whose prompt is the prompt's tokens and the tokens already streamed, and its stream goes on as the
+first one's (same id, usage of one request, no token ids the client did not ask for). Stub backends, real HTTP;
+tests/integration/test_resume.py checks the text against vLLM's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from p2pkv.proxy import Instance, ProxyConfig, create_app
+from p2pkv.proxy.resume import resumable
+from tests.helpers.servers import serve
+from tests.helpers.stubs import stub_prefill
+from tests.unit.test_proxy_breakoff import metric
+
+PROMPT_IDS = [1, 2, 3]
+
+
+def chunk(cid: str, text: str, ids: list[int], prompt: list[int] | None = None, finish: str | None = None) -> bytes:
+    choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "token_ids": ids}
+    if prompt is not None:
+        choice["prompt_token_ids"] = prompt
+    return b"data: " + json.dumps({"id": cid, "object": "text_completion", "choices": [choice]}).encode() + b"\n\n"
+
+
+class Decode:
+    """A decode instance that streams one token per event, with token ids when asked: tokens 10, 11, ... (texts
+    "a", "b", ...) counted on from the tokens its prompt has beyond PROMPT_IDS, as a continuation's go on. With
+    `dies_after`, its first stream breaks off after that many tokens."""
+
+    def __init__(self, name: str, dies_after: int = 0) -> None:
+        self.seen: list[dict[str, Any]] = []
+        self.name, self.dies_after = name, dies_after
+        self.app = FastAPI()
+
+        @self.app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {"data": [{"id": "tiny"}]}
+
+        @self.app.post("/v1/completions")
+        async def complete(request: Request) -> Any:
+            body = await request.json()
+            if (body.get("kv_transfer_params") or {}).get("probe"):
+                return {"choices": [{"text": ""}], "kv_transfer_params": {"p2pkv": 1, "kv_port": 23456}}
+            self.seen.append(body)
+            return StreamingResponse(self._events(body), media_type="text/event-stream")
+
+    async def _events(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        prompt = body["prompt"] if isinstance(body["prompt"], list) else PROMPT_IDS
+        ids = body.get("return_token_ids") is True
+        left = body.get("max_tokens") or 16
+        for n in range(left):
+            if self.dies_after and n == self.dies_after and len(self.seen) == 1:
+                await asyncio.sleep(0.1)
+                raise RuntimeError("the decode instance died")
+            token = 10 + len(prompt) - len(PROMPT_IDS) + n
+            text = chr(ord("a") + token - 10)
+            finish = "length" if n == left - 1 else None
+            event = chunk(f"cmpl-{self.name}", text, [token], prompt if n == 0 else None, finish)
+            if not ids:
+                event = event.replace(b', "token_ids": [' + str(token).encode() + b"]", b"")
+                event = event.replace(b', "prompt_token_ids": ' + json.dumps(prompt).encode(), b"")
+            yield event
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": left, "total_tokens": len(prompt) + left}
+            yield b"data: " + json.dumps({"id": f"cmpl-{self.name}", "choices": [], "usage": usage}).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+
+def run(body: dict[str, Any], decodes: list[Decode], **options: Any) -> tuple[list[Any], str, list[dict[str, Any]],
+                                                                              dict[str, float]]:
+    """The client's events (parsed; "[DONE]" as is), its whole text, what the prefill instance was sent, metrics."""
+    prefilled: list[dict[str, Any]] = []
+    with ExitStack() as stack:
+        p = stack.enter_context(serve(stub_prefill(prefilled)))
+        ds = [stack.enter_context(serve(d.app)) for d in decodes]
+        proxy = stack.enter_context(serve(create_app(ProxyConfig(
+            prefill=(Instance.parse(p),), decode=tuple(Instance.parse(d) for d in ds), **options))))
+        with httpx.stream("POST", f"http://{proxy}/v1/completions", json=body, timeout=30) as resp:
+            assert resp.status_code == 200
+            raw = resp.read()
+        names = ("stream_resumes_total", 'requests_total{outcome="ok"}', 'requests_total{outcome="decode_error"}')
+        metrics = {n: metric(proxy, "p2pkv_proxy_" + n) for n in names}
+    events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e]
+    parsed = [e.decode() if e == b"[DONE]" else json.loads(e) for e in events]
+    text = "".join(c["text"] for e in parsed if isinstance(e, dict) for c in e.get("choices", []))
+    return parsed, text, [s["body"] for s in prefilled], metrics
+
+
+BODY = {"model": "tiny", "prompt": "x", "max_tokens": 5, "stream": True, "temperature": 0}
+
+
+@pytest.mark.parametrize("client_ids", [False, True], ids=["ids-not-asked", "ids-asked"])
+def test_a_broken_stream_goes_on_from_the_tokens_it_streamed(client_ids: bool) -> None:
+    decode = Decode("first", dies_after=2)  # the only one: the rest goes there too
+    body = {**BODY, "stream_options": {"include_usage": True}, **({"return_token_ids": True} if client_ids else {})}
+    events, text, prefilled, metrics = run(body, [decode])
+    assert text == "abcde"
+    first, rest = decode.seen
+    assert first["return_token_ids"] is True, "the decode request asks for ids"
+    assert rest["prompt"] == [*PROMPT_IDS, 10, 11] and rest["max_tokens"] == 3 and rest["return_token_ids"] is True
+    assert [b["prompt"] for b in prefilled] == ["x", [*PROMPT_IDS, 10, 11]], "the rest is prefilled as a new transfer"
+    assert rest["kv_transfer_params"]["transfer_id"] == prefilled[1]["kv_transfer_params"]["transfer_id"]
+    assert rest["kv_transfer_params"]["transfer_id"] != first["kv_transfer_params"]["transfer_id"]
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert {c["id"] for c in chunks} == {"cmpl-first"}, "the continuation goes on under the first stream's id"
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert [("prompt_token_ids" in c) for c in choices] == [client_ids] + [False] * 4, "the prompt's ids come once"
+    assert [c.get("token_ids") for c in choices] == ([[t] for t in range(10, 15)] if client_ids else [None] * 5)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    assert metrics["stream_resumes_total"] == 1
+    assert metrics['requests_total{outcome="ok"}'] == 1 and metrics['requests_total{outcome="decode_error"}'] == 0
+
+
+def test_a_stream_breaks_off_again_and_goes_on_again_within_the_limit() -> None:
+    decodes = [Decode("first", dies_after=2), Decode("second", dies_after=1)]
+    _, text, prefilled, metrics = run(BODY, decodes, stream_resumes=2)
+    assert text == "abcde"
+    assert sorted(len(d.seen) for d in decodes) == [1, 2], "the rest goes to the instance that did not fail last"
+    last = next(d.seen[1] for d in decodes if len(d.seen) == 2)
+    assert last["prompt"] == [*PROMPT_IDS, 10, 11, 12] and last["max_tokens"] == 2
+    assert metrics["stream_resumes_total"] == 2 and len(prefilled) == 3
+
+
+@pytest.mark.parametrize("why,body,options", [
+    ("limit", BODY, {"stream_resumes": 0}),
+    ("stop strings", {**BODY, "stop": ["z"]}, {}),
+    ("seed", {**BODY, "seed": 0}, {}),
+])
+def test_a_stream_that_may_not_go_on_ends_with_an_error(why: str, body: dict[str, Any], options: Any) -> None:
+    decode = Decode("first", dies_after=2)
+    events, text, _, metrics = run(body, [decode], **options)
+    assert text == "ab" and len(decode.seen) == 1, why
+    assert events[-2]["error"]["code"] == 502 and events[-1] == "[DONE]"
+    assert "return_token_ids" not in decode.seen[0], "no ids asked for a stream that will not go on"
+    assert metrics["stream_resumes_total"] == 0 and metrics['requests_total{outcome="decode_error"}'] == 1
+
+
+def test_which_requests_can_be_resumed() -> None:
+    assert resumable(BODY, "/v1/completions") and resumable({**BODY, "prompt": [1, 2]}, "/v1/completions")
+    assert resumable({**BODY, "stop": [], "seed": None, "presence_penalty": 0.0, "n": 1}, "/v1/completions")
+    assert not resumable(BODY, "/v1/chat/completions")
+    assert not resumable({**BODY, "stream": False}, "/v1/completions")
+    for change in ({"n": 2}, {"logprobs": 0}, {"echo": True}, {"frequency_penalty": 0.5}, {"stop": "\n"},
+                   {"response_format": {"type": "json_object"}}, {"prompt": ["a", "b"]},
+                   {"stream_options": {"continuous_usage_stats": True}}):
+        assert not resumable({**BODY, **change}, "/v1/completions"), change
