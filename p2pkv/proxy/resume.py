@@ -80,6 +80,7 @@ class Progress:
         if not isinstance(chunk, dict) or not isinstance(choices, list):
             return event
         self.id = chunk.get("id", self.id) if self.id is None else self.id
+        taken = False  # ids the client did not ask for, taken out
         for choice in choices:
             if not isinstance(choice, dict):
                 continue
@@ -89,9 +90,9 @@ class Progress:
                 self.streamed += choice["token_ids"]
             self.finished = self.finished or choice.get("finish_reason") is not None
             if not self.client_ids:
-                choice.pop("prompt_token_ids", None)
-                choice.pop("token_ids", None)
-        return event if self.client_ids else _encode(chunk)
+                taken = choice.pop("prompt_token_ids", None) is not None or taken
+                taken = choice.pop("token_ids", None) is not None or taken
+        return _encode(chunk) if taken else event
 
     def continuation(self) -> dict[str, Any] | None:
         """The request for the rest of the stream; None if it cannot be resumed (its prompt's tokens never came,

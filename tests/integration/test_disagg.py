@@ -16,8 +16,11 @@ import httpx
 import pytest
 
 from p2pkv.params import Address, DecodeParams, DiscardParams, PrefillParams, parse_transfer_params
+from p2pkv.proxy import Instance, ProxyConfig, create_app
 from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, TRANSFER_HEADER
 from p2pkv.tinymodel import TinyModelSpec, write_tiny_model
+from tests.helpers.relay import CutRelay
+from tests.helpers.servers import serve
 from tests.integration.conftest import (
     BLOCK_SIZE,
     TRANSFER_TIMEOUT_S,
@@ -222,6 +225,43 @@ def test_chat_and_streaming_give_the_same_text(up_cluster: UpCluster) -> None:
     assert chat["choices"][0]["message"]["content"] == plain
     chat_streamed, _ = _stream_text(f"{proxy}/v1/chat/completions", {**base, "messages": messages, "stream": True})
     assert chat_streamed == plain
+
+
+def test_a_stream_cut_off_after_its_answer_began_goes_on_with_the_same_text(up_cluster: UpCluster) -> None:
+    """A proxy whose decode instance's connection is cut after 5 events of a stream (as if the instance died):
+    the rest is prefilled and decoded as a new transfer from the tokens already streamed, and the client's stream
+    reads as one uninterrupted answer equal to the colocated instance's, under one id, with one request's usage."""
+    import json
+
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    relay = CutRelay(decode["http"], events=5)
+    config = ProxyConfig(prefill=(Instance.parse(prefill["http"]),),
+                         decode=(Instance.parse(f"{relay.address}@{decode['kv']}"),), discovery_port=0)
+    base = {"model": up_cluster.model, "prompt": prompt("resumed", 200), "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True}
+    loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
+    try:
+        with serve(create_app(config)) as proxy:
+            with httpx.stream("POST", f"http://{proxy}/v1/completions", timeout=120,
+                              json={**base, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+                assert resp.status_code == 200
+                lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+            metrics = httpx.get(f"http://{proxy}/metrics").text
+    finally:
+        relay.close()
+    assert relay.flipped.is_set(), "the stream was cut"
+    assert lines[-1] == "[DONE]" and lines.count("[DONE]") == 1
+    events = [json.loads(line) for line in lines[:-1]]
+    assert not [e for e in events if "error" in e], events
+    choices = [c for e in events for c in e["choices"]]
+    assert not [c for c in choices if "token_ids" in c or "prompt_token_ids" in c], "ids the client did not ask for"
+    assert len({e["id"] for e in events}) == 1
+    assert "".join(c["text"] for c in choices) == complete(up_cluster.colocated, base)["choices"][0]["text"]
+    usage = events[-1]["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (200, MAX_TOKENS)
+    assert "p2pkv_proxy_stream_resumes_total 1.0" in metrics
+    assert 'p2pkv_proxy_requests_total{outcome="ok"} 1.0' in metrics
+    assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") > loaded_before, "the KV came by transfer"
 
 
 def test_kv_that_never_arrives_is_recomputed_after_the_deadline_without_delaying_others(
