@@ -349,6 +349,9 @@ def test_instance_parsing() -> None:
         Instance.parse("nope")
     with pytest.raises(ConfigError, match="at least one prefill"):
         ProxyConfig(prefill=(), decode=(inst,))
+    for name in ("prefill_retries", "transfer_retries", "stream_resumes"):
+        with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')}: expected 0 or more"):
+            ProxyConfig(prefill=(inst,), decode=(inst,), **{name: -1})
 
 
 def test_bench_proxy_measures_every_path() -> None:
