@@ -259,8 +259,8 @@ class Router:
             last = attempt == self.config.transfer_retries
             resume = None
             if resumes > 0 and resumable(body, path):
-                resume = Resume(Progress(body), functools.partial(self._resume, path=path, headers=headers,
-                                                                  failed=decode.instance, resumes=resumes - 1))
+                resume = Resume(Progress(body, path), functools.partial(self._resume, headers=headers,
+                                                                        failed=decode.instance, resumes=resumes - 1))
                 to_decode = with_token_ids(to_decode)
             try:
                 answer = await self._decoder.answer(decode, f"{decode.instance.url}{path}", to_decode,
@@ -280,7 +280,7 @@ class Router:
             trace.reroute(transfer_id, decode.instance.name)
         raise AssertionError("the last attempt always answers")
 
-    async def _resume(self, body: dict[str, Any], path: str, headers: dict[str, str], failed: Instance,
+    async def _resume(self, path: str, body: dict[str, Any], headers: dict[str, str], failed: Instance,
                       resumes: int) -> Relay | None:
         """The rest of a stream that broke off: `body` (its prompt's tokens and those it streamed) prefilled and
         decoded as a new transfer, on another decode instance where there is one; None if that did not give a

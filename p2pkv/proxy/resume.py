@@ -1,13 +1,16 @@
-"""Resuming a completion stream whose decode instance broke off after its answer began (its process died, its
-connection broke, it stalled past the request timeout): the proxy sends what is left as a new request, whose prompt
+"""Resuming a stream whose decode instance broke off after its answer began (its process died, its connection
+broke, it stalled past the request timeout): the proxy sends what is left as a new completion request, whose prompt
 is the original prompt's tokens followed by the tokens already streamed, prefilled and decoded as a new transfer,
-and passes its stream on as the rest of the first (the first stream's id, usage counted as one request's).
+and passes its stream on as the rest of the first (the first stream's id, usage counted as one request's; for a
+chat stream, its events turned into chat chunks: `p2pkv.proxy.chat_resume`).
 
-Only where the continuation is the same request: a single `/v1/completions` stream of one sample whose sampling
-does not depend on where its output began (no stop strings, which hold text back; no seed, whose generator would
-start again; no frequency or presence penalties, which count output tokens only; no structured output, whose
-grammar would start again; no logprobs, echo or prompt truncation). The decode request asks vLLM for token ids
-(`return_token_ids`), which the client gets only if it asked for them itself."""
+Only where the continuation is the same request: a `/v1/completions` stream of one prompt, or a
+`/v1/chat/completions` stream without tools, of one sample whose sampling does not depend on where its output began
+(no stop strings, which hold text back; no seed, whose generator would start again; no frequency or presence
+penalties, which count output tokens only; no structured output, whose grammar would start again; no logprobs, echo
+or prompt truncation), and only while every token streamed came with its id and, for chat, as plain content (a
+reasoning or tool-call parser on the server works on the whole output, which a continuation would not give it).
+The decode request asks vLLM for token ids (`return_token_ids`), which the client gets only if it asked for them."""
 
 from __future__ import annotations
 
@@ -15,25 +18,38 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from p2pkv.proxy import chat_resume
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
 _STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar", "guided_decoding_backend")
 _ABSENT: tuple[Any, ...] = (None, 0, 0.0, False, "", [])
 
 
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
 def resumable(body: dict[str, Any], path: str) -> bool:
     """Whether the stream `body` asks for can be resumed from the tokens it streamed (see the module)."""
-    if path != "/v1/completions" or body.get("stream") is not True:
+    if body.get("stream") is not True:
         return False
-    prompt = body.get("prompt")
-    one_prompt = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt)
-                                             and all(isinstance(t, int) for t in prompt))
+    if path == COMPLETIONS:
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) or (_is_ids(prompt) and prompt)) or body.get("logprobs") is not None:
+            return False
+    elif path == CHAT:
+        if not isinstance(body.get("messages"), list) or body.get("logprobs") or body.get("tools"):
+            return False
+    else:
+        return False
     options = body.get("stream_options") or {}
-    return (one_prompt and body.get("n") in (None, 1) and body.get("best_of") in (None, 1)
-            and body.get("seed") is None
+    return (body.get("n") in (None, 1) and body.get("best_of") in (None, 1) and body.get("seed") is None
             and all(body.get(k) in _ABSENT for k in ("stop", "frequency_penalty", "presence_penalty", "echo",
                                                        "truncate_prompt_tokens", "prompt_embeds", "suffix",
-                                                       *_STRUCTURED))
-            and body.get("logprobs") is None and body.get("prompt_logprobs") is None
+                                                       "top_logprobs", *_STRUCTURED))
+            and body.get("prompt_logprobs") is None
             and isinstance(options, dict) and not options.get("continuous_usage_stats"))
 
 
@@ -57,30 +73,31 @@ def _encode(chunk: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
 
 
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
 class Progress:
     """What a resumable stream has passed on: its prompt's tokens, the tokens streamed since, its id. Its events go
     through `passed` (the token ids the client did not ask for taken out) and a continuation's through
     `continued`."""
 
-    def __init__(self, body: dict[str, Any]) -> None:
-        self.body = body
+    def __init__(self, body: dict[str, Any], path: str) -> None:
+        self.body, self.path = body, path
         self.client_ids = body.get("return_token_ids") is True
         self.prompt: list[int] | None = None
         self.streamed: list[int] = []
         self.finished = False
-        self.id: Any = None
+        self.unsure = False  # a token came without its id, or (chat) as other than plain content
+        self.first: dict[str, Any] = {}  # the first chunk's id, created and model
 
     def passed(self, event: bytes) -> bytes:
         chunk = _data(event)
         choices = chunk.get("choices") if isinstance(chunk, dict) else None
         if not isinstance(chunk, dict) or not isinstance(choices, list):
             return event
-        self.id = chunk.get("id", self.id) if self.id is None else self.id
+        if not self.first:
+            self.first = {k: chunk[k] for k in ("id", "created", "model") if k in chunk}
         taken = False  # ids the client did not ask for, taken out
+        if _is_ids(chunk.get("prompt_token_ids")):  # where a chat stream says them
+            self.prompt = chunk["prompt_token_ids"]
+            taken = not self.client_ids and chunk.pop("prompt_token_ids") is not None
         for choice in choices:
             if not isinstance(choice, dict):
                 continue
@@ -88,18 +105,23 @@ class Progress:
                 self.prompt = choice["prompt_token_ids"]
             if _is_ids(choice.get("token_ids")):
                 self.streamed += choice["token_ids"]
+            elif choice.get("text") or chat_resume.carries_output(choice):
+                self.unsure = True
+            if self.path == CHAT and not chat_resume.plain(choice):
+                self.unsure = True
             self.finished = self.finished or choice.get("finish_reason") is not None
             if not self.client_ids:
                 taken = choice.pop("prompt_token_ids", None) is not None or taken
                 taken = choice.pop("token_ids", None) is not None or taken
         return _encode(chunk) if taken else event
 
-    def continuation(self) -> dict[str, Any] | None:
-        """The request for the rest of the stream; None if it cannot be resumed (its prompt's tokens never came,
-        it had ended, or nothing is left to generate)."""
-        if self.prompt is None or self.finished:
+    def continuation(self) -> tuple[str, dict[str, Any]] | None:
+        """The path and body of the request for the rest of the stream; None if it cannot be resumed (its
+        prompt's tokens never came, a token came without its id, it had ended, or nothing is left to generate)."""
+        if self.prompt is None or self.finished or self.unsure:
             return None
-        body = {k: v for k, v in self.body.items() if k != "kv_transfer_params"}
+        body = chat_resume.as_completion(self.body) if self.path == CHAT else dict(self.body)
+        body.pop("kv_transfer_params", None)
         body["prompt"] = self.prompt + self.streamed
         done = len(self.streamed)
         max_tokens = body.get("max_tokens")
@@ -110,16 +132,15 @@ class Progress:
         min_tokens = body.get("min_tokens")
         if isinstance(min_tokens, int) and min_tokens:
             body["min_tokens"] = max(0, min_tokens - done)
-        return with_token_ids(body)
+        return COMPLETIONS, with_token_ids(body)
 
     def continued(self, event: bytes) -> bytes:
-        """An event of the continuation as the first stream's: its id, without the (longer) prompt's tokens, its
-        usage counted from the first stream's prompt."""
+        """An event of the continuation (a completion stream) as the first stream's: its id (for chat, a chat
+        chunk), without the (longer) prompt's tokens, its usage counted from the first stream's prompt."""
         chunk = _data(event)
         if not isinstance(chunk, dict) or "error" in chunk:
             return event
-        if self.id is not None and "id" in chunk:
-            chunk["id"] = self.id
+        chunk.update(self.first)
         for choice in chunk.get("choices") or []:
             if isinstance(choice, dict):
                 choice.pop("prompt_token_ids", None)
@@ -130,7 +151,7 @@ class Progress:
             usage["prompt_tokens"] -= len(self.streamed)
             if isinstance(usage.get("completion_tokens"), int):
                 usage["completion_tokens"] += len(self.streamed)
-        return _encode(chunk)
+        return _encode(chat_resume.as_chat_chunk(chunk) if self.path == CHAT else chunk)
 
 
 def each_event(block: bytes, change: Callable[[bytes], bytes]) -> bytes:

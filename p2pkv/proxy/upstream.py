@@ -59,6 +59,8 @@ def stream_start(head: bytes) -> int | None:
     return None if len(head) < _MAX_HEAD else 0
 
 
+# Fields of a chat chunk's delta that carry output (vLLM names reasoning `reasoning`; it was `reasoning_content`).
+_DELTA_OUTPUT = ("content", "reasoning", "reasoning_content", "tool_calls")
 # Events of the Responses and Anthropic Messages APIs' streams that come before any token.
 _PREAMBLE_EVENTS = frozenset({"response.created", "response.in_progress", "response.output_item.added",
                               "response.content_part.added", "message_start", "content_block_start", "ping"})
@@ -94,7 +96,7 @@ def _preamble(message: Any) -> bool:
         if not isinstance(choice, dict) or choice.get("finish_reason") is not None or choice.get("text"):
             return False
         delta = choice.get("delta") or {}
-        if not isinstance(delta, dict) or any(delta.get(k) for k in ("content", "reasoning_content", "tool_calls")):
+        if not isinstance(delta, dict) or any(delta.get(k) for k in _DELTA_OUTPUT):
             return False
     return True
 
@@ -122,7 +124,7 @@ class Resume:
     when it could not be had (its failure counted)."""
 
     progress: Progress
-    send: Callable[[dict[str, Any]], Awaitable[Relay | None]]
+    send: Callable[[str, dict[str, Any]], Awaitable[Relay | None]]
 
 
 class Relay:
@@ -168,13 +170,13 @@ class Relay:
                     if whole:
                         yield whole if progress is None else each_event(whole, progress.passed)
             except httpx.HTTPError as exc:
-                body = progress.continuation() if progress is not None else None
-                if self._resume is None or body is None:
+                rest = progress.continuation() if progress is not None else None
+                if self._resume is None or rest is None:
                     outcome = "decode_error"
                     yield self._broke_off(exc, pending)
                     return
                 outcome = "resumed"
-                async for block in self._continue(exc, self._resume, body):
+                async for block in self._continue(exc, self._resume, *rest):
                     yield block
                 return
             if pending:
@@ -186,14 +188,14 @@ class Relay:
             if self._rest is not None:
                 await self._rest.aclose()
 
-    async def _continue(self, exc: httpx.HTTPError, resume: Resume, body: dict[str, Any]
+    async def _continue(self, exc: httpx.HTTPError, resume: Resume, path: str, body: dict[str, Any]
                         ) -> AsyncGenerator[bytes, None]:
         """The rest of the stream from a new request for it (counted there), passed on as this one's."""
         self._state.failures += 1
         log.warning("transfer %s: decode instance %s broke off its stream after %d tokens (%r); resuming it",
                     self._trace.transfer_id, self._state.instance.name, len(resume.progress.streamed), exc)
         await self._release("resumed")  # this instance's part is over
-        self._rest = await resume.send(body)
+        self._rest = await resume.send(path, body)
         if self._rest is None:
             yield break_off(self._api, 502, f"decode instance {self._state.instance.name} broke off the stream, "
                                             f"and it could not be resumed: {exc!r}")

@@ -227,23 +227,19 @@ def test_chat_and_streaming_give_the_same_text(up_cluster: UpCluster) -> None:
     assert chat_streamed == plain
 
 
-def test_a_stream_cut_off_after_its_answer_began_goes_on_with_the_same_text(up_cluster: UpCluster) -> None:
-    """A proxy whose decode instance's connection is cut after 5 events of a stream (as if the instance died):
-    the rest is prefilled and decoded as a new transfer from the tokens already streamed, and the client's stream
-    reads as one uninterrupted answer equal to the colocated instance's, under one id, with one request's usage."""
+def _cut_stream(cluster: UpCluster, path: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    """`body` streamed to `path` through a proxy whose decode instance's connection is cut after 5 events of the
+    first stream (as if the instance died): the stream's events (it must end with one `[DONE]`) and the proxy's
+    metrics."""
     import json
 
-    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    prefill, decode = cluster.instance("kv_producer"), cluster.instance("kv_consumer")
     relay = CutRelay(decode["http"], events=5)
     config = ProxyConfig(prefill=(Instance.parse(prefill["http"]),),
                          decode=(Instance.parse(f"{relay.address}@{decode['kv']}"),), discovery_port=0)
-    base = {"model": up_cluster.model, "prompt": prompt("resumed", 200), "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True}
-    loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
     try:
         with serve(create_app(config)) as proxy:
-            with httpx.stream("POST", f"http://{proxy}/v1/completions", timeout=120,
-                              json={**base, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+            with httpx.stream("POST", f"http://{proxy}{path}", timeout=120, json=body) as resp:
                 assert resp.status_code == 200
                 lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
             metrics = httpx.get(f"http://{proxy}/metrics").text
@@ -251,14 +247,39 @@ def test_a_stream_cut_off_after_its_answer_began_goes_on_with_the_same_text(up_c
         relay.close()
     assert relay.flipped.is_set(), "the stream was cut"
     assert lines[-1] == "[DONE]" and lines.count("[DONE]") == 1
-    events = [json.loads(line) for line in lines[:-1]]
+    return [json.loads(line) for line in lines[:-1]], metrics
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_stream_cut_off_after_its_answer_began_goes_on_with_the_same_text(up_cluster: UpCluster,
+                                                                            chat: bool) -> None:
+    """The rest of a stream cut off after 5 events is prefilled and decoded as a new transfer from the tokens
+    already streamed (a chat stream's as a completion of its prompt's tokens), and the client's stream reads as one
+    uninterrupted answer equal to the colocated instance's, under one id, with one request's usage."""
+    decode = up_cluster.instance("kv_consumer")
+    base: dict[str, Any] = {"model": up_cluster.model, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    if chat:
+        path, base["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt("resumed-chat", 200)}]
+    else:
+        path, base["prompt"] = "/v1/completions", prompt("resumed", 200)
+    loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
+    events, metrics = _cut_stream(up_cluster, path, {**base, "stream": True,
+                                                     "stream_options": {"include_usage": True}})
     assert not [e for e in events if "error" in e], events
     choices = [c for e in events for c in e["choices"]]
     assert not [c for c in choices if "token_ids" in c or "prompt_token_ids" in c], "ids the client did not ask for"
+    assert not [e for e in events if "prompt_token_ids" in e]
     assert len({e["id"] for e in events}) == 1
-    assert "".join(c["text"] for c in choices) == complete(up_cluster.colocated, base)["choices"][0]["text"]
+    colocated = complete(up_cluster.colocated, base, path)["choices"][0]
+    if chat:
+        assert {e["object"] for e in events} == {"chat.completion.chunk"}
+        streamed = "".join((c.get("delta") or {}).get("content") or "" for c in choices)
+        assert streamed == colocated["message"]["content"]
+    else:
+        assert "".join(c["text"] for c in choices) == colocated["text"]
     usage = events[-1]["usage"]
-    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (200, MAX_TOKENS)
+    assert usage["completion_tokens"] == MAX_TOKENS
+    assert usage["prompt_tokens"] == (complete(up_cluster.colocated, base, path)["usage"]["prompt_tokens"])
     assert "p2pkv_proxy_stream_resumes_total 1.0" in metrics
     assert 'p2pkv_proxy_requests_total{outcome="ok"} 1.0' in metrics
     assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") > loaded_before, "the KV came by transfer"

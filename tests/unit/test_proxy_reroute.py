@@ -73,6 +73,8 @@ def test_a_streams_start_tells_an_error_in_place_of_the_first_token() -> None:
     assert stream_start(preamble) is None  # no token yet: read on
     assert stream_start(b'data: {"error": {"message": "cut off') is None
     assert stream_start(b'data: {"choices": [{"text": "a"}]}\n\n' + error) == 0  # the answer began
+    for field in ("content", "reasoning", "reasoning_content"):  # a reasoning model's answer begins with reasoning
+        assert stream_start(f'data: {{"choices": [{{"delta": {{"{field}": "a"}}}}]}}\n\n'.encode() + error) == 0
     assert stream_start(b'data: {"error": {"message": "bad", "code": 400}}\n\n') == 0
     assert stream_start(b"data: [DONE]\n\n") == 0
     assert stream_start(b": a comment, no data\n\n") is None

@@ -37,9 +37,10 @@ class Decode:
     "a", "b", ...) counted on from the tokens its prompt has beyond PROMPT_IDS, as a continuation's go on. With
     `dies_after`, its first stream breaks off after that many tokens."""
 
-    def __init__(self, name: str, dies_after: int = 0) -> None:
+    def __init__(self, name: str, dies_after: int = 0, delta: str = "content") -> None:
+        """`delta`: the field of a chat chunk's delta its tokens come in."""
         self.seen: list[dict[str, Any]] = []
-        self.name, self.dies_after = name, dies_after
+        self.name, self.dies_after, self.delta = name, dies_after, delta
         self.app = FastAPI()
 
         @self.app.get("/v1/models")
@@ -47,12 +48,33 @@ class Decode:
             return {"data": [{"id": "tiny"}]}
 
         @self.app.post("/v1/completions")
+        @self.app.post("/v1/chat/completions")
         async def complete(request: Request) -> Any:
             body = await request.json()
             if (body.get("kv_transfer_params") or {}).get("probe"):
                 return {"choices": [{"text": ""}], "kv_transfer_params": {"p2pkv": 1, "kv_port": 23456}}
-            self.seen.append(body)
-            return StreamingResponse(self._events(body), media_type="text/event-stream")
+            self.seen.append({**body, "path": request.url.path})
+            chat = request.url.path.endswith("chat/completions")
+            return StreamingResponse(self._chat(body) if chat else self._events(body),
+                                     media_type="text/event-stream")
+
+    async def _chat(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        """As vLLM streams a chat answer: the role first (with the prompt's ids, when asked), then the tokens."""
+        ids = body.get("return_token_ids") is True
+        role: dict[str, Any] = {"id": "chat-first", "object": "chat.completion.chunk",
+                                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "finish_reason": None}]}
+        if ids:
+            role["prompt_token_ids"] = PROMPT_IDS
+        yield b"data: " + json.dumps(role).encode() + b"\n\n"
+        for n in range(self.dies_after):
+            choice: dict[str, Any] = {"index": 0, "delta": {self.delta: chr(ord("a") + n)}, "finish_reason": None}
+            if ids:
+                choice["token_ids"] = [10 + n]
+            yield b"data: " + json.dumps({"id": "chat-first", "object": "chat.completion.chunk",
+                                          "choices": [choice]}).encode() + b"\n\n"
+        await asyncio.sleep(0.1)
+        raise RuntimeError("the decode instance died")
 
     async def _events(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
         prompt = body["prompt"] if isinstance(body["prompt"], list) else PROMPT_IDS
@@ -76,8 +98,8 @@ class Decode:
         yield b"data: [DONE]\n\n"
 
 
-def run(body: dict[str, Any], decodes: list[Decode], **options: Any) -> tuple[list[Any], str, list[dict[str, Any]],
-                                                                              dict[str, float]]:
+def run(body: dict[str, Any], decodes: list[Decode], path: str = "/v1/completions", **options: Any
+        ) -> tuple[list[Any], str, list[dict[str, Any]], dict[str, float]]:
     """The client's events (parsed; "[DONE]" as is), its whole text, what the prefill instance was sent, metrics."""
     prefilled: list[dict[str, Any]] = []
     with ExitStack() as stack:
@@ -85,14 +107,15 @@ def run(body: dict[str, Any], decodes: list[Decode], **options: Any) -> tuple[li
         ds = [stack.enter_context(serve(d.app)) for d in decodes]
         proxy = stack.enter_context(serve(create_app(ProxyConfig(
             prefill=(Instance.parse(p),), decode=tuple(Instance.parse(d) for d in ds), **options))))
-        with httpx.stream("POST", f"http://{proxy}/v1/completions", json=body, timeout=30) as resp:
+        with httpx.stream("POST", f"http://{proxy}{path}", json=body, timeout=30) as resp:
             assert resp.status_code == 200
             raw = resp.read()
         names = ("stream_resumes_total", 'requests_total{outcome="ok"}', 'requests_total{outcome="decode_error"}')
         metrics = {n: metric(proxy, "p2pkv_proxy_" + n) for n in names}
     events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e]
     parsed = [e.decode() if e == b"[DONE]" else json.loads(e) for e in events]
-    text = "".join(c["text"] for e in parsed if isinstance(e, dict) for c in e.get("choices", []))
+    text = "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
+                   for e in parsed if isinstance(e, dict) for c in e.get("choices", []))
     return parsed, text, [s["body"] for s in prefilled], metrics
 
 
@@ -146,7 +169,41 @@ def test_a_stream_that_may_not_go_on_ends_with_an_error(why: str, body: dict[str
     assert metrics["stream_resumes_total"] == 0 and metrics['requests_total{outcome="decode_error"}'] == 1
 
 
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5, "stream": True,
+        "temperature": 0, "stream_options": {"include_usage": True}, "chat_template_kwargs": {"a": 1}}
+
+
+def test_a_broken_chat_stream_goes_on_as_a_completion_of_the_chat_prompts_tokens() -> None:
+    decode = Decode("first", dies_after=2)
+    events, text, prefilled, metrics = run(CHAT, [decode], "/v1/chat/completions")
+    assert text == "abcde"
+    first, rest = decode.seen
+    assert first["path"] == "/v1/chat/completions" and first["return_token_ids"] is True
+    assert rest["path"] == "/v1/completions" and "messages" not in rest and "chat_template_kwargs" not in rest
+    assert rest["prompt"] == [*PROMPT_IDS, 10, 11] and rest["max_tokens"] == 3 and rest["temperature"] == 0
+    assert [b["prompt"] for b in prefilled[1:]] == [rest["prompt"]]
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert {(c["id"], c["object"]) for c in chunks} == {("chat-first", "chat.completion.chunk")}
+    assert not [c for c in chunks if "prompt_token_ids" in c or any("token_ids" in x for x in c["choices"])]
+    assert [c["choices"][0]["delta"] for c in chunks[1:6]] == [{"content": t} for t in "abcde"]
+    assert chunks[5]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert events[-1] == "[DONE]" and metrics["stream_resumes_total"] == 1
+
+
+def test_a_chat_stream_that_streamed_reasoning_is_not_resumed() -> None:
+    decode = Decode("first", dies_after=2, delta="reasoning")
+    events, _, _, metrics = run(CHAT, [decode], "/v1/chat/completions")
+    assert len(decode.seen) == 1 and events[-2]["error"]["code"] == 502 and events[-1] == "[DONE]"
+    assert metrics["stream_resumes_total"] == 0
+
+
 def test_which_requests_can_be_resumed() -> None:
+    assert resumable(CHAT, "/v1/chat/completions")
+    for change in ({"tools": [{"type": "function"}]}, {"logprobs": True}, {"top_logprobs": 2}, {"n": 2},
+                   {"response_format": {"type": "json_object"}}):
+        assert not resumable({**CHAT, **change}, "/v1/chat/completions"), change
+    assert not resumable({**BODY, "messages": []}, "/v1/responses")
     assert resumable(BODY, "/v1/completions") and resumable({**BODY, "prompt": [1, 2]}, "/v1/completions")
     assert resumable({**BODY, "stop": [], "seed": None, "presence_penalty": 0.0, "n": 1}, "/v1/completions")
     assert not resumable(BODY, "/v1/chat/completions")
