@@ -83,6 +83,11 @@ class Progress:
         self.client_ids = body.get("return_token_ids") is True
         self.prompt: list[int] | None = None
         self.streamed: list[int] = []
+        # Tokens whose text has gone out whole: the detokenizer holds back the bytes of a character split across
+        # tokens, so the stream goes on from the end of the last chunk of one token that had text (None: not
+        # known, after a chunk of several tokens with text, which may end inside a character). A continuation
+        # from inside a character would detokenize its start wrongly.
+        self.whole: int | None = 0
         self.finished = False
         self.unsure = False  # a token came without its id, or (chat) as other than plain content
         self.first: dict[str, Any] = {}  # the first chunk's id, created and model
@@ -103,9 +108,13 @@ class Progress:
                 continue
             if _is_ids(choice.get("prompt_token_ids")):
                 self.prompt = choice["prompt_token_ids"]
-            if _is_ids(choice.get("token_ids")):
+            text = choice.get("text") or chat_resume.carries_output(choice)
+            ids = choice.get("token_ids")
+            if _is_ids(ids):
                 self.streamed += choice["token_ids"]
-            elif choice.get("text") or chat_resume.carries_output(choice):
+                if text:
+                    self.whole = len(self.streamed) if len(choice["token_ids"]) == 1 else None
+            elif text:
                 self.unsure = True
             if self.path == CHAT and not chat_resume.plain(choice):
                 self.unsure = True
@@ -118,10 +127,11 @@ class Progress:
     def continuation(self) -> tuple[str, dict[str, Any]] | None:
         """The path and body of the request for the rest of the stream; None if it cannot be resumed (its
         prompt's tokens never came, a token came without its id, it had ended, or nothing is left to generate)."""
-        if self.prompt is None or self.finished or self.unsure:
+        if self.prompt is None or self.finished or self.unsure or self.whole is None:
             return None
         body = chat_resume.as_completion(self.body) if self.path == CHAT else dict(self.body)
         body.pop("kv_transfer_params", None)
+        self.streamed = self.streamed[: self.whole]  # the rest comes again
         body["prompt"] = self.prompt + self.streamed
         done = len(self.streamed)
         max_tokens = body.get("max_tokens")

@@ -270,7 +270,8 @@ def test_a_stream_cut_off_after_its_answer_began_goes_on_with_the_same_text(up_c
     assert not [c for c in choices if "token_ids" in c or "prompt_token_ids" in c], "ids the client did not ask for"
     assert not [e for e in events if "prompt_token_ids" in e]
     assert len({e["id"] for e in events}) == 1
-    colocated = complete(up_cluster.colocated, base, path)["choices"][0]
+    answer = complete(up_cluster.colocated, base, path)
+    colocated = answer["choices"][0]
     if chat:
         assert {e["object"] for e in events} == {"chat.completion.chunk"}
         streamed = "".join((c.get("delta") or {}).get("content") or "" for c in choices)
@@ -279,7 +280,7 @@ def test_a_stream_cut_off_after_its_answer_began_goes_on_with_the_same_text(up_c
         assert "".join(c["text"] for c in choices) == colocated["text"]
     usage = events[-1]["usage"]
     assert usage["completion_tokens"] == MAX_TOKENS
-    assert usage["prompt_tokens"] == (complete(up_cluster.colocated, base, path)["usage"]["prompt_tokens"])
+    assert usage["prompt_tokens"] == answer["usage"]["prompt_tokens"]
     assert "p2pkv_proxy_stream_resumes_total 1.0" in metrics
     assert 'p2pkv_proxy_requests_total{outcome="ok"} 1.0' in metrics
     assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") > loaded_before, "the KV came by transfer"

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from p2pkv.proxy import Instance, ProxyConfig, create_app
-from p2pkv.proxy.resume import resumable
+from p2pkv.proxy.resume import Progress, resumable
 from tests.helpers.servers import serve
 from tests.helpers.stubs import stub_prefill
 from tests.unit.test_proxy_breakoff import metric
@@ -212,3 +212,27 @@ def test_which_requests_can_be_resumed() -> None:
                    {"response_format": {"type": "json_object"}}, {"prompt": ["a", "b"]},
                    {"stream_options": {"continuous_usage_stats": True}}):
         assert not resumable({**BODY, **change}, "/v1/completions"), change
+
+
+def _progress(*chunks: tuple[list[int], str]) -> Progress:
+    """A completion stream's progress after chunks of (token ids, text), the first naming the prompt's ids."""
+    progress = Progress(BODY, "/v1/completions")
+    for i, (ids, text) in enumerate(chunks):
+        progress.passed(chunk("c", text, ids, PROMPT_IDS if i == 0 else None))
+    return progress
+
+
+def test_a_stream_goes_on_from_the_last_token_whose_text_went_out_whole() -> None:
+    # The detokenizer holds back the bytes of a character split across tokens: token 11's text has not gone out.
+    rest = _progress(([10], "a"), ([11], "")).continuation()
+    assert rest is not None and rest[1]["prompt"] == [*PROMPT_IDS, 10] and rest[1]["max_tokens"] == 4
+    # Then the character came whole with token 12.
+    rest = _progress(([10], "a"), ([11], ""), ([12], "é")).continuation()
+    assert rest is not None and rest[1]["prompt"] == [*PROMPT_IDS, 10, 11, 12] and rest[1]["max_tokens"] == 2
+    # A chunk of several tokens may end inside a character: not resumed until a chunk of one token had text.
+    assert _progress(([10], "a"), ([11, 12], "bc")).continuation() is None
+    rest = _progress(([10], "a"), ([11, 12], "bc"), ([13], "d")).continuation()
+    assert rest is not None and rest[1]["prompt"] == [*PROMPT_IDS, 10, 11, 12, 13]
+    assert _progress(([10], "a"), ([11], "b")).continuation() is not None
+    assert _progress(([10], "a"), ([11], "b\n")).continuation() is not None
+    assert Progress(BODY, "/v1/completions").continuation() is None, "no prompt ids seen"
