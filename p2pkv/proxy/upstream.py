@@ -130,10 +130,11 @@ class Resume:
 class Relay:
     """A decode stream on its way to the client: the chunks read ahead (`head`), then the rest as it comes, passed on
     whole events at a time. If its decode instance breaks off (the connection breaks, or stalls past the request
-    timeout), the stream ends with an error event in its API's form (`api`: its path) rather than mid-event, and the
-    failure is counted. Its upstream request is closed, and its instance's count of requests in flight taken back,
-    once: when it has been read to its end, or broke off, or is closed (`aclose`, which also works for one never
-    read: a batch's prompt whose stream is not needed)."""
+    timeout), the stream goes on from a new request for its rest where it can (`resume`), or else ends with an error
+    event in its API's form (`api`: its path) rather than mid-event, and the failure is counted. Its upstream
+    request is closed, and its instance's count of requests in flight taken back, once: when it has been read to
+    its end, or broke off, or is closed (`aclose`, which also works for one never read: a batch's prompt whose
+    stream is not needed)."""
 
     def __init__(self, head: list[bytes], raw: AsyncIterator[bytes], upstream: httpx.Response, state: InstanceState,
                  metrics: ProxyMetrics, trace: RequestTrace, api: str = "/v1/completions",
