@@ -6,7 +6,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,4 +190,27 @@ def stub_slow(obs: Observed, kv_port: int = 23456) -> FastAPI:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    return app
+
+
+def streaming_decode(paths: tuple[str, ...], events: Callable[[str, dict[str, Any]], AsyncIterator[bytes]],
+                     seen: list[dict[str, Any]] | None = None) -> FastAPI:
+    """A decode backend whose answers on `paths` are the event streams `events(path, body)` gives (each body, with
+    its `path`, goes to `seen`); it answers the proxy's KV-address probe and `/v1/models`."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"data": [{"id": "tiny"}]}
+
+    async def complete(request: Request) -> Any:
+        body = await request.json()
+        if (body.get("kv_transfer_params") or {}).get("probe"):
+            return {"choices": [{"text": ""}], "kv_transfer_params": {"p2pkv": 1, "kv_port": 23456}}
+        if seen is not None:
+            seen.append({**body, "path": request.url.path})
+        return StreamingResponse(events(request.url.path, body), media_type="text/event-stream")
+
+    for path in paths:
+        app.post(path)(complete)
     return app

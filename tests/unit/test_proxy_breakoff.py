@@ -13,12 +13,10 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from tests.helpers.servers import serve
-from tests.helpers.stubs import stub_prefill
+from tests.helpers.stubs import streaming_decode, stub_prefill
 
 # A first event that carries a token, as each API streams one.
 FIRST = {
@@ -38,23 +36,9 @@ class Backend:
 
     def __init__(self, gap_s: float = 0.0, stall_s: float = 0.0) -> None:
         self.gap_s, self.stall_s = gap_s, stall_s
-        self.app = FastAPI()
+        self.app = streaming_decode(tuple(FIRST), self._events)
 
-        @self.app.get("/v1/models")
-        async def models() -> dict[str, Any]:
-            return {"data": [{"id": "tiny"}]}
-
-        @self.app.post("/v1/completions")
-        @self.app.post("/v1/chat/completions")
-        @self.app.post("/v1/messages")
-        @self.app.post("/v1/responses")
-        async def complete(request: Request) -> Any:
-            body = await request.json()
-            if (body.get("kv_transfer_params") or {}).get("probe"):
-                return {"choices": [{"text": ""}], "kv_transfer_params": {"p2pkv": 1, "kv_port": 23456}}
-            return StreamingResponse(self._events(request.url.path), media_type="text/event-stream")
-
-    async def _events(self, path: str) -> AsyncIterator[bytes]:
+    async def _events(self, path: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
         yield FIRST[path]
         await asyncio.sleep(self.gap_s)
         yield PARTIAL

@@ -13,13 +13,11 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from p2pkv.proxy.resume import Progress, resumable
 from tests.helpers.servers import serve
-from tests.helpers.stubs import stub_prefill
+from tests.helpers.stubs import streaming_decode, stub_prefill
 from tests.unit.test_proxy_breakoff import metric
 
 PROMPT_IDS = [1, 2, 3]
@@ -41,22 +39,10 @@ class Decode:
         """`delta`: the field of a chat chunk's delta its tokens come in."""
         self.seen: list[dict[str, Any]] = []
         self.name, self.dies_after, self.delta = name, dies_after, delta
-        self.app = FastAPI()
+        self.app = streaming_decode(("/v1/completions", "/v1/chat/completions"), self._stream, self.seen)
 
-        @self.app.get("/v1/models")
-        async def models() -> dict[str, Any]:
-            return {"data": [{"id": "tiny"}]}
-
-        @self.app.post("/v1/completions")
-        @self.app.post("/v1/chat/completions")
-        async def complete(request: Request) -> Any:
-            body = await request.json()
-            if (body.get("kv_transfer_params") or {}).get("probe"):
-                return {"choices": [{"text": ""}], "kv_transfer_params": {"p2pkv": 1, "kv_port": 23456}}
-            self.seen.append({**body, "path": request.url.path})
-            chat = request.url.path.endswith("chat/completions")
-            return StreamingResponse(self._chat(body) if chat else self._events(body),
-                                     media_type="text/event-stream")
+    def _stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        return self._chat(body) if path.endswith("chat/completions") else self._events(body)
 
     async def _chat(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
         """As vLLM streams a chat answer: the role first (with the prompt's ids, when asked), then the tokens."""
