@@ -222,3 +222,15 @@ def test_a_stream_goes_on_from_the_last_token_whose_text_went_out_whole() -> Non
     assert _progress(([10], "a"), ([11], "b")).continuation() is not None
     assert _progress(([10], "a"), ([11], "b\n")).continuation() is not None
     assert Progress(BODY, "/v1/completions").continuation() is None, "no prompt ids seen"
+
+
+def test_each_prompt_of_a_streamed_batch_goes_on_by_itself() -> None:
+    decode = Decode("first", dies_after=2)  # its first stream breaks off: one of the two prompts'
+    events, _, prefilled, metrics = run({**BODY, "prompt": ["x", "y"]}, [decode])
+    texts = ["", ""]
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert texts == ["abcde", "abcde"] and events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    assert len(decode.seen) == 3 and len(prefilled) == 3
+    assert metrics["stream_resumes_total"] == 1 and metrics['requests_total{outcome="ok"}'] == 2
