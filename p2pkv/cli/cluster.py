@@ -229,11 +229,11 @@ class Cluster:
         return proc
 
     def add_proxy(self, port: int, prefill: Sequence[str], decode: Sequence[str], discovery_port: int = 0,
-                  secret: str = "") -> Process:
+                  secret: str = "", args: Sequence[str] = ()) -> Process:
         """The proxy, with static instance lists, discovery on `discovery_port`, or both; `secret` is the shared
-        secret heartbeats must be signed with."""
+        secret heartbeats must be signed with; `args`: more of its options."""
         argv = [sys.executable, "-m", "p2pkv", "proxy", "--host", self.host, "--port", str(port),
-                "--discovery-port", str(discovery_port)]
+                "--discovery-port", str(discovery_port), *args]
         if prefill:
             argv += ["--prefill", *prefill]
         if decode:

@@ -66,6 +66,12 @@ def _bench_soak(args: argparse.Namespace) -> int:
                       args.integrity_check, args.mixed, args.pause_every, args.reload_weights)
 
 
+def _bench_failover(args: argparse.Namespace) -> int:
+    from p2pkv.bench.failover import main as bench_failover
+
+    return bench_failover(args.model, args.streams, args.max_tokens, args.stream_resumes)
+
+
 def _bench_transfer(args: argparse.Namespace) -> int:
     from p2pkv.bench.transfer import SIZES
     from p2pkv.bench.transfer import main as bench_transfer
@@ -158,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--capacity", type=int, default=1 << 30, help="arena bytes")
     pool.add_argument("--pairs", type=int, default=200_000)
     pool.set_defaults(func=_bench_pool)
+    failover = bench.add_parser("failover", help="greedy streams through a local 1P2D cluster, a decode instance "
+                                                 "killed while they stream: each must end whole, with the same text")
+    failover.add_argument("--model", default=None, help="model directory (default: the tiny model)")
+    failover.add_argument("--streams", type=_at_least_one, default=16)
+    failover.add_argument("--max-tokens", type=_at_least_one, default=1500)
+    failover.add_argument("--stream-resumes", type=int, default=1, help="the proxy's --stream-resumes")
+    failover.set_defaults(func=_bench_failover)
     soak = bench.add_parser("soak", help="many requests through a local 1P1D cluster: failures, leaks, memory")
     soak.add_argument("--model", default=None, help="model directory (default: the tiny model)")
     soak.add_argument("--requests", type=_at_least_one, default=1000)
