@@ -25,7 +25,7 @@ from p2pkv.cli.cluster import Cluster, InstanceSpec, free_ports
 @dataclass
 class Stream:
     text: str = ""
-    tokens: int = 0  # events with text, or token ids
+    tokens: int = 0  # the stream's choice events (one token each, as vLLM streams a request alone)
     error: str | None = None
     done: bool = False  # `[DONE]` came
 

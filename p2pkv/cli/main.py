@@ -119,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "kv_load_failure_policy=fail, a 5xx, a broken connection) goes again as a new transfer, "
                             "through a prefill instance not tried yet")
     proxy.add_argument("--stream-resumes", type=int, default=1,
-                       help="times a completion stream whose decode instance broke off after its answer began is "
-                            "resumed: the rest is prefilled and decoded as a new transfer from the tokens streamed")
+                       help="times a completion or chat stream whose decode instance broke off after its answer "
+                            "began is resumed: the rest is prefilled and decoded as a new transfer from the tokens "
+                            "streamed (0: such a stream ends with an error event)")
     policies = ["least-outstanding", "round-robin"]
     proxy.add_argument("--prefill-policy", choices=policies, default="least-outstanding")
     proxy.add_argument("--decode-policy", choices=policies, default="least-outstanding")

@@ -11,8 +11,9 @@ _SHARED = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "rep
            "min_tokens", "stop_token_ids", "skip_special_tokens", "spaces_between_special_tokens", "logit_bias",
            "allowed_token_ids", "bad_words", "stream", "stream_options", "priority", "user", "cache_salt",
            "return_token_ids", "length_penalty", "vllm_xargs")
-# Delta fields that carry output other than plain content.
-_OTHER = ("reasoning", "reasoning_content", "tool_calls", "function_call", "refusal")
+# Delta fields that carry output other than plain content (vLLM names reasoning `reasoning`; it was
+# `reasoning_content`).
+NOT_CONTENT = ("reasoning", "reasoning_content", "tool_calls", "function_call", "refusal")
 
 
 def as_completion(chat: dict[str, Any]) -> dict[str, Any]:
@@ -25,13 +26,13 @@ def as_completion(chat: dict[str, Any]) -> dict[str, Any]:
 
 def carries_output(choice: dict[str, Any]) -> bool:
     delta = choice.get("delta")
-    return isinstance(delta, dict) and any(delta.get(k) for k in ("content", *_OTHER))
+    return isinstance(delta, dict) and any(delta.get(k) for k in ("content", *NOT_CONTENT))
 
 
 def plain(choice: dict[str, Any]) -> bool:
     """Whether a chat choice's delta holds nothing but content (and the role)."""
     delta = choice.get("delta")
-    return not isinstance(delta, dict) or not any(delta.get(k) for k in _OTHER)
+    return not isinstance(delta, dict) or not any(delta.get(k) for k in NOT_CONTENT)
 
 
 def as_chat_chunk(chunk: dict[str, Any]) -> dict[str, Any]:

@@ -114,11 +114,10 @@ class Progress:
             if _is_ids(choice.get("prompt_token_ids")):
                 self.prompt = choice["prompt_token_ids"]
             text = choice.get("text") or chat_resume.carries_output(choice)
-            ids = choice.get("token_ids")
-            if _is_ids(ids):
+            if _is_ids(choice.get("token_ids")):
                 self.streamed += choice["token_ids"]
-                if text:
-                    self.whole = len(self.streamed) if len(choice["token_ids"]) == 1 else None
+                if text:  # an event of no token with text brought out what was held back: all of it is out
+                    self.whole = len(self.streamed) if len(choice["token_ids"]) <= 1 else None
             elif text:
                 self.unsure = True
             if self.path == CHAT and not chat_resume.plain(choice):
@@ -136,7 +135,7 @@ class Progress:
             return None
         body = chat_resume.as_completion(self.body) if self.path == CHAT else dict(self.body)
         body.pop("kv_transfer_params", None)
-        self.streamed = self.streamed[: self.whole]  # the rest comes again
+        self.streamed = self.streamed[: self.whole]  # the rest comes again (`continued` counts usage from here)
         body["prompt"] = self.prompt + self.streamed
         done = len(self.streamed)
         max_tokens = body.get("max_tokens")

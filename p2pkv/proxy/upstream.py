@@ -22,6 +22,7 @@ import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from p2pkv.proxy.chat_resume import NOT_CONTENT
 from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.registry import InstanceState
 from p2pkv.proxy.resume import Progress, each_event
@@ -59,8 +60,7 @@ def stream_start(head: bytes) -> int | None:
     return None if len(head) < _MAX_HEAD else 0
 
 
-# Fields of a chat chunk's delta that carry output (vLLM names reasoning `reasoning`; it was `reasoning_content`).
-_DELTA_OUTPUT = ("content", "reasoning", "reasoning_content", "tool_calls")
+_DELTA_OUTPUT = ("content", *NOT_CONTENT)  # fields of a chat chunk's delta that carry output
 # Events of the Responses and Anthropic Messages APIs' streams that come before any token.
 _PREAMBLE_EVENTS = frozenset({"response.created", "response.in_progress", "response.output_item.added",
                               "response.content_part.added", "message_start", "content_block_start", "ping"})

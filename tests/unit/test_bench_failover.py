@@ -19,9 +19,10 @@ from tests.helpers.servers import serve
 TOKENS = 12
 
 
-def stub(after_kill: str, killed: list[int]) -> FastAPI:
-    """Streams of TOKENS tokens; once killed, a stream ends as `after_kill` says: "whole", "error" (an error event),
-    "short" (no `[DONE]`), "other" (the request sent again gets other text)."""
+def stub(after_kill: str, killed: list[int], sent: list[int]) -> FastAPI:
+    """Streams of TOKENS tokens (`sent`: how many each stream has sent so far); once killed, a stream ends as
+    `after_kill` says: "whole", "error" (an error event), "short" (no `[DONE]`), "other" (the request sent again
+    gets other text)."""
     app = FastAPI()
 
     @app.get("/metrics")
@@ -34,12 +35,16 @@ def stub(after_kill: str, killed: list[int]) -> FastAPI:
         if not body["stream"]:
             return {"choices": [{"text": "t" * TOKENS if after_kill != "other" else "x"}]}
 
+        stream = len(sent)
+        sent.append(0)
+
         async def events() -> AsyncIterator[bytes]:
             for n in range(TOKENS):
                 if killed and n >= TOKENS // 2 and after_kill == "error":
                     yield b'data: {"error": {"message": "broke off", "code": 502}}\n\n'
                     break
                 yield b"data: " + json.dumps({"choices": [{"text": "t"}]}).encode() + b"\n\n"
+                sent[stream] += 1
                 await asyncio.sleep(0.02 if killed else 0.1)
             if after_kill != "short":
                 yield b"data: [DONE]\n\n"
@@ -52,11 +57,19 @@ def stub(after_kill: str, killed: list[int]) -> FastAPI:
 @pytest.mark.parametrize("after_kill,ok", [("whole", True), ("error", False), ("short", False), ("other", False)])
 def test_the_kill_comes_mid_stream_and_only_whole_equal_streams_pass(after_kill: str, ok: bool) -> None:
     killed: list[int] = []
-    with serve(stub(after_kill, killed)) as proxy:
-        result = asyncio.run(drive(f"http://{proxy}", "tiny", 3, TOKENS, lambda: killed.append(1), timeout_s=30))
+    sent: list[int] = []
+    at_kill: list[list[int]] = []
+
+    def kill() -> None:
+        killed.append(1)
+        at_kill.append(list(sent))
+
+    with serve(stub(after_kill, killed, sent)) as proxy:
+        result = asyncio.run(drive(f"http://{proxy}", "tiny", 3, TOKENS, kill, timeout_s=30))
     assert killed == [1]
-    # Before the kill a token comes every 0.1 s: a third of the tokens (4) takes 0.4 s, all of them 1.2 s.
-    assert 0.35 < result.killed_at_s < 1.0, result.killed_at_s
+    # Each stream had sent a third of its tokens and not all (a token every 0.1 s before the kill: 0.8 s to spare).
+    assert len(at_kill[0]) == 3 and all(TOKENS // 3 <= n < TOKENS for n in at_kill[0]), at_kill
+    assert result.killed_at_s > 0
     assert result.ok() is ok
     assert result.metrics["p2pkv_proxy_stream_resumes_total"] == 3
     if after_kill == "whole":

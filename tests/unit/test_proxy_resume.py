@@ -215,6 +215,9 @@ def test_a_stream_goes_on_from_the_last_token_whose_text_went_out_whole() -> Non
     # Then the character came whole with token 12.
     rest = _progress(([10], "a"), ([11], ""), ([12], "é")).continuation()
     assert rest is not None and rest[1]["prompt"] == [*PROMPT_IDS, 10, 11, 12] and rest[1]["max_tokens"] == 2
+    # An event of no token that brings text (what was held back) brings all of it out.
+    rest = _progress(([10], "a"), ([11], ""), ([], "é")).continuation()
+    assert rest is not None and rest[1]["prompt"] == [*PROMPT_IDS, 10, 11]
     # A chunk of several tokens may end inside a character: not resumed until a chunk of one token had text.
     assert _progress(([10], "a"), ([11, 12], "bc")).continuation() is None
     rest = _progress(([10], "a"), ([11, 12], "bc"), ([13], "d")).continuation()
