@@ -41,6 +41,7 @@ from p2pkv.proxy.transport import SturdyTransport
 from p2pkv.proxy.upstream import Decoder, Relay, RelayResponse, Resume, error_response
 
 log = logging.getLogger(__name__)
+_DETOKENIZE_S = 10.0  # for an instance to detokenize a broken-off stream's tokens (`Progress.settle`)
 
 
 async def _client_gone(request: Request) -> None:
@@ -260,8 +261,11 @@ class Router:
             last = attempt == self.config.transfer_retries
             resume = None
             if resumes > 0 and resumable(body, path):
-                resume = Resume(Progress(body, path), functools.partial(self._resume, headers=headers,
-                                                                        failed=decode.instance, resumes=resumes - 1))
+                resume = Resume(Progress(body, path),
+                                functools.partial(self._resume, headers=headers, failed=decode.instance,
+                                                  resumes=resumes - 1),
+                                functools.partial(self._detokenize, model=body.get("model"), headers=headers,
+                                                  failed=decode.instance))
                 to_decode = with_token_ids(to_decode)
             try:
                 answer = await self._decoder.answer(decode, f"{decode.instance.url}{path}", to_decode,
@@ -280,6 +284,30 @@ class Router:
                         "transfer %s (decode instance %s)", trace.transfer_id, transfer_id, decode.instance.name)
             trace.reroute(transfer_id, decode.instance.name)
         raise AssertionError("the last attempt always answers")
+
+    async def _detokenize(self, tokens: list[int], model: Any, headers: dict[str, str], failed: Instance
+                          ) -> str | None:
+        """`tokens` as the model's tokenizer decodes them (vLLM's `/detokenize`), asked of an instance other than
+        `failed`; None if none answered."""
+        state = self.decode.pick(frozenset({failed})) or self.prefill.pick()
+        if state is None:
+            return None
+        body = {"tokens": tokens} if model is None else {"model": model, "tokens": tokens}
+        try:
+            answer = await self.client.post(f"{state.instance.url}/detokenize", json=body,
+                                            headers=state.instance.headers(headers),
+                                            timeout=self.config.connect_timeout_s + _DETOKENIZE_S)
+        except httpx.HTTPError as exc:
+            log.warning("%s did not detokenize a stream's last tokens: %r", state.instance.name, exc)
+            return None
+        try:
+            text = answer.json().get("prompt") if answer.status_code == 200 else None
+        except (ValueError, AttributeError):
+            text = None
+        if not isinstance(text, str):
+            log.warning("%s did not detokenize a stream's last tokens: %d", state.instance.name, answer.status_code)
+            return None
+        return text
 
     async def _resume(self, path: str, body: dict[str, Any], headers: dict[str, str], failed: Instance,
                       resumes: int) -> Relay | None:

@@ -14,7 +14,7 @@ The decode request asks vLLM for token ids (`return_token_ids`), which the clien
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -26,6 +26,8 @@ CHAT = "/v1/chat/completions"
 _STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar", "guided_decoding_backend")
 _ABSENT: tuple[Any, ...] = (None, 0, 0.0, False, "", [])
+_REPLACEMENT = "\ufffd"  # what a tokenizer decodes the bytes of a character cut short to
+_HELD_AT_MOST = 8  # tokens held back at the end of a stream: a character's bytes, and special tokens among them
 
 
 def _is_ids(value: Any) -> bool:
@@ -88,11 +90,13 @@ class Progress:
         self.client_ids = body.get("return_token_ids") is True
         self.prompt: list[int] | None = None
         self.streamed: list[int] = []
-        # Tokens whose text has gone out whole: the detokenizer holds back the bytes of a character split across
-        # tokens, so the stream goes on from the end of the last chunk of one token that had text (None: not
-        # known, after a chunk of several tokens with text, which may end inside a character). A continuation
-        # from inside a character would detokenize its start wrongly.
-        self.whole: int | None = 0
+        # Tokens whose text has surely gone out whole: the detokenizer holds back the bytes of a character split
+        # across tokens, so this is the end of the last event of one token that had text (or of no token: it
+        # brought out what was held back). A continuation from inside a character would detokenize its start
+        # wrongly. `text_end`: the end of the last event with text; beyond `whole` after an event of several tokens
+        # (with speculative decoding, or vLLM's stream interval), whose end `settle` checks.
+        self.whole = 0
+        self.text_end = 0
         self.finished = False
         self.unsure = False  # a token came without its id, or (chat) as other than plain content
         self.first: dict[str, Any] = {}  # the first chunk's id, created and model
@@ -116,8 +120,10 @@ class Progress:
             text = choice.get("text") or chat_resume.carries_output(choice)
             if _is_ids(choice.get("token_ids")):
                 self.streamed += choice["token_ids"]
-                if text:  # an event of no token with text brought out what was held back: all of it is out
-                    self.whole = len(self.streamed) if len(choice["token_ids"]) <= 1 else None
+                if text:
+                    self.text_end = len(self.streamed)
+                    if len(choice["token_ids"]) <= 1:  # of no token: it brought out what was held back
+                        self.whole = self.text_end
             elif text:
                 self.unsure = True
             if self.path == CHAT and not chat_resume.plain(choice):
@@ -128,11 +134,29 @@ class Progress:
                 taken = choice.pop("token_ids", None) is not None or taken
         return _encode(chunk) if taken else event
 
+    async def settle(self, detokenize: Callable[[list[int]], Awaitable[str | None]]) -> None:
+        """After an event of several tokens with text: find where its text ended, with `detokenize` (the model's
+        tokenizer, on an instance: None if it could not be asked). The detokenizer held back every token after the
+        last one whose text went out (their text ended inside a character, in U+FFFD), at most a character's bytes;
+        so that token ends the tokens, counted from a known end, whose text does not end in U+FFFD."""
+        if self.text_end == self.whole or self.prompt is None or self.finished or self.unsure:
+            return
+        for end in range(self.text_end, max(self.whole, self.text_end - _HELD_AT_MOST), -1):
+            text = await detokenize(self.streamed[self.whole : end])
+            if text is None:
+                return
+            if text and not text.endswith(_REPLACEMENT):
+                self.whole = self.text_end = end
+                return
+
     def continuation(self) -> tuple[str, dict[str, Any]] | None:
         """The path and body of the request for the rest of the stream; None if it cannot be resumed (its
-        prompt's tokens never came, a token came without its id, it had ended, or nothing is left to generate)."""
-        if self.prompt is None or self.finished or self.unsure or self.whole is None:
+        prompt's tokens never came, a token came without its id, it had ended, where its text ended is not known
+        (see `settle`), the client has the ids of tokens that would come again, or nothing is left to generate)."""
+        if self.prompt is None or self.finished or self.unsure or self.text_end > self.whole:
             return None
+        if self.client_ids and self.whole < len(self.streamed):
+            return None  # the tokens after `whole` (their text held back) come again, and their ids with them
         body = chat_resume.as_completion(self.body) if self.path == CHAT else dict(self.body)
         body.pop("kv_transfer_params", None)
         self.streamed = self.streamed[: self.whole]  # the rest comes again (`continued` counts usage from here)

@@ -125,6 +125,7 @@ class Resume:
 
     progress: Progress
     send: Callable[[str, dict[str, Any]], Awaitable[Relay | None]]
+    detokenize: Callable[[list[int]], Awaitable[str | None]]  # the model's tokenizer, on an instance (`settle`)
 
 
 class Relay:
@@ -171,7 +172,10 @@ class Relay:
                     if whole:
                         yield whole if progress is None else each_event(whole, progress.passed)
             except httpx.HTTPError as exc:
-                rest = progress.continuation() if progress is not None else None
+                rest = None
+                if self._resume is not None:
+                    await self._resume.progress.settle(self._resume.detokenize)
+                    rest = self._resume.progress.continuation()
                 if self._resume is None or rest is None:
                     outcome = "decode_error"
                     yield self._broke_off(exc, pending)

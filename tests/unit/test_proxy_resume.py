@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import Request
 
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from p2pkv.proxy.resume import Progress, resumable
@@ -35,11 +36,21 @@ class Decode:
     "a", "b", ...) counted on from the tokens its prompt has beyond PROMPT_IDS, as a continuation's go on. With
     `dies_after`, its first stream breaks off after that many tokens."""
 
-    def __init__(self, name: str, dies_after: int = 0, delta: str = "content") -> None:
-        """`delta`: the field of a chat chunk's delta its tokens come in."""
+    def __init__(self, name: str, dies_after: int = 0, delta: str = "content", per_event: int = 1,
+                 detokenizes: bool = True) -> None:
+        """`delta`: the field of a chat chunk's delta its tokens come in; `per_event`: tokens per event of a
+        completion stream after the first (vLLM's stream interval); `detokenizes`: it answers `/detokenize`."""
         self.seen: list[dict[str, Any]] = []
-        self.name, self.dies_after, self.delta = name, dies_after, delta
+        self.detokenized: list[list[int]] = []
+        self.name, self.dies_after, self.delta, self.per_event = name, dies_after, delta, per_event
         self.app = streaming_decode(("/v1/completions", "/v1/chat/completions"), self._stream, self.seen)
+        if detokenizes:
+            self.app.post("/detokenize")(self._detokenize)
+
+    async def _detokenize(self, request: Request) -> dict[str, Any]:
+        body = await request.json()
+        self.detokenized.append(body["tokens"])
+        return {"prompt": "".join(chr(ord("a") + t - 10) for t in body["tokens"])}
 
     def _stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
         return self._chat(body) if path.endswith("chat/completions") else self._events(body)
@@ -66,16 +77,19 @@ class Decode:
         prompt = body["prompt"] if isinstance(body["prompt"], list) else PROMPT_IDS
         ids = body.get("return_token_ids") is True
         left = body.get("max_tokens") or 16
-        for n in range(left):
+        first = 10 + len(prompt) - len(PROMPT_IDS)
+        n = 0
+        while n < left:
             if self.dies_after and n == self.dies_after and len(self.seen) == 1:
                 await asyncio.sleep(0.1)
                 raise RuntimeError("the decode instance died")
-            token = 10 + len(prompt) - len(PROMPT_IDS) + n
-            text = chr(ord("a") + token - 10)
-            finish = "length" if n == left - 1 else None
-            event = chunk(f"cmpl-{self.name}", text, [token], prompt if n == 0 else None, finish)
+            tokens = list(range(first + n, first + min(left, n + (self.per_event if n else 1))))
+            text = "".join(chr(ord("a") + token - 10) for token in tokens)
+            n += len(tokens)
+            finish = "length" if n == left else None
+            event = chunk(f"cmpl-{self.name}", text, tokens, prompt if n == len(tokens) else None, finish)
             if not ids:
-                event = event.replace(b', "token_ids": [' + str(token).encode() + b"]", b"")
+                event = event.replace(b', "token_ids": ' + json.dumps(tokens).encode(), b"")
                 event = event.replace(b', "prompt_token_ids": ' + json.dumps(prompt).encode(), b"")
             yield event
         if (body.get("stream_options") or {}).get("include_usage"):
@@ -225,6 +239,83 @@ def test_a_stream_goes_on_from_the_last_token_whose_text_went_out_whole() -> Non
     assert _progress(([10], "a"), ([11], "b")).continuation() is not None
     assert _progress(([10], "a"), ([11], "b\n")).continuation() is not None
     assert Progress(BODY, "/v1/completions").continuation() is None, "no prompt ids seen"
+
+
+@pytest.mark.parametrize("detokenizes", [True, False], ids=["detokenized", "no-detokenize"])
+def test_a_stream_of_several_tokens_an_event_goes_on_from_where_its_text_ended(detokenizes: bool) -> None:
+    """vLLM's stream interval (or speculative decoding) puts several tokens in an event, whose end may fall inside
+    a character: an instance that did not fail detokenizes the tokens since the last known end; without that
+    answer, the stream ends with an error."""
+    decodes = [Decode("first", dies_after=3, per_event=2, detokenizes=detokenizes),
+               Decode("second", per_event=2, detokenizes=detokenizes)]
+    events, text, _, metrics = run(BODY, decodes)
+    first, second = decodes
+    assert first.detokenized == [] and second.detokenized == ([[11, 12]] if detokenizes else [])
+    if not detokenizes:
+        assert text == "abc" and events[-2]["error"]["code"] == 502 and len(second.seen) == 0
+        assert metrics["stream_resumes_total"] == 0 and metrics['requests_total{outcome="decode_error"}'] == 1
+        return
+    assert text == "abcde" and events[-1] == "[DONE]"
+    (rest,) = second.seen
+    assert rest["prompt"] == [*PROMPT_IDS, 10, 11, 12] and rest["max_tokens"] == 2
+    assert metrics["stream_resumes_total"] == 1 and metrics['requests_total{outcome="ok"}'] == 1
+
+
+_BYTES = {10: b"a", 11: b"b", 12: b"\xc3", 13: b"\xa9", 14: b"<", 15: b""}  # 12, 13: the two bytes of "é"
+
+
+def _settled(progress: Progress, answers: bool = True) -> list[list[int]]:
+    """`progress` settled with a tokenizer of `_BYTES` (None from it, unless `answers`); what it was asked."""
+    asked: list[list[int]] = []
+
+    async def detokenize(ids: list[int]) -> str | None:
+        asked.append(ids)
+        return b"".join(_BYTES[t] for t in ids).decode("utf-8", "replace") if answers else None
+
+    asyncio.run(progress.settle(detokenize))
+    return asked
+
+
+def test_an_event_of_several_tokens_is_settled_where_its_text_ended() -> None:
+    progress = _progress(([10], "a"), ([11, 12, 13], "bé"))
+    assert progress.continuation() is None, "not settled"
+    assert _settled(progress) == [[11, 12, 13]]
+    rest = progress.continuation()
+    assert rest is not None and rest[1]["prompt"] == [*PROMPT_IDS, 10, 11, 12, 13] and rest[1]["max_tokens"] == 1
+    # The event's last token began a character: its text is held back; the stream goes on from before it.
+    progress = _progress(([10], "a"), ([11, 12], "b"))
+    assert _settled(progress) == [[11, 12], [11]]
+    rest = progress.continuation()
+    assert rest is not None and rest[1]["prompt"] == [*PROMPT_IDS, 10, 11] and rest[1]["max_tokens"] == 3
+    # A token of no text after the held one: held back too.
+    progress = _progress(([10], "a"), ([11, 12, 15], "b"))
+    assert _settled(progress) == [[11, 12, 15], [11, 12], [11]]
+    # Tokens without text after the event are not asked about; they come again.
+    progress = _progress(([10], "a"), ([11, 14], "b<"), ([12], ""))
+    assert _settled(progress) == [[11, 14]]
+    rest = progress.continuation()
+    assert rest is not None and rest[1]["prompt"] == [*PROMPT_IDS, 10, 11, 14]
+    # Settled from the start: every event had several tokens.
+    progress = _progress(([10, 11], "ab"), ([14, 12], "<"))
+    assert _settled(progress) == [[10, 11, 14, 12], [10, 11, 14]]
+    assert progress.continuation() is not None
+
+
+def test_a_stream_is_not_resumed_where_its_text_cannot_be_settled() -> None:
+    progress = _progress(([10], "a"), ([11, 12], "b"))
+    assert _settled(progress, answers=False) == [[11, 12]] and progress.continuation() is None
+    # No end since the last sure one decodes without a character cut short (a byte that begins none went out as
+    # U+FFFD): not resumed, never from before text that went out.
+    progress = _progress(([10], "a"), ([13, 12], "\ufffd"))
+    assert _settled(progress) == [[13, 12], [13]] and progress.continuation() is None
+    # Sure ends are not asked about.
+    assert _settled(_progress(([10], "a"), ([11], "b"))) == []
+    # The client has the held-back token's id: it would come twice.
+    progress = Progress({**BODY, "return_token_ids": True}, "/v1/completions")
+    for i, (ids, text) in enumerate([([10], "a"), ([11, 12], "b")]):
+        progress.passed(chunk("c", text, ids, PROMPT_IDS if i == 0 else None))
+    _settled(progress)
+    assert progress.whole == 2 and progress.continuation() is None
 
 
 def test_each_prompt_of_a_streamed_batch_goes_on_by_itself() -> None:
