@@ -29,6 +29,13 @@ def carries_output(choice: dict[str, Any]) -> bool:
     return isinstance(delta, dict) and any(delta.get(k) for k in ("content", *NOT_CONTENT))
 
 
+def text_of(choice: dict[str, Any]) -> str:
+    """The text a completion choice or a chat choice's delta content carries."""
+    delta = choice.get("delta")
+    text = choice.get("text") if "text" in choice else delta.get("content") if isinstance(delta, dict) else None
+    return text if isinstance(text, str) else ""
+
+
 def plain(choice: dict[str, Any]) -> bool:
     """Whether a chat choice's delta holds nothing but content (and the role)."""
     delta = choice.get("delta")

@@ -10,7 +10,14 @@ Only where the continuation is the same request: a `/v1/completions` stream of o
 penalties, which count output tokens only; no structured output, whose grammar would start again; no logprobs, echo
 or prompt truncation), and only while every token streamed came with its id and, for chat, as plain content (a
 reasoning or tool-call parser on the server works on the whole output, which a continuation would not give it).
-The decode request asks vLLM for token ids (`return_token_ids`), which the client gets only if it asked for them."""
+The decode request asks vLLM for token ids (`return_token_ids`), which the client gets only if it asked for them.
+
+The continuation starts after the last token whose text went out: vLLM's detokenizer holds back a character's bytes
+until it is whole, and a prompt that ends inside a character makes the continuation's detokenizer start wrongly
+(vLLM 0.32 then streamed the whole prompt back as text). An event of one token with text ends where its text does;
+the end of an event of several (vLLM's `--stream-interval`, speculative decoding) is found by asking an instance to
+detokenize the tokens since (`Progress.settle`). Tokens after that end come again, so a stream whose client asked
+for token ids is not resumed past tokens it was sent the ids of."""
 
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ _STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_r
                "guided_grammar", "guided_decoding_backend")
 _ABSENT: tuple[Any, ...] = (None, 0, 0.0, False, "", [])
 _REPLACEMENT = "\ufffd"  # what a tokenizer decodes the bytes of a character cut short to
+_TAIL = 8  # characters of the text after a known end that its settled end must match
 _HELD_AT_MOST = 8  # tokens held back at the end of a stream: a character's bytes, and special tokens among them
 
 
@@ -97,6 +105,7 @@ class Progress:
         # (with speculative decoding, or vLLM's stream interval), whose end `settle` checks.
         self.whole = 0
         self.text_end = 0
+        self.tail = ""  # the end of the text that went out after `whole`
         self.finished = False
         self.unsure = False  # a token came without its id, or (chat) as other than plain content
         self.first: dict[str, Any] = {}  # the first chunk's id, created and model
@@ -123,7 +132,9 @@ class Progress:
                 if text:
                     self.text_end = len(self.streamed)
                     if len(choice["token_ids"]) <= 1:  # of no token: it brought out what was held back
-                        self.whole = self.text_end
+                        self.whole, self.tail = self.text_end, ""
+                    else:
+                        self.tail = (self.tail + chat_resume.text_of(choice))[-_TAIL:]
             elif text:
                 self.unsure = True
             if self.path == CHAT and not chat_resume.plain(choice):
@@ -137,15 +148,17 @@ class Progress:
     async def settle(self, detokenize: Callable[[list[int]], Awaitable[str | None]]) -> None:
         """After an event of several tokens with text: find where its text ended, with `detokenize` (the model's
         tokenizer, on an instance: None if it could not be asked). The detokenizer held back every token after the
-        last one whose text went out (their text ended inside a character, in U+FFFD), at most a character's bytes;
-        so that token ends the tokens, counted from a known end, whose text does not end in U+FFFD."""
+        last one whose text went out (their text ended inside a character, in U+FFFD; special tokens, which vLLM's
+        `/detokenize` spells out, among them), at most a character's bytes; so that token ends the tokens, counted
+        from a known end, whose text ends as the text that went out does and not in U+FFFD."""
         if self.text_end == self.whole or self.prompt is None or self.finished or self.unsure:
             return
+        tail = self.tail.lstrip()  # a tokenizer may drop a space at the start of what it decodes
         for end in range(self.text_end, max(self.whole, self.text_end - _HELD_AT_MOST), -1):
             text = await detokenize(self.streamed[self.whole : end])
             if text is None:
                 return
-            if text and not text.endswith(_REPLACEMENT):
+            if text and not text.endswith(_REPLACEMENT) and text.endswith(tail):
                 self.whole = self.text_end = end
                 return
 

@@ -250,18 +250,23 @@ def _cut_stream(cluster: UpCluster, path: str, body: dict[str, Any]) -> tuple[li
     return [json.loads(line) for line in lines[:-1]], metrics
 
 
-@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
-def test_a_stream_cut_off_after_its_answer_began_goes_on_with_the_same_text(up_cluster: UpCluster,
-                                                                            chat: bool) -> None:
+@pytest.mark.parametrize("chat,interval", [(False, None), (True, None), (False, 3)],
+                         ids=["completion", "chat", "completion-3-tokens-an-event"])
+def test_a_stream_cut_off_after_its_answer_began_goes_on_with_the_same_text(up_cluster: UpCluster, chat: bool,
+                                                                            interval: int | None) -> None:
     """The rest of a stream cut off after 5 events is prefilled and decoded as a new transfer from the tokens
     already streamed (a chat stream's as a completion of its prompt's tokens), and the client's stream reads as one
-    uninterrupted answer equal to the colocated instance's, under one id, with one request's usage."""
+    uninterrupted answer equal to the colocated instance's, under one id, with one request's usage. With vLLM's
+    `stream_interval`, events of several tokens, whose text may end inside a character (the tiny model's tokens
+    are bytes): the stream goes on from where its text ended."""
     decode = up_cluster.instance("kv_consumer")
     base: dict[str, Any] = {"model": up_cluster.model, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     if chat:
         path, base["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt("resumed-chat", 200)}]
     else:
-        path, base["prompt"] = "/v1/completions", prompt("resumed", 200)
+        path, base["prompt"] = "/v1/completions", prompt("resumed" if interval is None else "interval-0", 200)
+    if interval is not None:
+        base["stream_interval"] = interval
     loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
     events, metrics = _cut_stream(up_cluster, path, {**base, "stream": True,
                                                      "stream_options": {"include_usage": True}})

@@ -53,7 +53,8 @@ class Decode:
         return {"prompt": "".join(chr(ord("a") + t - 10) for t in body["tokens"])}
 
     def _stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
-        return self._chat(body) if path.endswith("chat/completions") else self._events(body)
+        # Whether this is its first stream is known as the request comes (`seen` has it), not when it is read.
+        return self._chat(body) if path.endswith("chat/completions") else self._events(body, len(self.seen) == 1)
 
     async def _chat(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
         """As vLLM streams a chat answer: the role first (with the prompt's ids, when asked), then the tokens."""
@@ -73,14 +74,14 @@ class Decode:
         await asyncio.sleep(0.1)
         raise RuntimeError("the decode instance died")
 
-    async def _events(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def _events(self, body: dict[str, Any], first_stream: bool) -> AsyncIterator[bytes]:
         prompt = body["prompt"] if isinstance(body["prompt"], list) else PROMPT_IDS
         ids = body.get("return_token_ids") is True
         left = body.get("max_tokens") or 16
         first = 10 + len(prompt) - len(PROMPT_IDS)
         n = 0
         while n < left:
-            if self.dies_after and n == self.dies_after and len(self.seen) == 1:
+            if self.dies_after and n == self.dies_after and first_stream:
                 await asyncio.sleep(0.1)
                 raise RuntimeError("the decode instance died")
             tokens = list(range(first + n, first + min(left, n + (self.per_event if n else 1))))
@@ -261,7 +262,8 @@ def test_a_stream_of_several_tokens_an_event_goes_on_from_where_its_text_ended(d
     assert metrics["stream_resumes_total"] == 1 and metrics['requests_total{outcome="ok"}'] == 1
 
 
-_BYTES = {10: b"a", 11: b"b", 12: b"\xc3", 13: b"\xa9", 14: b"<", 15: b""}  # 12, 13: the two bytes of "é"
+# 12, 13: the two bytes of "é"; 16 a special token (vLLM's `/detokenize` spells them out, a stream leaves them out)
+_BYTES = {10: b"a", 11: b"b", 12: b"\xc3", 13: b"\xa9", 14: b"<", 15: b"", 16: b"</s>"}
 
 
 def _settled(progress: Progress, answers: bool = True) -> list[list[int]]:
@@ -290,6 +292,11 @@ def test_an_event_of_several_tokens_is_settled_where_its_text_ended() -> None:
     # A token of no text after the held one: held back too.
     progress = _progress(([10], "a"), ([11, 12, 15], "b"))
     assert _settled(progress) == [[11, 12, 15], [11, 12], [11]]
+    # A special token after the held one: held back too, though spelled out it does not end in U+FFFD.
+    progress = _progress(([10], "a"), ([11, 12, 16], "b"))
+    assert _settled(progress) == [[11, 12, 16], [11, 12], [11]] and progress.whole == 2
+    progress = _progress(([10], "a"), ([11, 16], "b"))
+    assert _settled(progress) == [[11, 16], [11]] and progress.whole == 2
     # Tokens without text after the event are not asked about; they come again.
     progress = _progress(([10], "a"), ([11, 14], "b<"), ([12], ""))
     assert _settled(progress) == [[11, 14]]
