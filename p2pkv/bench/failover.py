@@ -25,7 +25,8 @@ from p2pkv.cli.cluster import Cluster, InstanceSpec, free_ports
 @dataclass
 class Stream:
     text: str = ""
-    tokens: int = 0  # the stream's choice events (one token each, as vLLM streams a request alone)
+    tokens: int = 0  # the stream's choice events (one token each as vLLM streams a request alone, or the stream
+    # interval's count)
     error: str | None = None
     done: bool = False  # `[DONE]` came
 
@@ -45,9 +46,11 @@ class FailoverResult:
                 and [s.text for s in self.streams] == self.again)
 
 
-def body(i: int, model: str, max_tokens: int, stream: bool = True) -> dict[str, Any]:
-    return {"model": model, "prompt": f"[{i}] " + "lorem ipsum dolor sit amet " * 10, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": stream}
+def body(i: int, model: str, max_tokens: int, stream: bool = True, interval: int = 1) -> dict[str, Any]:
+    """Request `i`; `interval`: tokens in each streamed event after the first (vLLM's `stream_interval`)."""
+    request = {"model": model, "prompt": f"[{i}] " + "lorem ipsum dolor sit amet " * 10, "max_tokens": max_tokens,
+               "temperature": 0, "ignore_eos": True, "stream": stream}
+    return {**request, "stream_interval": interval} if stream and interval > 1 else request
 
 
 async def _read(client: httpx.AsyncClient, proxy: str, request: dict[str, Any], out: Stream) -> None:
@@ -68,14 +71,15 @@ async def _read(client: httpx.AsyncClient, proxy: str, request: dict[str, Any], 
 
 
 async def drive(proxy: str, model: str, streams: int, max_tokens: int, kill: Callable[[], None],
-                timeout_s: float = 600.0) -> FailoverResult:
+                timeout_s: float = 600.0, interval: int = 1) -> FailoverResult:
     """`streams` streams at once; `kill` once each has a third of its tokens (or all have ended)."""
     result = FailoverResult([Stream() for _ in range(streams)])
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=timeout_s) as client:
-        readers = [asyncio.ensure_future(_read(client, proxy, body(i, model, max_tokens), s))
+        readers = [asyncio.ensure_future(_read(client, proxy, body(i, model, max_tokens, interval=interval), s))
                    for i, s in enumerate(result.streams)]
-        while not all(s.tokens >= max_tokens // 3 or r.done() for s, r in zip(result.streams, readers, strict=True)):
+        third = max_tokens // 3 // interval  # events
+        while not all(s.tokens >= third or r.done() for s, r in zip(result.streams, readers, strict=True)):
             if time.monotonic() - started > timeout_s:
                 break
             await asyncio.sleep(0.05)
@@ -94,7 +98,8 @@ async def drive(proxy: str, model: str, streams: int, max_tokens: int, kill: Cal
     return result
 
 
-def run(model: str, streams: int, max_tokens: int, stream_resumes: int, log_dir: Path) -> FailoverResult:
+def run(model: str, streams: int, max_tokens: int, stream_resumes: int, log_dir: Path, interval: int = 1
+        ) -> FailoverResult:
     cluster = Cluster(model=model, log_dir=log_dir)
     p_http, p_kv, d0_http, d0_kv, d1_http, d1_kv, proxy_port = free_ports(7)
     cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv, {}))
@@ -111,19 +116,20 @@ def run(model: str, streams: int, max_tokens: int, stream_resumes: int, log_dir:
 
     try:
         cluster.start(progress=lambda line: print(f"[failover] {line}", flush=True))
-        return asyncio.run(drive(f"http://127.0.0.1:{proxy_port}", model, streams, max_tokens, kill))
+        return asyncio.run(drive(f"http://127.0.0.1:{proxy_port}", model, streams, max_tokens, kill,
+                                 interval=interval))
     finally:
         cluster.stop()
 
 
-def main(model: str | None, streams: int, max_tokens: int, stream_resumes: int) -> int:
+def main(model: str | None, streams: int, max_tokens: int, stream_resumes: int, interval: int = 1) -> int:
     if model is None:
         from p2pkv.cli.up import default_model_dir
         from p2pkv.tinymodel import write_tiny_model
 
         model = str(write_tiny_model(default_model_dir()))
     log_dir = Path(tempfile.mkdtemp(prefix="p2pkv-failover-"))
-    r = run(model, streams, max_tokens, stream_resumes, log_dir)
+    r = run(model, streams, max_tokens, stream_resumes, log_dir, interval)
     whole = sum(s.whole() for s in r.streams)
     same = sum(s.text == again for s, again in zip(r.streams, r.again, strict=True))
     rows = [("streams", len(r.streams)), ("decode0 killed after (s)", f"{r.killed_at_s:.1f}"),

@@ -69,7 +69,7 @@ def _bench_soak(args: argparse.Namespace) -> int:
 def _bench_failover(args: argparse.Namespace) -> int:
     from p2pkv.bench.failover import main as bench_failover
 
-    return bench_failover(args.model, args.streams, args.max_tokens, args.stream_resumes)
+    return bench_failover(args.model, args.streams, args.max_tokens, args.stream_resumes, args.stream_interval)
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     failover.add_argument("--streams", type=_at_least_one, default=16)
     failover.add_argument("--max-tokens", type=_at_least_one, default=1500)
     failover.add_argument("--stream-resumes", type=int, default=1, help="the proxy's --stream-resumes")
+    failover.add_argument("--stream-interval", type=_at_least_one, default=1,
+                          help="tokens in each streamed event after the first (vLLM's stream_interval, per request)")
     failover.set_defaults(func=_bench_failover)
     soak = bench.add_parser("soak", help="many requests through a local 1P1D cluster: failures, leaks, memory")
     soak.add_argument("--model", default=None, help="model directory (default: the tiny model)")

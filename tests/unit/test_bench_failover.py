@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from p2pkv.bench.failover import drive
+from p2pkv.bench.failover import body, drive
 from tests.helpers.servers import serve
 
 TOKENS = 12
@@ -74,3 +74,10 @@ def test_the_kill_comes_mid_stream_and_only_whole_equal_streams_pass(after_kill:
     assert result.metrics["p2pkv_proxy_stream_resumes_total"] == 3
     if after_kill == "whole":
         assert [s.tokens for s in result.streams] == [TOKENS] * 3 and result.again == ["t" * TOKENS] * 3
+
+
+def test_streams_ask_for_the_stream_interval_and_the_requests_sent_again_do_not() -> None:
+    assert body(0, "tiny", 9, interval=4)["stream_interval"] == 4
+    assert "stream_interval" not in body(0, "tiny", 9, stream=False, interval=4)
+    assert "stream_interval" not in body(0, "tiny", 9)
+    assert body(1, "tiny", 9, interval=4)["prompt"] != body(0, "tiny", 9, interval=4)["prompt"]
