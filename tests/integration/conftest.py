@@ -21,7 +21,10 @@ import pytest
 
 from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port
 from p2pkv.params import Address
+from p2pkv.proxy import Instance, ProxyConfig, create_app
 from p2pkv.tinymodel import TinyModelSpec, write_tiny_model
+from tests.helpers.relay import CutRelay
+from tests.helpers.servers import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 128  # vLLM's CPU default
@@ -235,3 +238,25 @@ def up_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory, oracle
     with up_with_colocated(tiny_model, tmp_path_factory.mktemp("up"), extra, vllm_args, env=env, shared=oracle) as (
             proc, info, colocated):
         yield UpCluster(proc, info, colocated, tiny_model)
+
+
+def cut_stream(info: dict[str, Any], path: str, body: dict[str, Any], events: int = 5
+               ) -> tuple[list[dict[str, Any]], str]:
+    """`body` streamed to `path` through a proxy in front of `p2pkv up`'s instances (`info`: its ready file's
+    description; 1P1D), whose decode instance's connection is cut after `events` events of the first stream (as if
+    the instance died): the stream's events (it must end with one `[DONE]`) and the proxy's metrics."""
+    prefill, decode = instance_of(info, "kv_producer"), instance_of(info, "kv_consumer")
+    relay = CutRelay(decode["http"], events=events)
+    config = ProxyConfig(prefill=(Instance.parse(prefill["http"]),),
+                         decode=(Instance.parse(f"{relay.address}@{decode['kv']}"),), discovery_port=0)
+    try:
+        with serve(create_app(config)) as proxy:
+            with httpx.stream("POST", f"http://{proxy}{path}", timeout=120, json=body) as resp:
+                assert resp.status_code == 200
+                lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+            metrics = httpx.get(f"http://{proxy}/metrics").text
+    finally:
+        relay.close()
+    assert relay.flipped.is_set(), "the stream was cut"
+    assert lines[-1] == "[DONE]" and lines.count("[DONE]") == 1
+    return [json.loads(line) for line in lines[:-1]], metrics

@@ -16,16 +16,14 @@ import httpx
 import pytest
 
 from p2pkv.params import Address, DecodeParams, DiscardParams, PrefillParams, parse_transfer_params
-from p2pkv.proxy import Instance, ProxyConfig, create_app
 from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, TRANSFER_HEADER
 from p2pkv.tinymodel import TinyModelSpec, write_tiny_model
-from tests.helpers.relay import CutRelay
-from tests.helpers.servers import serve
 from tests.integration.conftest import (
     BLOCK_SIZE,
     TRANSFER_TIMEOUT_S,
     UpCluster,
     complete,
+    cut_stream,
     kv_bytes_per_block_and_layer,
     metric,
 )
@@ -227,29 +225,6 @@ def test_chat_and_streaming_give_the_same_text(up_cluster: UpCluster) -> None:
     assert chat_streamed == plain
 
 
-def _cut_stream(cluster: UpCluster, path: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
-    """`body` streamed to `path` through a proxy whose decode instance's connection is cut after 5 events of the
-    first stream (as if the instance died): the stream's events (it must end with one `[DONE]`) and the proxy's
-    metrics."""
-    import json
-
-    prefill, decode = cluster.instance("kv_producer"), cluster.instance("kv_consumer")
-    relay = CutRelay(decode["http"], events=5)
-    config = ProxyConfig(prefill=(Instance.parse(prefill["http"]),),
-                         decode=(Instance.parse(f"{relay.address}@{decode['kv']}"),), discovery_port=0)
-    try:
-        with serve(create_app(config)) as proxy:
-            with httpx.stream("POST", f"http://{proxy}{path}", timeout=120, json=body) as resp:
-                assert resp.status_code == 200
-                lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
-            metrics = httpx.get(f"http://{proxy}/metrics").text
-    finally:
-        relay.close()
-    assert relay.flipped.is_set(), "the stream was cut"
-    assert lines[-1] == "[DONE]" and lines.count("[DONE]") == 1
-    return [json.loads(line) for line in lines[:-1]], metrics
-
-
 @pytest.mark.parametrize("chat,interval", [(False, None), (True, None), (False, 3)],
                          ids=["completion", "chat", "completion-3-tokens-an-event"])
 def test_a_stream_cut_off_after_its_answer_began_goes_on_with_the_same_text(up_cluster: UpCluster, chat: bool,
@@ -268,8 +243,8 @@ def test_a_stream_cut_off_after_its_answer_began_goes_on_with_the_same_text(up_c
     if interval is not None:
         base["stream_interval"] = interval
     loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
-    events, metrics = _cut_stream(up_cluster, path, {**base, "stream": True,
-                                                     "stream_options": {"include_usage": True}})
+    events, metrics = cut_stream(up_cluster.info, path, {**base, "stream": True,
+                                                         "stream_options": {"include_usage": True}})
     assert not [e for e in events if "error" in e], events
     choices = [c for e in events for c in e["choices"]]
     assert not [c for c in choices if "token_ids" in c or "prompt_token_ids" in c], "ids the client did not ask for"
