@@ -10,7 +10,7 @@ from typing import Any
 _SHARED = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "ignore_eos",
            "min_tokens", "stop_token_ids", "skip_special_tokens", "spaces_between_special_tokens", "logit_bias",
            "allowed_token_ids", "bad_words", "stream", "stream_options", "priority", "user", "cache_salt",
-           "return_token_ids", "length_penalty", "vllm_xargs")
+           "return_token_ids", "length_penalty", "vllm_xargs", "stream_interval")
 # Delta fields that carry output other than plain content (vLLM names reasoning `reasoning`; it was
 # `reasoning_content`).
 NOT_CONTENT = ("reasoning", "reasoning_content", "tool_calls", "function_call", "refusal")

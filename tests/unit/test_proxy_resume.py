@@ -16,6 +16,7 @@ import pytest
 from fastapi import Request
 
 from p2pkv.proxy import Instance, ProxyConfig, create_app
+from p2pkv.proxy.chat_resume import as_completion
 from p2pkv.proxy.resume import Progress, resumable
 from tests.helpers.servers import serve
 from tests.helpers.stubs import streaming_decode, stub_prefill
@@ -190,6 +191,12 @@ def test_a_broken_chat_stream_goes_on_as_a_completion_of_the_chat_prompts_tokens
     assert chunks[5]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
     assert events[-1] == "[DONE]" and metrics["stream_resumes_total"] == 1
+
+
+def test_a_chat_streams_rest_keeps_its_sampling_and_stream_options_and_nothing_chat_only() -> None:
+    chat = {**CHAT, "stream_interval": 4, "top_k": 5, "tools": None, "max_completion_tokens": 7}
+    assert as_completion(chat) == {"model": "tiny", "max_tokens": 7, "stream": True, "temperature": 0,
+                                   "stream_options": {"include_usage": True}, "stream_interval": 4, "top_k": 5}
 
 
 def test_a_chat_stream_that_streamed_reasoning_is_not_resumed() -> None:
