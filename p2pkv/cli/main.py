@@ -152,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keys for the prefill instances only, over --extra-config, e.g. '{\"lease_s\": 60}'")
     up.add_argument("--decode-extra-config", default="{}", metavar="JSON",
                     help="keys for the decode instances only, over --extra-config, e.g. '{\"kv_buffer_size\": 8e9}'")
+    up.add_argument("--prefill-vllm-args", default="", metavar="ARGS",
+                    help="vLLM arguments for the prefill instances only, after those after --, as a shell would "
+                         "split them, e.g. '--max-num-batched-tokens 8192'")
+    up.add_argument("--decode-vllm-args", default="", metavar="ARGS",
+                    help="vLLM arguments for the decode instances only, e.g. "
+                         "'--speculative-config {\"method\": \"ngram\", \"num_speculative_tokens\": 3}'")
     up.add_argument("--ready-file", default=None, help="write the cluster's addresses as JSON here once ready")
     up.add_argument("--log-dir", default=None, help="where process logs go (default: a temporary folder)")
     up.add_argument("--ready-timeout", type=float, default=900.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import sys
 import tempfile
@@ -58,6 +59,14 @@ def _extra_config(text: str, option: str = "--extra-config", base: dict[str, Any
     return extra
 
 
+def _vllm_args(text: str, option: str) -> tuple[str, ...]:
+    """`text` split as a shell splits it."""
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as exc:
+        raise ConfigError(f"{option}: {exc}") from None
+
+
 def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[Cluster, dict[str, Any]]:
     """The cluster to start, and what the ready file will say about it."""
     cluster = Cluster(model=model, log_dir=log_dir, host=args.host, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb)
@@ -76,6 +85,8 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
         blocks = free_ports(2 * n, args.host, run=ranks, avoid=ports)
         kv_ports, metrics_ports = blocks[:n], blocks[n:]
     extra_vllm = tuple(a for a in args.vllm_args if a != "--")
+    own_vllm = {role: _vllm_args(text, f"--{role}-vllm-args")
+                for role, text in (("prefill", args.prefill_vllm_args), ("decode", args.decode_vllm_args))}
     # The instances find the proxy by heartbeats, as in a real deployment; nothing is listed statically.
     shared = _extra_config(args.extra_config)
     extra = {"send_type": args.send_type, "proxy_ip": args.host, "proxy_port": discovery_port, **shared}
@@ -89,7 +100,7 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
         spec = InstanceSpec(role, http_ports[i], kv_ports[i],
                             {**extra, **own["prefill" if is_prefill else "decode"], "metrics_port": metrics_ports[i],
                              "http_port": http_ports[i]},
-                            extra_vllm, args.kv_load_failure_policy,
+                            extra_vllm + own_vllm["prefill" if is_prefill else "decode"], args.kv_load_failure_policy,
                             args.prefill_tp if is_prefill else args.decode_tp,
                             args.prefill_pp if is_prefill else args.decode_pp,
                             args.prefill_dp if is_prefill else args.decode_dp)

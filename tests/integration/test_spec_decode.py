@@ -1,11 +1,12 @@
-"""1P1D with speculative decoding (vLLM's ngram proposer) on real vLLM (CPU, tiny model, float32), against a
-colocated instance with the same speculative decoding: the decode instance loads the prompt's KV by transfer and
-decodes several tokens a step, and its answers equal the colocated instance's; a stream cut off after events of
-several tokens goes on with the same text."""
+"""1P1D with speculative decoding (vLLM's ngram proposer) on the decode instance, on real vLLM (CPU, tiny model,
+float32), against a colocated instance with the same speculative decoding: the decode instance loads the prompt's
+KV by transfer and decodes several tokens a step, and its answers equal the colocated instance's; a stream cut off
+after events of several tokens goes on with the same text."""
 
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,9 +31,10 @@ MAX_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def spec_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    args = ["--speculative-config", SPECULATIVE]
+    """Speculative decoding on the decode instance only (`p2pkv up --decode-vllm-args`), as deployed."""
+    up_args = ("--decode-vllm-args", f"--speculative-config {shlex.quote(SPECULATIVE)}")
     with up_with_colocated(tiny_model, tmp_path_factory.mktemp("spec"), {"transfer_timeout_s": TRANSFER_TIMEOUT_S},
-                           args, colocated_args=tuple(args)) as (_, info, colocated):
+                           [], up_args, colocated_args=("--speculative-config", SPECULATIVE)) as (_, info, colocated):
         info.update(model=tiny_model, colocated=colocated)
         yield info
 
@@ -59,6 +61,7 @@ def test_greedy_answers_with_speculative_decoding_equal_a_colocated_instances(sp
         assert answer["usage"]["completion_tokens"] == MAX_TOKENS
     assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") > loaded, "the KV came by transfer"
     assert _accepted(decode["http"]) > accepted, "the decode instance decoded several tokens a step"
+    assert _accepted(instance_of(spec_cluster, "kv_producer")["http"]) == 0, "no speculative decoding on prefill"
 
 
 def test_a_stream_cut_off_after_events_of_several_tokens_goes_on_with_the_same_text(

@@ -48,3 +48,26 @@ def test_role_extra_configs_apply_to_their_role_over_the_shared_one(tmp_path: Pa
 def test_bad_role_extra_configs_are_refused_naming_the_option(tmp_path: Path, argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         _extras(tmp_path, *argv)
+
+
+def _vllm_argvs(tmp_path: Path, *argv: str) -> dict[str, list[str]]:
+    """Each instance's vLLM arguments after the connector's config, by instance name."""
+    args = build_parser().parse_args(["up", "--model", "m", "--prefill", "1", "--decode", "2", *argv])
+    cluster, _ = build_cluster(args, "m", tmp_path)
+    return {proc.name: proc.argv[proc.argv.index("--kv-transfer-config") + 2:]
+            for proc in cluster.processes if proc.name != "proxy"}
+
+
+def test_role_vllm_args_go_to_their_role_after_those_for_every_instance(tmp_path: Path) -> None:
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    argvs = _vllm_argvs(tmp_path, "--decode-vllm-args", f"--speculative-config '{spec}'",
+                        "--prefill-vllm-args", "--max-num-batched-tokens 64", "--", "--seed", "7")
+    assert argvs["prefill0"][-4:] == ["--seed", "7", "--max-num-batched-tokens", "64"]
+    for name in ("decode0", "decode1"):
+        assert argvs[name][-4:] == ["--seed", "7", "--speculative-config", spec]
+    assert "--speculative-config" not in argvs["prefill0"]
+
+
+def test_role_vllm_args_a_shell_could_not_split_are_refused_naming_the_option(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--decode-vllm-args: No closing quotation"):
+        _vllm_argvs(tmp_path, "--decode-vllm-args", "--speculative-config '{")
