@@ -315,6 +315,25 @@ def test_an_event_of_several_tokens_is_settled_where_its_text_ended() -> None:
     assert progress.continuation() is not None
 
 
+def _chat_chunk(content: str, ids: list[int], prompt: list[int] | None = None) -> bytes:
+    chunk: dict[str, Any] = {"id": "chat", "object": "chat.completion.chunk",
+                             "choices": [{"index": 0, "delta": {"content": content}, "token_ids": ids}]}
+    if prompt is not None:
+        chunk["prompt_token_ids"] = prompt
+    return b"data: " + json.dumps(chunk).encode()
+
+
+def test_a_chat_streams_events_of_several_tokens_are_settled_by_their_content() -> None:
+    progress = Progress(CHAT, "/v1/chat/completions")
+    progress.passed(_chat_chunk("", [], PROMPT_IDS))  # the role chunk
+    progress.passed(_chat_chunk("a", [10]))
+    progress.passed(_chat_chunk("b", [11, 12, 16]))  # "é" begun, then a special token: both held back
+    assert progress.tail == "b"
+    assert _settled(progress) == [[11, 12, 16], [11, 12], [11]]
+    rest = progress.continuation()
+    assert rest is not None and rest[0] == "/v1/completions" and rest[1]["prompt"] == [*PROMPT_IDS, 10, 11]
+
+
 def test_a_stream_is_not_resumed_where_its_text_cannot_be_settled() -> None:
     progress = _progress(([10], "a"), ([11, 12], "b"))
     assert _settled(progress, answers=False) == [[11, 12]] and progress.continuation() is None
