@@ -25,8 +25,8 @@ from p2pkv.cli.cluster import Cluster, InstanceSpec, free_ports
 @dataclass
 class Stream:
     text: str = ""
-    tokens: int = 0  # the stream's choice events (one token each as vLLM streams a request alone, or the stream
-    # interval's count)
+    tokens: int = 0  # the stream's choice events: one token each as vLLM streams a request alone, several with
+    # `--stream-interval`
     error: str | None = None
     done: bool = False  # `[DONE]` came
 

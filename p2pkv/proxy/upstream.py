@@ -127,6 +127,12 @@ class Resume:
     send: Callable[[str, dict[str, Any]], Awaitable[Relay | None]]
     detokenize: Callable[[list[int]], Awaitable[str | None]]  # the model's tokenizer, on an instance (`settle`)
 
+    async def rest(self) -> tuple[str, dict[str, Any]] | None:
+        """The path and body of the request for the rest of the stream, once it broke off; None if it cannot go
+        on."""
+        await self.progress.settle(self.detokenize)
+        return self.progress.continuation()
+
 
 class Relay:
     """A decode stream on its way to the client: the chunks read ahead (`head`), then the rest as it comes, passed on
@@ -172,10 +178,7 @@ class Relay:
                     if whole:
                         yield whole if progress is None else each_event(whole, progress.passed)
             except httpx.HTTPError as exc:
-                rest = None
-                if self._resume is not None:
-                    await self._resume.progress.settle(self._resume.detokenize)
-                    rest = self._resume.progress.continuation()
+                rest = await self._resume.rest() if self._resume is not None else None
                 if self._resume is None or rest is None:
                     outcome = "decode_error"
                     yield self._broke_off(exc, pending)
