@@ -7,6 +7,7 @@ proxy forwards to the decode instance. Transfers are keyed by `transfer_id`, nev
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,13 @@ class Address:
 
     def __str__(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @classmethod
+    def advertised(cls, kv_host: str, port: int) -> Address:
+        """Where peers reach a KV listener bound to `kv_host`: itself, or this host's address for a wildcard. The
+        prefill side names its rank-0 listener so in `DecodeParams`, and each engine names its own so in `Hello`."""
+        host = socket.gethostbyname(socket.gethostname()) if kv_host in ("0.0.0.0", "::", "") else kv_host
+        return cls(host, port)
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,8 @@ class DeviceHome(msgspec.Struct, frozen=True):
 class Hello(msgspec.Struct, tag="hello", frozen=True):
     """First frame on a new connection: who is speaking, what its KV looks like, whether it may be read
     directly (shm transport), which device exports it can open (`device_kind`, cuda_ipc), and which kind of pipe
-    it can make (`pipe_kind`, nccl); `home`: where its own export lives, when it exports its cache."""
+    it can make (`pipe_kind`, nccl); `home`: where its own export lives, when it exports its cache. Fields after
+    `layout` have defaults: a peer that does not send one is read as not having it."""
 
     engine_id: str
     rank: int
@@ -133,6 +134,9 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     pipe_kind: str = ""
     home: DeviceHome | None = None
     digests: bool = False  # integrity_check: payloads on this link, both ways, carry their digest
+    # Where the speaker's own KV listener is reached, as its instance names it to peers (`DecodeParams`): a
+    # listener that refuses it notes the refusal under this address, so that loads of its pushes fail at once.
+    kv_address: str = ""
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):

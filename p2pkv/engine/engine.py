@@ -17,6 +17,7 @@ from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import OfferState, OfferTable, Slicer, SliceRanges, ViewSource
 from p2pkv.engine.puller import HeadSlice, Puller, PullJob, PullResult, Renewal
 from p2pkv.engine.receiver import Receiver
+from p2pkv.engine.refused import RefusedPeers
 from p2pkv.engine.sender import Outgoing, PushJob, Sender
 from p2pkv.engine.store import ReceiveStore, StagedTransfer, StageState
 from p2pkv.memory import HostPool
@@ -64,6 +65,15 @@ class EngineSettings:
         )
 
 
+def _advertised(host: str, port: int) -> str:
+    """Where peers reach this engine's listener, as its instance names it ("" when this host's name resolves to no
+    address: the engine's peers then do not note a refusal of it)."""
+    try:
+        return str(Address.advertised(host, port))
+    except OSError:
+        return ""
+
+
 class TransferEngine:
     """`start()` binds and starts threads; `close()` stops them in reverse order and is idempotent."""
 
@@ -83,6 +93,7 @@ class TransferEngine:
         self.store = ReceiveStore(settings.staging_budget_bytes, settings.staging_expiry_s, layout.block_bytes,
                                   layout.num_layers, self.metrics, self.pool)
         self.offers = OfferTable()
+        self.refused = RefusedPeers()  # peers refused at their hello, by the address of their own listener
         self._receiver: Receiver | None = None
         self._sender: Sender | None = None
         self._puller: PullLanes | None = None
@@ -118,13 +129,13 @@ class TransferEngine:
         cache_digest = self._cache_digest(device, pipes)
         self._receiver = Receiver(listener, self.store, self.offers, self.layout, self.metrics, s.transfer_timeout_s,
                                   offer, export, pipes, s.connect_timeout_s, self._pull_rule(device, pipes),
-                                  s.integrity_check, cache_digest)
+                                  s.integrity_check, cache_digest, self.refused)
         self._receiver.start()
         hello = Hello(engine_id=self.engine_id, rank=self.rank, layout=self.layout, cma=offer,
                       device_kind=device.kind if device is not None else "",
                       pipe_kind=pipes.kind if pipes is not None else "",
                       home=DeviceHome(export.kind, export.boot_id, export.device) if export is not None else None,
-                      digests=s.integrity_check)
+                      digests=s.integrity_check, kv_address=_advertised(s.host, listener.port))
         require_shm = s.transport is Transport.SHM
         self._sender = Sender(self._connect, hello, self.metrics, require_shm)
         self._sender.start()
@@ -249,6 +260,11 @@ class TransferEngine:
         self._puller.forget(transfer_id)
 
     # Receiving side.
+    def refusal(self, peer: Address) -> str | None:
+        """Why this engine's listener refused the peer whose own listener is at `peer`, at its last hello; None if it
+        did not (or accepted it since)."""
+        return self.refused.reason(str(peer))
+
     def staged_state(self, transfer_id: str) -> StageState | None:
         return self.store.state(transfer_id)
 

@@ -13,6 +13,7 @@ from p2pkv.engine.handshake import server_reply
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import Offer, OfferTable, ViewSource
 from p2pkv.engine.pipes import PipeSlot
+from p2pkv.engine.refused import RefusedPeers
 from p2pkv.engine.store import HEADS_DIFFER, PULL_INSTEAD, ReceiveStore
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
@@ -50,11 +51,14 @@ class Receiver:
                  metrics: EngineMetrics, frame_timeout_s: float, offer: CmaOffer | None = None,
                  device: DeviceExport | None = None, pipes: PipeMaker | None = None,
                  pipe_setup_s: float = 5.0, pulls_over_device: Callable[[Hello], bool] | None = None,
-                 digests: bool = False, cache_digest: CacheDigest | None = None) -> None:
+                 digests: bool = False, cache_digest: CacheDigest | None = None,
+                 refused: RefusedPeers | None = None) -> None:
         """`pulls_over_device`: whether this worker would pull a client's blocks over a device path (opening its
         export, or through a pipe) rather than take them pushed through host memory. `digests`: integrity_check
         (payloads on every link carry their digest, checked where they land); `cache_digest`: how the blocks a
-        pull copies cache to cache are digested here."""
+        pull copies cache to cache are digested here; `refused`: where the peers refused at their hello are
+        noted."""
+        self.refused = refused if refused is not None else RefusedPeers()
         self._digests = digests
         self._cache_digest = cache_digest
         self._listener = listener
@@ -118,8 +122,10 @@ class Receiver:
             reason = "KV layout mismatch: " + "; ".join(diffs)
             log.error("refusing peer %s (engine %s): %s", conn.peer, hello.engine_id, reason)
             self._metrics.refused_peers.inc()
+            self.refused.refused(hello.kv_address, reason)
             conn.send_frame(HelloReply(accepted=False, reason=reason), (), deadline)
             return None
+        self.refused.accepted(hello.kv_address)
         sliced = self._layout.sliced_with(hello.layout)  # pulls slices over tcp or shm: no device path for them
         pull_instead = not sliced and self._pulls_over_device is not None and self._pulls_over_device(hello)
         served = server_reply(conn, hello, self._offer, deadline, self._device,

@@ -253,11 +253,13 @@ class Loads:
                 except P2pkvError as exc:  # device KV: the copy into the blocks did not finish in time
                     self._fail_load(load.spec, str(exc))
                 done.add(req_id)
-            elif state is StageState.FAILED or now > load.deadline:
+            elif state is StageState.FAILED or now > load.deadline or (refused := self._refusal(load.spec)):
                 if state is StageState.FAILED:  # the store's reason: the sender's abort, a lost link, a bad digest
                     self._fail_load(load.spec, f"transfer failed: {self._engine.store.reason(load.spec.transfer_id)}")
-                else:
+                elif now > load.deadline:
                     self._fail_load(load.spec, "deadline passed")
+                else:
+                    self._fail_load(load.spec, f"the prefill worker that pushes it was refused: {refused}")
                 item = self._engine.take_staged(load.spec.transfer_id)
                 if item is not None:
                     self._engine.release_staged(item)
@@ -265,6 +267,13 @@ class Loads:
         for req_id in done:
             del self._loads[req_id]
         return done | abandoned
+
+    def _refusal(self, spec: LoadSpec) -> str | None:
+        """Why this worker refused the prefill worker that would push this load (its hello; its pushes are all
+        refused alike), if it did: the load then fails at once rather than at its deadline."""
+        if spec.fallback_from is None:
+            return None
+        return self._engine.refusal(spec.fallback_from.offset(self._at.slot))
 
     def _abandon(self, req_ids: AbstractSet[str]) -> set[str]:
         """Requests vLLM ended (their client went away) while their KV was on the way. One that awaits a push is

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -86,10 +85,7 @@ class SchedulerSide:
         # that was already taken; a sample waits for a claim's load at most this long.
         self._claim_wait_s = config.extra.transfer_timeout_s + 10.0
         self._claim_keep_s = 2 * self._claim_wait_s + 60.0
-        host = config.extra.kv_host
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.gethostbyname(socket.gethostname())
-        self._own_address = Address(host, config.kv_port)
+        self._own_address = Address.advertised(config.extra.kv_host, config.kv_port)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)

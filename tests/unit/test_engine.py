@@ -15,11 +15,15 @@ from collections.abc import Iterator
 import pytest
 
 from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.handshake import client_handshake
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import StageState
+from p2pkv.errors import IncompatiblePeerError
 from p2pkv.params import Address
-from p2pkv.protocol import LayoutDigest, PushBlocks, encode_frame
+from p2pkv.protocol import FrameLimits, Hello, LayoutDigest, PushBlocks, encode_frame
+from p2pkv.transport.base import Connection
 from p2pkv.transport.split_read import SPLIT_FROM
+from p2pkv.transport.tcp import TcpConnection
 from tests.helpers.peer import TRANSPORT_ENV, engine_config, layout, payload, start_engine
 from tests.helpers.procs import BLOCK_BYTES, BLOCKS, HELPER, LAYERS, ROOT, Offerer, Peer
 
@@ -108,6 +112,24 @@ def test_layout_mismatch_is_refused_with_the_difference(receiver: TransferEngine
     assert result["state"] == "failed"
     assert "KV layout mismatch: block_bytes: ours 4096, peer 8192" in str(result["reason"])
     assert receiver.staged_state("t-2") is None
+
+
+def test_a_refused_peer_is_noted_by_the_listener_it_names_until_a_hello_from_there_is_accepted(
+        receiver: TransferEngine) -> None:
+    # A load of KV that the refused peer was to push can then fail at once (tests/unit/test_worker_tp.py).
+    peer = Address("10.9.8.7", 4100)
+
+    def hello(block_bytes: int) -> Connection:
+        deadline = time.monotonic() + 5
+        conn = TcpConnection.connect(Address.parse(receiver.address), deadline, b"", FrameLimits())
+        return client_handshake(conn, Hello("e", 0, layout(LAYERS, block_bytes), kv_address=str(peer)), deadline)
+
+    with pytest.raises(IncompatiblePeerError):
+        hello(BLOCK_BYTES * 2)
+    assert "KV layout mismatch: block_bytes: ours 4096, peer 8192" in str(receiver.refusal(peer))
+    assert receiver.refusal(peer.offset(1)) is None  # another listener on that host was not refused
+    hello(BLOCK_BYTES).close()
+    assert receiver.refusal(peer) is None
 
 
 def _raw(address: str, data: bytes) -> None:

@@ -374,6 +374,41 @@ def one_to_one(sides: list[WorkerSide], seed: int) -> tuple[WorkerSide, WorkerSi
     return prefill, decode, p_kv, d_kv, p_port, d_port
 
 
+@pytest.mark.parametrize("load_first", [False, True])
+def test_a_load_pushed_by_a_refused_prefill_worker_fails_at_once(sides: list[WorkerSide], load_first: bool) -> None:
+    """The decode worker refused the prefill worker at its hello (another KV layout: float64 blocks here, float32
+    there), as it refuses each of its pushes: a load of KV that worker pushes fails as soon as the refusal is
+    known, bound before it or after, not once its deadline (60 s) has passed. The control: a load pushed by
+    another prefill worker, not refused, waits."""
+    p_port, d_port = free_ports(2, run=2)
+    keys: dict[str, object] = {"transfer_timeout_s": 60}
+    prefill = worker("kv_producer", p_port, 0, 1, HEADS, caches(HEADS, 30), pp_size=1, keys=keys)
+    decode = worker("kv_consumer", d_port, 0, 1, HEADS,
+                    {name: t.double() for name, t in caches(HEADS, 31).items()}, pp_size=1, keys=keys)
+    sides += [prefill, decode]
+    load = LoadSpec("d-req", "tid30", 0, (1, 2), fallback_from=Address("127.0.0.1", p_port))
+
+    def push() -> None:
+        prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid30", Address("127.0.0.1", d_port), (3, 4))]))
+        prefill.wait_for_save()
+        out = prefill.engine.wait_outgoing("tid30", 10)
+        assert out is not None and out.state is OutState.FAILED and "KV layout mismatch" in out.reason, out
+
+    if load_first:
+        decode.bind(P2pkvMetadata(loads=[load]))
+        assert decode.get_finished(set()) == (None, None)  # nothing is known of the push yet: it waits
+    push()
+    if not load_first:
+        decode.bind(P2pkvMetadata(loads=[load]))
+    settle(decode, "d-req", sending=False)
+    assert decode.take_load_errors() == {1, 2}
+    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req2", "tid31", 0, (3,),
+                                              fallback_from=Address("127.0.0.1", p_port + 50))]))
+    time.sleep(0.2)
+    assert decode.get_finished(set()) == (None, None)
+    assert decode.take_load_errors() == set()
+
+
 @pytest.mark.parametrize("discarded", [True, False])
 def test_a_discarded_push_is_freed_when_it_arrives_and_never_reported(sides: list[WorkerSide],
                                                                       discarded: bool) -> None:
