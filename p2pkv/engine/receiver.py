@@ -120,9 +120,11 @@ class Receiver:
         deadline = time.monotonic() + self._frame_timeout_s
         if diffs:
             reason = "KV layout mismatch: " + "; ".join(diffs)
-            log.error("refusing peer %s (engine %s): %s", conn.peer, hello.engine_id, reason)
+            # Logged once a peer: it tries again at every push, and is refused alike (still counted each time).
+            news = self.refused.refused(hello.kv_address, reason)
+            log.log(logging.ERROR if news else logging.DEBUG, "refusing peer %s (engine %s, listening on %s): %s",
+                    conn.peer, hello.engine_id, hello.kv_address or "?", reason)
             self._metrics.refused_peers.inc()
-            self.refused.refused(hello.kv_address, reason)
             conn.send_frame(HelloReply(accepted=False, reason=reason), (), deadline)
             return None
         self.refused.accepted(hello.kv_address)

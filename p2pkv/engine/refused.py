@@ -17,14 +17,16 @@ class RefusedPeers:
         self._lock = threading.Lock()
         self._reasons: dict[str, str] = {}
 
-    def refused(self, address: str, reason: str) -> None:
+    def refused(self, address: str, reason: str) -> bool:
+        """Note a refusal; whether it is news (the peer was not noted as refused for this reason), for the log."""
         if not address:
-            return
+            return True
         with self._lock:
-            self._reasons.pop(address, None)
+            news = self._reasons.pop(address, None) != reason
             self._reasons[address] = reason
             while len(self._reasons) > _MAX_NOTED:
                 del self._reasons[next(iter(self._reasons))]
+        return news
 
     def accepted(self, address: str) -> None:
         if not address:

@@ -1,0 +1,30 @@
+"""The note of peers refused at their hello: news once per peer and reason, cleared by an accepted hello, bounded."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2pkv.engine import refused as refused_module
+from p2pkv.engine.refused import RefusedPeers
+
+
+def test_a_refusal_is_news_once_a_reason_and_again_after_an_accepted_hello() -> None:
+    peers = RefusedPeers()
+    assert peers.refused("10.0.0.1:5000", "dtype")
+    assert not peers.refused("10.0.0.1:5000", "dtype")  # tried again, refused alike: logged at debug only
+    assert peers.refused("10.0.0.1:5000", "num_layers")  # restarted with another layout: news
+    assert peers.reason("10.0.0.1:5000") == "num_layers"
+    peers.accepted("10.0.0.1:5000")
+    assert peers.reason("10.0.0.1:5000") is None
+    assert peers.refused("10.0.0.1:5000", "num_layers")
+    assert peers.refused("", "dtype") and peers.reason("") is None  # a peer that names no listener is not noted
+
+
+def test_the_oldest_note_goes_first_past_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(refused_module, "_MAX_NOTED", 3)
+    peers = RefusedPeers()
+    for port in range(4):
+        peers.refused(f"h:{port}", "dtype")
+    peers.refused("h:1", "dtype")  # noted again: now the newest
+    peers.refused("h:9", "dtype")
+    assert [peers.reason(f"h:{port}") for port in (0, 1, 2, 3, 9)] == [None, "dtype", None, "dtype", "dtype"]
