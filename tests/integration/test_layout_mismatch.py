@@ -1,0 +1,47 @@
+"""1P1D on real vLLM (CPU, tiny model) whose instances hold different KV layouts: the prefill instance float32, the
+decode instance bfloat16 (`p2pkv up --decode-vllm-args`), as a deployment that forgot a flag on one side. The decode
+instance refuses the prefill worker's pushes; each request is still answered, its prompt computed on the decode
+instance at once, not after the transfer deadline (120 s here; the client gives up after 60)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.conftest import Oracle, instance_of, metric, up_with_colocated
+from tests.integration.test_disagg import prompt
+
+pytestmark = pytest.mark.vllm
+DEADLINE_S = 120.0
+FAILED_LOADS = 'p2pkv_transfers_total{direction="load",outcome="failed"}'
+
+
+@pytest.fixture(scope="module")
+def mismatched(tiny_model: str, tmp_path_factory: pytest.TempPathFactory, oracle: Oracle) -> Iterator[dict[str, Any]]:
+    up_args = ("--decode-vllm-args", "--dtype bfloat16")
+    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("mismatch"), {"transfer_timeout_s": DEADLINE_S},
+                           [], up_args, shared=oracle) as (_, info, _colocated):
+        info.update(model=tiny_model)
+        yield info
+
+
+def test_requests_through_a_refused_prefill_instance_are_answered_without_waiting_out_the_deadline(
+        mismatched: dict[str, Any]) -> None:
+    decode = instance_of(mismatched, "kv_consumer")
+    failed, refused = metric(decode["metrics"], FAILED_LOADS), metric(decode["metrics"], "p2pkv_refused_peers_total")
+    for i, length in enumerate((150, 290, 333)):
+        body = {"model": mismatched["model"], "prompt": prompt(f"mismatch-{i}", length), "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{mismatched['proxy']}/v1/completions", json=body, timeout=DEADLINE_S / 2)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 8
+        assert metric(decode["metrics"], FAILED_LOADS) == failed + i + 1, "the load failed, reported to vLLM"
+        assert metric(decode["metrics"], "p2pkv_refused_peers_total") >= refused + i + 1
+    assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") == 0
+    text = (Path(mismatched["log_dir"]) / "decode0.log").read_text()
+    assert text.count("the prefill worker that pushes it was refused: KV layout mismatch: dtype: ours 'bfloat16'") >= 3
+    assert text.count("refusing peer") == 1, "logged once for the prefill worker"
