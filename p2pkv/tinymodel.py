@@ -7,8 +7,13 @@ The weights are random but seeded, so every machine writes identical files; the 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # Special tokens follow the 256 byte tokens.
 _BOS = "<s>"
@@ -67,28 +72,16 @@ def _write_tokenizer(out: Path) -> int:
     return len(vocab)
 
 
-def write_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
-    """Write the model to out_dir (created if needed) and return its path. Idempotent for one spec."""
-    import torch
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    marker = out / MODEL_MARKER
-    spec_json = json.dumps(spec.__dict__, sort_keys=True)
-    if marker.exists() and marker.read_text() == spec_json:
-        return out
-    vocab_size = _write_tokenizer(out)
-    head_dim = spec.hidden_size // spec.num_heads
-    config = {
-        "architectures": ["LlamaForCausalLM"],
+def _config(spec: TinyModelSpec, vocab_size: int, layers: int, arch: str) -> dict[str, object]:
+    return {
+        "architectures": [arch],
         "model_type": "llama",
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_layers,
+        "num_hidden_layers": layers,
         "num_attention_heads": spec.num_heads,
         "num_key_value_heads": spec.num_kv_heads,
-        "head_dim": head_dim,
+        "head_dim": spec.hidden_size // spec.num_heads,
         "hidden_act": "silu",
         "max_position_embeddings": spec.max_position_embeddings,
         "rms_norm_eps": 1e-5,
@@ -99,32 +92,94 @@ def write_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec())
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": vocab_size - 2, "eos_token_id": vocab_size - 1})
-    )
-    gen = torch.Generator().manual_seed(spec.seed)
+
+
+def _layer(prefix: str, spec: TinyModelSpec, rand: Callable[..., torch.Tensor],
+           input_norm: bool = True) -> dict[str, torch.Tensor]:
+    import torch
+
+    h, i = spec.hidden_size, spec.intermediate_size
+    kv = spec.num_kv_heads * (h // spec.num_heads)
+    out = {
+        prefix + "post_attention_layernorm.weight": torch.ones(h),
+        prefix + "self_attn.q_proj.weight": rand(h, h) / h**0.5,
+        prefix + "self_attn.k_proj.weight": rand(kv, h) / h**0.5,
+        prefix + "self_attn.v_proj.weight": rand(kv, h) / h**0.5,
+        prefix + "self_attn.o_proj.weight": rand(h, h) / h**0.5,
+        prefix + "mlp.gate_proj.weight": rand(i, h) / h**0.5,
+        prefix + "mlp.up_proj.weight": rand(i, h) / h**0.5,
+        prefix + "mlp.down_proj.weight": rand(h, i) / i**0.5,
+    }
+    if input_norm:
+        out[prefix + "input_layernorm.weight"] = torch.ones(h)
+    return out
+
+
+def _randn(spec: TinyModelSpec, seed: int) -> Callable[..., torch.Tensor]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float32) * spec.init_std
 
-    h, kv = spec.hidden_size, spec.num_kv_heads * head_dim
+    return rand
+
+
+def _written(out: Path, spec_json: str) -> bool:
+    marker = out / MODEL_MARKER
+    return marker.exists() and marker.read_text() == spec_json
+
+
+def write_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write the model to out_dir (created if needed) and return its path. Idempotent for one spec."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    spec_json = json.dumps(spec.__dict__, sort_keys=True)
+    if _written(out, spec_json):
+        return out
+    vocab_size = _write_tokenizer(out)
+    (out / "config.json").write_text(json.dumps(_config(spec, vocab_size, spec.num_layers, "LlamaForCausalLM"),
+                                                indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": vocab_size - 2, "eos_token_id": vocab_size - 1})
+    )
+    import torch
+
+    rand = _randn(spec, spec.seed)
     tensors: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": rand(vocab_size, h),
-        "model.norm.weight": torch.ones(h),
-        "lm_head.weight": rand(vocab_size, h),
+        "model.embed_tokens.weight": rand(vocab_size, spec.hidden_size),
+        "model.norm.weight": torch.ones(spec.hidden_size),
+        "lm_head.weight": rand(vocab_size, spec.hidden_size),
     }
     for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        tensors[p + "input_layernorm.weight"] = torch.ones(h)
-        tensors[p + "post_attention_layernorm.weight"] = torch.ones(h)
-        tensors[p + "self_attn.q_proj.weight"] = rand(h, h) / h**0.5
-        tensors[p + "self_attn.k_proj.weight"] = rand(kv, h) / h**0.5
-        tensors[p + "self_attn.v_proj.weight"] = rand(kv, h) / h**0.5
-        tensors[p + "self_attn.o_proj.weight"] = rand(h, h) / h**0.5
-        tensors[p + "mlp.gate_proj.weight"] = rand(spec.intermediate_size, h) / h**0.5
-        tensors[p + "mlp.up_proj.weight"] = rand(spec.intermediate_size, h) / h**0.5
-        tensors[p + "mlp.down_proj.weight"] = rand(h, spec.intermediate_size) / spec.intermediate_size**0.5
+        tensors.update(_layer(f"model.layers.{i}.", spec, rand))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    marker.write_text(spec_json)
+    (out / MODEL_MARKER).write_text(spec_json)
+    return out
+
+
+def write_tiny_eagle(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write a one-layer EAGLE draft head for the tiny model of `spec` (seeded random weights; it shares the
+    model's embedding and output head, as vLLM lets an EAGLE head without them do) and return its path: for
+    speculative decoding with a draft model, `{"method": "eagle", "model": PATH, ...}`. Its layer holds KV of its own,
+    after the model's. Idempotent for one spec."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    spec_json = json.dumps({"eagle": spec.__dict__}, sort_keys=True)
+    if _written(out, spec_json):
+        return out
+    vocab_size = len(_byte_vocab())
+    (out / "config.json").write_text(json.dumps(_config(spec, vocab_size, 1, "EagleLlamaForCausalLM"), indent=2))
+    rand = _randn(spec, spec.seed + 1)
+    # The first (here the only) layer of an EAGLE head has no input norm; `fc` takes the token's embedding and the
+    # model's hidden state side by side.
+    tensors = {"fc.weight": rand(spec.hidden_size, 2 * spec.hidden_size) / (2 * spec.hidden_size) ** 0.5,
+               **_layer("layers.0.", spec, rand, input_norm=False)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / MODEL_MARKER).write_text(spec_json)
     return out

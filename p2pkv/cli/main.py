@@ -32,9 +32,9 @@ def _proxy(args: argparse.Namespace) -> int:
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
-    from p2pkv.tinymodel import write_tiny_model
+    from p2pkv.tinymodel import write_tiny_eagle, write_tiny_model
 
-    print(write_tiny_model(args.dir))
+    print(write_tiny_eagle(args.dir) if args.eagle else write_tiny_model(args.dir))
     return 0
 
 
@@ -233,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("tiny-model", help="write the tiny test model (deterministic, no network) to DIR")
     tiny.add_argument("dir")
+    tiny.add_argument("--eagle", action="store_true",
+                      help="write a one-layer EAGLE draft head for the tiny model instead (speculative decoding with "
+                           "a draft model: --speculative-config '{\"method\": \"eagle\", \"model\": \"DIR\", "
+                           "\"num_speculative_tokens\": 3}')")
     tiny.set_defaults(func=_tiny_model)
     return parser
 

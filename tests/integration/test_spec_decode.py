@@ -1,11 +1,14 @@
-"""1P1D with speculative decoding (vLLM's ngram proposer) on the decode instance, on real vLLM (CPU, tiny model,
-float32), against a colocated instance with the same speculative decoding: the decode instance loads the prompt's
-KV by transfer and decodes several tokens a step, and its answers equal the colocated instance's; a stream cut off
-after events of several tokens goes on with the same text."""
+"""1P1D with speculative decoding on real vLLM (CPU, tiny model, float32), against a colocated instance with the
+same speculative decoding. vLLM's ngram proposer on the decode instance only: the decode instance loads the
+prompt's KV by transfer and decodes several tokens a step, and its answers equal the colocated instance's; a stream
+cut off after events of several tokens goes on with the same text. An EAGLE draft head (the project's own, random
+weights) on both instances: its draft layer's KV moves with the model's, and the answers equal the colocated
+instance's."""
 
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from collections.abc import Iterator
 from typing import Any
@@ -13,11 +16,14 @@ from typing import Any
 import httpx
 import pytest
 
+from p2pkv.tinymodel import TinyModelSpec, write_tiny_eagle
 from tests.integration.conftest import (
+    BLOCK_SIZE,
     TRANSFER_TIMEOUT_S,
     complete,
     cut_stream,
     instance_of,
+    kv_bytes_per_block_and_layer,
     metric,
     up_with_colocated,
 )
@@ -74,3 +80,39 @@ def test_a_stream_cut_off_after_events_of_several_tokens_goes_on_with_the_same_t
     text = "".join(c["text"] for e in events for c in e["choices"])
     assert text == complete(spec_cluster["colocated"], body)["choices"][0]["text"]
     assert "p2pkv_proxy_stream_resumes_total 1.0" in metrics
+
+
+@pytest.fixture(scope="module")
+def eagle_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The same EAGLE head on every instance (`p2pkv up -- --speculative-config ...`), as the README says to."""
+    head = write_tiny_eagle(tmp_path_factory.mktemp("eagle-head"))
+    spec = json.dumps({"method": "eagle", "model": str(head), "num_speculative_tokens": 3})
+    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("eagle"), {"transfer_timeout_s": TRANSFER_TIMEOUT_S},
+                           ["--speculative-config", spec], colocated_args=("--speculative-config", spec)
+                           ) as (_, info, colocated):
+        info.update(model=tiny_model, colocated=colocated)
+        yield info
+
+
+def _drafted(http: str) -> float:
+    text = httpx.get(f"http://{http}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:spec_decode_num_draft_tokens_total{"))
+
+
+def test_an_eagle_heads_draft_layer_moves_with_the_model_and_answers_equal_a_colocated_instances(
+        eagle_cluster: dict[str, Any]) -> None:
+    decode = instance_of(eagle_cluster, "kv_consumer")
+    loaded, drafted = metric(decode["metrics"], "p2pkv_bytes_loaded_total"), _drafted(decode["http"])
+    lengths = (150, 290, 333)
+    for i, length in enumerate(lengths):
+        body = _body(eagle_cluster, f"eagle-{i}", length)
+        answer = complete(eagle_cluster["proxy"], body)
+        assert answer["choices"][0]["text"] == complete(eagle_cluster["colocated"], body)["choices"][0]["text"], i
+        assert answer["usage"]["completion_tokens"] == MAX_TOKENS
+    # Every block of each prompt but its last token, in each of the model's layers and the head's one.
+    blocks = sum(math.ceil((n - 1) / BLOCK_SIZE) for n in lengths)
+    layers = TinyModelSpec().num_layers + 1
+    moved = metric(decode["metrics"], "p2pkv_bytes_loaded_total") - loaded
+    assert moved == blocks * layers * kv_bytes_per_block_and_layer()
+    assert _drafted(decode["http"]) > drafted, "the decode instance drafted with the head"
