@@ -45,11 +45,16 @@ def spec_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> I
         yield info
 
 
-def _accepted(http: str) -> float:
-    """Draft tokens vLLM's verification accepted on the instance serving `http` (its own metrics)."""
+def _spec_tokens(http: str, kind: str) -> float:
+    """Draft tokens (`kind` "draft": proposed, "accepted": kept by vLLM's verification) on the instance serving
+    `http` (its own metrics)."""
     text = httpx.get(f"http://{http}/metrics", timeout=30).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:spec_decode_num_accepted_tokens_total{"))
+               if line.startswith(f"vllm:spec_decode_num_{kind}_tokens_total{{"))
+
+
+def _accepted(http: str) -> float:
+    return _spec_tokens(http, "accepted")
 
 
 def _body(info: dict[str, Any], tag: str, length: int) -> dict[str, Any]:
@@ -94,16 +99,10 @@ def eagle_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> 
         yield info
 
 
-def _drafted(http: str) -> float:
-    text = httpx.get(f"http://{http}/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:spec_decode_num_draft_tokens_total{"))
-
-
 def test_an_eagle_heads_draft_layer_moves_with_the_model_and_answers_equal_a_colocated_instances(
         eagle_cluster: dict[str, Any]) -> None:
     decode = instance_of(eagle_cluster, "kv_consumer")
-    loaded, drafted = metric(decode["metrics"], "p2pkv_bytes_loaded_total"), _drafted(decode["http"])
+    loaded, drafted = metric(decode["metrics"], "p2pkv_bytes_loaded_total"), _spec_tokens(decode["http"], "draft")
     lengths = (150, 290, 333)
     for i, length in enumerate(lengths):
         body = _body(eagle_cluster, f"eagle-{i}", length)
@@ -115,4 +114,4 @@ def test_an_eagle_heads_draft_layer_moves_with_the_model_and_answers_equal_a_col
     layers = TinyModelSpec().num_layers + 1
     moved = metric(decode["metrics"], "p2pkv_bytes_loaded_total") - loaded
     assert moved == blocks * layers * kv_bytes_per_block_and_layer()
-    assert _drafted(decode["http"]) > drafted, "the decode instance drafted with the head"
+    assert _spec_tokens(decode["http"], "draft") > drafted, "the decode instance drafted with the head"
