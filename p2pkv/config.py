@@ -94,6 +94,12 @@ class ExtraConfig:
                 raise ConfigError(f"proxy_ip: {exc}") from None
         return out
 
+    def kv_address(self, port: int) -> Address:
+        """Where peers reach a KV listener of this instance on `port`: `kv_host`, or for a wildcard the address
+        `p2pkv.hostaddr` picks (on the route to the first proxy, when there is one)."""
+        proxies = self.proxies
+        return Address.advertised(self.kv_host, port, proxies[0].host if proxies else "")
+
 
 def _as_int(key: str, lo: int, hi: int) -> Callable[[Any], int]:
     def parse(value: Any) -> int:

@@ -7,7 +7,6 @@ proxy forwards to the decode instance. Transfers are keyed by `transfer_id`, nev
 from __future__ import annotations
 
 import re
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +15,7 @@ import numpy as np
 import xxhash
 
 from p2pkv.errors import ConfigError
+from p2pkv.hostaddr import advertised_host
 
 MARKER = "p2pkv"
 PARAMS_VERSION = 1
@@ -53,11 +53,11 @@ class Address:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     @classmethod
-    def advertised(cls, kv_host: str, port: int) -> Address:
-        """Where peers reach a KV listener bound to `kv_host`: itself, or this host's address for a wildcard. The
-        prefill side names its rank-0 listener so in `DecodeParams`, and each engine names its own so in `Hello`."""
-        host = socket.gethostbyname(socket.gethostname()) if kv_host in ("0.0.0.0", "::", "") else kv_host
-        return cls(host, port)
+    def advertised(cls, kv_host: str, port: int, towards: str = "") -> Address:
+        """Where peers reach a KV listener bound to `kv_host` (`p2pkv.hostaddr`; `towards`: the proxy's host). The
+        prefill side names its rank-0 listener so in `DecodeParams`, each engine its own in `Hello`, and heartbeats
+        the instance's."""
+        return cls(advertised_host(kv_host, towards), port)
 
 
 @dataclass(frozen=True)

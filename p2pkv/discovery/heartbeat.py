@@ -7,7 +7,6 @@ an instance that is still loading its model. Sends never block: with the proxy d
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 import urllib.error
@@ -21,29 +20,11 @@ import zmq
 from p2pkv.config import ConnectorConfig, HeartbeatFormat, Role
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import ConfigError
+from p2pkv.hostaddr import advertised_host
 from p2pkv.params import Address
 from p2pkv.protocol import Heartbeat, encode_datagram
 
 log = logging.getLogger(__name__)
-_WILDCARDS = ("", "0.0.0.0", "::")
-
-
-def local_ip_towards(host: str) -> str:
-    """This host's address on the route to `host` (no packet is sent); loopback when there is no route."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))
-            return str(probe.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
-
-
-def advertised_host(bound: str, proxy_host: str) -> str:
-    """The address peers should use for a socket bound to `bound`: itself, unless it is a wildcard."""
-    return local_ip_towards(proxy_host) if bound in _WILDCARDS else bound
-
-
 class HeartbeatSender:
     def __init__(self, proxy: Address | Sequence[Address], role: str, http: Address, kv: Address, interval_s: float,
                  secret: bytes, tp_size: int = 0, pp_size: int = 0, legacy: bool = False,
@@ -131,7 +112,7 @@ def sender_for(config: ConnectorConfig, tp_size: int = 0, pp_size: int = 0,
         raise ConfigError("heartbeat_format legacy: the old proxy cannot choose a data-parallel rank; use p2pkv's "
                           "heartbeats (and proxy) with --data-parallel-size")
     proxies = extra.proxies
-    host = advertised_host(extra.kv_host, proxies[0].host)
+    host = advertised_host(extra.kv_host, proxies[0].host)  # as `extra.kv_address` names the KV port
     if extra.heartbeat_format is HeartbeatFormat.LEGACY and extra.auth_secret:
         log.warning("heartbeat_format legacy: heartbeats go unsigned (the old format has no signature); a p2pkv "
                     "proxy with a shared secret refuses them")

@@ -45,6 +45,7 @@ class EngineSettings:
     transport: Transport = Transport.AUTO
     pull_over_device: bool = True
     integrity_check: bool = False
+    towards: str = ""  # the proxy's host, if any: a wildcard `host` is named by this host's address on its route
 
     @classmethod
     def from_config(cls, extra: ExtraConfig, port: int, metrics_port: int) -> EngineSettings:
@@ -62,16 +63,8 @@ class EngineSettings:
             transport=extra.transport,
             pull_over_device=extra.pull_over_device,
             integrity_check=extra.integrity_check,
+            towards=proxies[0].host if (proxies := extra.proxies) else "",
         )
-
-
-def _advertised(host: str, port: int) -> str:
-    """Where peers reach this engine's listener, as its instance names it ("" when this host's name resolves to no
-    address: the engine's peers then do not note a refusal of it)."""
-    try:
-        return str(Address.advertised(host, port))
-    except OSError:
-        return ""
 
 
 class TransferEngine:
@@ -135,7 +128,7 @@ class TransferEngine:
                       device_kind=device.kind if device is not None else "",
                       pipe_kind=pipes.kind if pipes is not None else "",
                       home=DeviceHome(export.kind, export.boot_id, export.device) if export is not None else None,
-                      digests=s.integrity_check, kv_address=_advertised(s.host, listener.port))
+                      digests=s.integrity_check, kv_address=str(Address.advertised(s.host, listener.port, s.towards)))
         require_shm = s.transport is Transport.SHM
         self._sender = Sender(self._connect, hello, self.metrics, require_shm)
         self._sender.start()

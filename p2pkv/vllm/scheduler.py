@@ -85,7 +85,7 @@ class SchedulerSide:
         # that was already taken; a sample waits for a claim's load at most this long.
         self._claim_wait_s = config.extra.transfer_timeout_s + 10.0
         self._claim_keep_s = 2 * self._claim_wait_s + 60.0
-        self._own_address = Address.advertised(config.extra.kv_host, config.kv_port)
+        self._own_address = config.extra.kv_address(config.kv_port)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
