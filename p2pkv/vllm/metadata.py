@@ -22,6 +22,11 @@ class SaveSpec:
     # The request was preempted after its first save and has computed its prompt again, into these blocks: what
     # was held for a pull is held again, in them (`peer` is None); a push that went through is not sent again.
     again: bool = False
+    # GET: the decode instance whose ranks will pull (rank 0) and how many ranks it has, when the proxy said. A
+    # transfer is not held for an instance one of whose ranks this worker refused at its hello (another KV layout):
+    # none of its pulls would be accepted.
+    pulled_by: Address | None = None
+    pullers: int = 0
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,8 @@ class _Producer:
     saved: bool = False
     abandoned: bool = False  # nobody will get its answer (aborted, or the proxy said so): nothing to hold for a pull
     preempted: bool = False  # preempted after a save: its next save holds the transfer again, in its new blocks
+    pulled_by: Address | None = None  # GET: the decode instance that will pull (rank 0), when the proxy said
+    pullers: int = 0  # its ranks
 
 
 @dataclass
@@ -164,7 +166,9 @@ class SchedulerSide:
             num_prompt = len(request.prompt_token_ids or ())
             inline = params.inline or self._config.extra.send_type is SendType.PUT
             producer = _Producer(params.transfer_id, None if pull else params.decode_kv, num_prompt, inline,
-                                 prompt_digest(request.prompt_token_ids or ()))
+                                 prompt_digest(request.prompt_token_ids or ()),
+                                 pulled_by=params.decode_kv if pull else None,
+                                 pullers=(params.decode_tp or self._tp_size) * (params.decode_pp or self._pp_size))
             self._producers[req_id] = producer
             self._producing[params.transfer_id] = (producer, time.monotonic())
             return
@@ -279,7 +283,8 @@ class SchedulerSide:
             if producer.preempted:
                 meta.saves.append(SaveSpec(req_id, producer.transfer_id, None, blocks, again=True))
             else:
-                meta.saves.append(SaveSpec(req_id, producer.transfer_id, producer.peer, blocks, producer.inline))
+                meta.saves.append(SaveSpec(req_id, producer.transfer_id, producer.peer, blocks, producer.inline,
+                                           pulled_by=producer.pulled_by, pullers=producer.pullers))
         return meta
 
     def _forget_claims(self, now: float) -> None:

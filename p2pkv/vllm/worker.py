@@ -22,6 +22,7 @@ from p2pkv.errors import IncompatiblePeerError
 from p2pkv.ipc import CacheAccess
 from p2pkv.layout import KvBlocks
 from p2pkv.memory.huge import HugePageFiller
+from p2pkv.params import Address
 from p2pkv.pipes import make_pipes
 from p2pkv.slices import HeadSlices
 from p2pkv.stages import StageLayers
@@ -201,6 +202,10 @@ class WorkerSide:
         tid, ids = spec.transfer_id, spec.block_ids
         if tid in self._withdrawn:
             return
+        if (refused := self._refused_puller(spec)) is not None:
+            log.warning("transfer %s: not held for a pull: this worker refused the decode worker at %s (%s); its "
+                        "prompt is computed there", tid, refused[0], refused[1])
+            return
 
         def piece(wanted: tuple[int, int], layers: tuple[int, int] | None) -> BlockAccess:
             if layers is None:
@@ -218,6 +223,17 @@ class WorkerSide:
         self.engine.offer(tid, len(ids), self.blocks.source(tid, ids), self._config.extra.lease_s,
                           self.blocks.ranges(tid, ids), lambda wanted, layers: piece(wanted, layers).source(tid, ids),
                           slice_ranges)
+
+    def _refused_puller(self, spec: SaveSpec) -> tuple[Address, str] | None:
+        """A rank of the decode instance that will pull `spec` (GET) that this worker refused at its hello, and why."""
+        if spec.pulled_by is None:
+            return None
+        for rank in range(spec.pullers or 1):
+            peer = spec.pulled_by.offset(rank)
+            reason = self.engine.refusal(peer)
+            if reason is not None:
+                return peer, reason
+        return None
 
     def _push(self, spec: SaveSpec, layer: int) -> None:
         if spec.peer is None:

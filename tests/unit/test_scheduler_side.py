@@ -596,6 +596,8 @@ def test_requests_named_by_an_old_proxy_move_their_kv(send_type: str) -> None:
     pull = send_type == "GET"
     assert [(sv.transfer_id, sv.peer, sv.block_ids) for sv in saves] == [
         (tid, None if pull else Address("10.0.0.2", 22001), (1, 2, 3))]
+    # Held for a pull, the transfer names the decode instance that will pull it (its one rank, as ours).
+    assert [(sv.pulled_by, sv.pullers) for sv in saves] == [(Address("10.0.0.2", 22001) if pull else None, 1)]
     delay, answer = producer.request_finished(req, [1, 2, 3])
     assert delay is True and parse_transfer_params(answer).transfer_id == tid  # type: ignore[union-attr]
 

@@ -409,6 +409,37 @@ def test_a_load_pushed_by_a_refused_prefill_worker_fails_at_once(sides: list[Wor
     assert decode.take_load_errors() == set()
 
 
+def test_a_get_transfer_is_not_held_for_a_decode_worker_this_worker_refused(sides: list[WorkerSide]) -> None:
+    """GET: the decode worker's pull was refused at its hello (float64 blocks against float32), so its load failed.
+    The next transfer that decode instance is to pull is not held (its pull would be refused alike): the request is
+    reported sent at once, its blocks free, instead of held until the lease runs out (60 s). The control: one for
+    another decode instance is held."""
+    p_port, d_port = free_ports(2, run=2)
+    keys: dict[str, object] = {"transfer_timeout_s": 60, "lease_s": 60}
+    prefill = worker("kv_producer", p_port, 0, 1, HEADS, caches(HEADS, 40), pp_size=1, keys=keys)
+    decode = worker("kv_consumer", d_port, 0, 1, HEADS,
+                    {name: t.double() for name, t in caches(HEADS, 41).items()}, pp_size=1, keys=keys)
+    sides += [prefill, decode]
+    by_decode, by_other = Address("127.0.0.1", d_port), Address("127.0.0.1", d_port + 50)
+
+    def save(req: str, tid: str, pulled_by: Address) -> None:
+        prefill.bind(P2pkvMetadata(saves=[SaveSpec(req, tid, None, (3, 4), pulled_by=pulled_by, pullers=1)]))
+        prefill.wait_for_save()
+
+    save("p-req", "g1", by_decode)
+    assert prefill.engine.offer_state("g1") is not None  # nothing known of that decode instance yet: held
+    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "g1", 0, (1, 2), pull_from=Address("127.0.0.1", p_port))]))
+    settle(decode, "d-req", sending=False)
+    assert decode.take_load_errors() == {1, 2}
+    assert "KV layout mismatch" in str(prefill.engine.refusal(by_decode))
+    save("p-req2", "g2", by_decode)
+    assert prefill.engine.offer_state("g2") is None
+    assert prefill.get_finished({"p-req2"})[0] == {"p-req2"}
+    save("p-req3", "g3", by_other)
+    assert prefill.engine.offer_state("g3") is not None
+    assert prefill.get_finished({"p-req3"})[0] is None
+
+
 @pytest.mark.parametrize("discarded", [True, False])
 def test_a_discarded_push_is_freed_when_it_arrives_and_never_reported(sides: list[WorkerSide],
                                                                       discarded: bool) -> None:
