@@ -1,10 +1,12 @@
 """1P1D on real vLLM (CPU, tiny model) whose instances hold different KV layouts: the prefill instance float32, the
 decode instance bfloat16 (`p2pkv up --decode-vllm-args`), as a deployment that forgot a flag on one side. The decode
 instance refuses the prefill worker's pushes; each request is still answered, its prompt computed on the decode
-instance at once, not after the transfer deadline (120 s here; the client gives up after 60)."""
+instance at once, not after the transfer deadline (120 s here; the client gives up after 60). With GET, the prefill
+instance refuses the decode instance's pulls alike, and then holds no blocks for it."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.conftest import Oracle, instance_of, metric, up_with_colocated
+from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
+from tests.integration.conftest import Oracle, complete, instance_of, metric, up_with_colocated
 from tests.integration.test_disagg import prompt
 
 pytestmark = pytest.mark.vllm
@@ -45,3 +48,25 @@ def test_requests_through_a_refused_prefill_instance_are_answered_without_waitin
     text = (Path(mismatched["log_dir"]) / "decode0.log").read_text()
     assert text.count("the prefill worker that pushes it was refused: KV layout mismatch: dtype: ours 'bfloat16'") >= 3
     assert text.count("refusing peer") == 1, "logged once for the prefill worker"
+
+
+def test_get_transfers_are_not_held_for_a_decode_instance_the_prefill_instance_refused(
+        mismatched: dict[str, Any]) -> None:
+    """The proxy's two steps by hand, each transfer held for a pull (GET): the prefill instance refuses the decode
+    instance's pull at its hello, so the first load fails at once; the second transfer is not held at all."""
+    prefill, decode = instance_of(mismatched, "kv_producer"), instance_of(mismatched, "kv_consumer")
+    log = Path(mismatched["log_dir"]) / "prefill0.log"
+    failed = metric(decode["metrics"], FAILED_LOADS)
+    for i in range(2):
+        text = prompt(f"mismatch-get-{i}", 200)
+        params = PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]), pull=True)
+        body = {"model": mismatched["model"], "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
+        returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
+        assert isinstance(returned, DecodeParams) and returned.pull
+        body = {"model": mismatched["model"], "prompt": text, "max_tokens": 8, "ignore_eos": True,
+                "kv_transfer_params": returned.to_dict()}
+        reply = httpx.post(f"http://{decode['http']}/v1/completions", json=body, timeout=DEADLINE_S / 2)
+        assert reply.status_code == 200, reply.text
+        assert metric(decode["metrics"], FAILED_LOADS) == failed + i + 1
+        held = log.read_text().count(f"transfer {params.transfer_id}: not held for a pull")
+        assert held == i, "the first is held (nothing known of the decode instance yet), the second is not"
