@@ -162,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--log-dir", default=None, help="where process logs go (default: a temporary folder)")
     up.add_argument("--ready-timeout", type=float, default=900.0)
     up.add_argument("--demo", action="store_true", help="send one request through the proxy once ready")
-    up.add_argument("--exit-after-demo", action="store_true", help="with --demo: stop the cluster afterwards")
+    up.add_argument("--exit-after-demo", action="store_true",
+                    help="with --demo: stop the cluster afterwards (exit code 1 if the demo request's KV did not "
+                         "move)")
     up.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: extra arguments for every vLLM")
     up.set_defaults(func=_up)
 

@@ -130,7 +130,9 @@ def wait_discovered(proxy_url: str, expected: int, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def send_demo_request(proxy_url: str, model: str) -> str:
+def send_demo_request(proxy_url: str, model: str) -> tuple[str, bool]:
+    """One request through the proxy: a line describing its answer, and whether its prompt's KV moved (the decode
+    instance found prompt tokens cached: those it loaded)."""
     body = json.dumps({"model": model, "prompt": DEMO_PROMPT, "max_tokens": 16, "temperature": 0}).encode()
     request = urllib.request.Request(f"{proxy_url}/v1/completions", data=body,
                                      headers={"content-type": "application/json"})
@@ -139,8 +141,9 @@ def send_demo_request(proxy_url: str, model: str) -> str:
         transfer = resp.headers.get(TRANSFER_HEADER, "")
     text: str = answer["choices"][0]["text"]
     cached = answer["usage"].get("prompt_tokens_details", {}) or {}
-    return (f"prompt_tokens={answer['usage']['prompt_tokens']} cached_on_decode={cached.get('cached_tokens')} "
+    line = (f"prompt_tokens={answer['usage']['prompt_tokens']} cached_on_decode={cached.get('cached_tokens')} "
             f"completion={text!r} transfer={transfer} (every log line about its KV names it)")
+    return line, bool(cached.get("cached_tokens"))
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -179,9 +182,13 @@ def run_up(args: argparse.Namespace) -> int:
         curl = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 16})
         _say(f"try: curl -s {proxy_url}/v1/completions -H 'content-type: application/json' -d '{curl}'")
         if args.demo:
-            _say("demo request: " + send_demo_request(proxy_url, model))
+            line, moved = send_demo_request(proxy_url, model)
+            _say("demo request: " + line)
+            if not moved:
+                _say(f"the demo request's KV did not move: the decode instance computed its prompt itself (look for "
+                     f"'load failed' and 'refusing peer' in {log_dir}/decode0.log and prefill0.log)")
             if args.exit_after_demo:
-                return 0
+                return 0 if moved else 1
         _say("serving; Ctrl-C stops everything")
         reported: set[str] = set()
         while not stop.is_set():

@@ -1,4 +1,5 @@
-"""`p2pkv up`: what each instance of the cluster it would start is given (nothing is started here)."""
+"""`p2pkv up`: what each instance of the cluster it would start is given (nothing is started here), and how it reads
+the demo request's answer."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from p2pkv.cli.main import build_parser
-from p2pkv.cli.up import build_cluster
+from p2pkv.cli.up import build_cluster, send_demo_request
 from p2pkv.errors import ConfigError
+from p2pkv.proxy.trace import TRANSFER_HEADER
+from tests.helpers.servers import serve
 
 
 def _extras(tmp_path: Path, *argv: str) -> dict[str, dict[str, Any]]:
@@ -71,3 +76,22 @@ def test_role_vllm_args_go_to_their_role_after_those_for_every_instance(tmp_path
 def test_role_vllm_args_a_shell_could_not_split_are_refused_naming_the_option(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--decode-vllm-args: No closing quotation"):
         _vllm_argvs(tmp_path, "--decode-vllm-args", "--speculative-config '{")
+
+
+@pytest.mark.parametrize(("cached", "moved"), [(89, True), (0, False), (None, False)])
+def test_the_demo_request_says_whether_its_kv_moved(cached: int | None, moved: bool) -> None:
+    """The proxy's answer (a stub here: this checks how `p2pkv up` reads it) names the prompt tokens the decode
+    instance found cached, those it loaded; none means the decode instance computed the prompt itself."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions() -> JSONResponse:
+        usage: dict[str, Any] = {"prompt_tokens": 90, "completion_tokens": 16}
+        if cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return JSONResponse({"choices": [{"text": "abc"}], "usage": usage}, headers={TRANSFER_HEADER: "t-1"})
+
+    with serve(app) as address:
+        line, did_move = send_demo_request(f"http://{address}", "m")
+    assert did_move is moved
+    assert f"prompt_tokens=90 cached_on_decode={cached} completion='abc' transfer=t-1" in line
