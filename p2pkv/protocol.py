@@ -42,6 +42,9 @@ class LayoutDigest(msgspec.Struct, frozen=True):
     head_layout: str = "dense"  # how one head of one block lies in memory
     first_layer: int = 0  # the model's index of the first layer held here (pipeline stages hold later layers)
     total_layers: int = 0  # the model's KV layers over all pipeline stages; 0: not known
+    # What the KV's values depend on beyond its shape (architecture, positional encoding, quantization): sorted
+    # `key=value` pairs joined by ';' (`p2pkv.vllm.model_factors`); "": not known, not compared
+    model: str = ""
 
     @property
     def layers(self) -> range:
@@ -84,7 +87,18 @@ class LayoutDigest(msgspec.Struct, frozen=True):
         else:
             names += ("block_bytes", "block_shape", "block_layout")
         return [f"{n}: ours {getattr(self, n)!r}, peer {getattr(other, n)!r}" for n in names
-                if getattr(self, n) != getattr(other, n)]
+                if getattr(self, n) != getattr(other, n)] + self._model_differences(other)
+
+    def _model_differences(self, other: LayoutDigest) -> list[str]:
+        if not self.model or not other.model or self.model == other.model:
+            return []
+        ours, theirs = _factors(self.model), _factors(other.model)
+        return [f"model.{key}: ours {ours.get(key, 'unset')}, peer {theirs.get(key, 'unset')}"
+                for key in sorted(ours.keys() | theirs.keys()) if ours.get(key) != theirs.get(key)]
+
+
+def _factors(text: str) -> dict[str, str]:
+    return dict(item.partition("=")[::2] for item in text.split(";") if item)
 
 
 class CmaOffer(msgspec.Struct, frozen=True):

@@ -12,6 +12,7 @@ from p2pkv.discovery.heartbeat import HeartbeatSender, sender_for
 from p2pkv.engine.metrics import StepStats
 from p2pkv.stages import StageLayers
 from p2pkv.vllm.metadata import P2pkvMetadata
+from p2pkv.vllm.model_factors import model_factors
 from p2pkv.vllm.scheduler import SchedulerSide
 from p2pkv.vllm.stats import P2pkvPromMetrics, P2pkvStats
 from p2pkv.vllm.worker import WorkerSide
@@ -118,7 +119,7 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tp_rank, pp_rank = _ranks()
             total_layers, stage_layers = _stage_layers(vllm_config)
             self._worker = WorkerSide(self.config, tp_rank, block_size, tp_size, _total_kv_heads(vllm_config),
-                                      pp_rank, pp_size, total_layers, stage_layers)
+                                      pp_rank, pp_size, total_layers, stage_layers, model_factors(vllm_config))
 
     @property
     def scheduler(self) -> SchedulerSide:

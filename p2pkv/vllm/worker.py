@@ -61,14 +61,16 @@ def _raiser(exc: Exception) -> Callable[[float], bool]:
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, rank: int, block_size: int, tp_size: int = 1,
                  total_heads: int = 0, pp_rank: int = 0, pp_size: int = 1, total_layers: int = 0,
-                 stage_layers: StageLayers | None = None) -> None:
+                 stage_layers: StageLayers | None = None, model: str = "") -> None:
         """`rank`: the tensor-parallel rank; `pp_rank`: the pipeline stage, whose ranks come after the earlier
         stages' (the worker binds `kv_port + pp_rank * tp_size + rank`, as vLLM numbers its workers).
         `total_layers` and `stage_layers` (which layers a stage holds): how the model's layers split over stages,
-        for prefill instances of another pipeline-parallel size (not known: such loads fail)."""
+        for prefill instances of another pipeline-parallel size (not known: such loads fail). `model`: what the
+        KV's values depend on beyond its shape (`p2pkv.vllm.model_factors`), compared with each peer's."""
         self._config = config
         self._at = Placement(rank, tp_size, pp_rank, pp_size, total_heads, range(0), total_layers, stage_layers)
         self._block_size = block_size
+        self._model = model
         self._engine: TransferEngine | None = None
         self._blocks: BlockAccess | None = None
         self._slices = HeadSlices()
@@ -123,7 +125,8 @@ class WorkerSide:
         self._at = replace(self._at, layers=held, total_layers=self._at.total_layers if in_order else 0)
         metrics_port = extra.metrics_port + self._at.slot if extra.metrics_port else 0
         settings = EngineSettings.from_config(extra, self._config.worker_port(self._at.slot), metrics_port)
-        digest = msgspec.structs.replace(self._blocks.digest, first_layer=first, total_layers=self._at.total_layers)
+        digest = msgspec.structs.replace(self._blocks.digest, first_layer=first, total_layers=self._at.total_layers,
+                                         model=self._model)
         self._engine = TransferEngine(settings, digest, self._at.slot, access, pipes)
         self._engine.metrics.intervals = True  # vLLM takes them every step (take_stats)
         if device is not None:

@@ -111,3 +111,22 @@ def test_stages_of_one_model_that_hold_other_layers_may_pull_from_each_other() -
     assert f"total_layers: ours {2 * n}, peer {3 * n}" in whole.differences(other_model)
     unknown = msgspec.structs.replace(second, total_layers=0)
     assert not whole.layers_with(unknown) and whole.differences(unknown)
+
+
+def test_layouts_of_the_same_shape_computed_another_way_differ_by_each_model_factor() -> None:
+    ours = msgspec.structs.replace(
+        LAYOUT, model='architecture=Llama;quantization=none;rope_parameters={"rope_theta":1}')
+    theirs = msgspec.structs.replace(
+        LAYOUT, model='architecture=Llama;quantization=fp8;rope_parameters={"rope_theta":2};sliding_window=4096')
+    assert ours.differences(theirs) == [
+        "model.quantization: ours none, peer fp8",
+        'model.rope_parameters: ours {"rope_theta":1}, peer {"rope_theta":2}',
+        "model.sliding_window: ours unset, peer 4096",
+    ]
+    assert ours.differences(msgspec.structs.replace(ours)) == []
+    # A peer that does not say (an older p2pkv, or a digest made without vLLM's config) is not compared.
+    assert ours.differences(LAYOUT) == [] and LAYOUT.differences(ours) == []
+    # It travels in the hello.
+    hello = Hello("e", 0, ours)
+    prefix_raw, body = _split(encode_frame(hello, 0, b""))
+    assert decode_message(prefix_raw, decode_prefix(prefix_raw, FrameLimits()), body, b"") == hello
