@@ -1,11 +1,16 @@
-"""1P1D on real vLLM (CPU, tiny model) whose instances hold different KV layouts: the prefill instance float32, the
-decode instance bfloat16 (`p2pkv up --decode-vllm-args`), as a deployment that forgot a flag on one side. The decode
-instance refuses the prefill worker's pushes; each request is still answered, its prompt computed on the decode
-instance at once, not after the transfer deadline (120 s here; the client gives up after 60). With GET, the prefill
-instance refuses the decode instance's pulls alike, and then holds no blocks for it."""
+"""1P1D on real vLLM (CPU, tiny model) whose instances compute KV of the same shape differently: the decode instance
+runs with another RoPE base (`--hf-overrides`, through `p2pkv up --decode-vllm-args`), as a deployment that forgot a
+flag on one side. Exchanged, the prefill instance's KV would make the decode instance answer as neither
+configuration does, without an error; the decode instance refuses the prefill worker at its hello instead, naming
+the factor, and each request is answered as a colocated instance with the decode instance's configuration answers,
+its prompt computed on the decode instance at once, not after the transfer deadline (120 s here; the client gives up
+after 60). With GET, the prefill instance refuses the decode instance's pulls alike, and then holds no blocks for
+it."""
 
 from __future__ import annotations
 
+import json
+import shlex
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,38 +20,41 @@ import httpx
 import pytest
 
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
-from tests.integration.conftest import Oracle, complete, instance_of, metric, up_with_colocated
+from tests.integration.conftest import complete, instance_of, metric, up_with_colocated
 from tests.integration.test_disagg import prompt
 
 pytestmark = pytest.mark.vllm
 DEADLINE_S = 120.0
 FAILED_LOADS = 'p2pkv_transfers_total{direction="load",outcome="failed"}'
+OVERRIDE = json.dumps({"rope_parameters": {"rope_theta": 20000.0, "rope_type": "default"}})
 
 
 @pytest.fixture(scope="module")
-def mismatched(tiny_model: str, tmp_path_factory: pytest.TempPathFactory, oracle: Oracle) -> Iterator[dict[str, Any]]:
-    up_args = ("--decode-vllm-args", "--dtype bfloat16")
+def mismatched(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    up_args = ("--decode-vllm-args", f"--hf-overrides {shlex.quote(OVERRIDE)}")
     with up_with_colocated(tiny_model, tmp_path_factory.mktemp("mismatch"), {"transfer_timeout_s": DEADLINE_S},
-                           [], up_args, shared=oracle) as (_, info, _colocated):
-        info.update(model=tiny_model)
+                           [], up_args, colocated_args=("--hf-overrides", OVERRIDE)) as (_, info, colocated):
+        info.update(model=tiny_model, colocated=colocated)
         yield info
 
 
-def test_requests_through_a_refused_prefill_instance_are_answered_without_waiting_out_the_deadline(
+def test_requests_through_a_refused_prefill_instance_are_answered_right_without_waiting_out_the_deadline(
         mismatched: dict[str, Any]) -> None:
     decode = instance_of(mismatched, "kv_consumer")
     failed, refused = metric(decode["metrics"], FAILED_LOADS), metric(decode["metrics"], "p2pkv_refused_peers_total")
     for i, length in enumerate((150, 290, 333)):
-        body = {"model": mismatched["model"], "prompt": prompt(f"mismatch-{i}", length), "max_tokens": 8,
+        body = {"model": mismatched["model"], "prompt": prompt(f"mismatch-{i}", length), "max_tokens": 16,
                 "temperature": 0, "ignore_eos": True}
         reply = httpx.post(f"{mismatched['proxy']}/v1/completions", json=body, timeout=DEADLINE_S / 2)
         assert reply.status_code == 200, reply.text
-        assert reply.json()["usage"]["completion_tokens"] == 8
+        text = reply.json()["choices"][0]["text"]
+        assert text == complete(mismatched["colocated"], body)["choices"][0]["text"], i
         assert metric(decode["metrics"], FAILED_LOADS) == failed + i + 1, "the load failed, reported to vLLM"
         assert metric(decode["metrics"], "p2pkv_refused_peers_total") >= refused + i + 1
     assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") == 0
     text = (Path(mismatched["log_dir"]) / "decode0.log").read_text()
-    assert text.count("the prefill worker that pushes it was refused: KV layout mismatch: dtype: ours 'bfloat16'") >= 3
+    reason = "the prefill worker that pushes it was refused: KV layout mismatch: model.rope_parameters: ours "
+    assert text.count(reason) >= 3
     assert text.count("refusing peer") == 1, "logged once for the prefill worker"
 
 
