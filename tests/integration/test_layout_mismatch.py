@@ -20,13 +20,13 @@ import httpx
 import pytest
 
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
-from tests.integration.conftest import complete, instance_of, metric, up_with_colocated
+from tests.integration.conftest import Oracle, complete, instance_of, metric, up_with_colocated
 from tests.integration.test_disagg import prompt
 
 pytestmark = pytest.mark.vllm
 DEADLINE_S = 120.0
 FAILED_LOADS = 'p2pkv_transfers_total{direction="load",outcome="failed"}'
-OVERRIDE = json.dumps({"rope_parameters": {"rope_theta": 20000.0, "rope_type": "default"}})
+OVERRIDE = json.dumps({"rope_parameters": {"rope_theta": 100.0, "rope_type": "default"}})
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +38,26 @@ def mismatched(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield info
 
 
+def _logprobs(answer: dict[str, Any]) -> list[float]:
+    values: list[float] = answer["choices"][0]["logprobs"]["token_logprobs"]
+    return values
+
+
 def test_requests_through_a_refused_prefill_instance_are_answered_right_without_waiting_out_the_deadline(
-        mismatched: dict[str, Any]) -> None:
+        mismatched: dict[str, Any], oracle: Oracle) -> None:
+    """Answers as the colocated instance with the decode side's settings gives them (token log-probabilities within
+    1e-4), not as one with the prefill side's (vLLM's defaults: the shared oracle), which differ by more."""
     decode = instance_of(mismatched, "kv_consumer")
     failed, refused = metric(decode["metrics"], FAILED_LOADS), metric(decode["metrics"], "p2pkv_refused_peers_total")
     for i, length in enumerate((150, 290, 333)):
         body = {"model": mismatched["model"], "prompt": prompt(f"mismatch-{i}", length), "max_tokens": 16,
-                "temperature": 0, "ignore_eos": True}
+                "temperature": 0, "ignore_eos": True, "logprobs": 1}
         reply = httpx.post(f"{mismatched['proxy']}/v1/completions", json=body, timeout=DEADLINE_S / 2)
         assert reply.status_code == 200, reply.text
-        text = reply.json()["choices"][0]["text"]
-        assert text == complete(mismatched["colocated"], body)["choices"][0]["text"], i
+        got, want = _logprobs(reply.json()), _logprobs(complete(mismatched["colocated"], body))
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4, i
+        other = _logprobs(complete(oracle.url(), body))
+        assert max(abs(a - b) for a, b in zip(got, other, strict=True)) > 1e-3, "the settings change the answer"
         assert metric(decode["metrics"], FAILED_LOADS) == failed + i + 1, "the load failed, reported to vLLM"
         assert metric(decode["metrics"], "p2pkv_refused_peers_total") >= refused + i + 1
     assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") == 0
