@@ -215,6 +215,17 @@ def multi_rank_cluster(model: str, work: Path, up_args: tuple[str, ...], shared:
         yield info
 
 
+@contextmanager
+def described_cluster(model: str, work: Path, extra: dict[str, Any], vllm_args: list[str],
+                      up_args: tuple[str, ...] = (), colocated_args: tuple[str, ...] = ()) -> Iterator[dict[str, Any]]:
+    """`p2pkv up` beside a colocated vLLM of its own (started with `colocated_args`): its ready file's description,
+    with `model` and `colocated` (that instance's URL) added."""
+    with up_with_colocated(model, work, extra, vllm_args, up_args, colocated_args=colocated_args
+                           ) as (_, info, colocated):
+        info.update(model=model, colocated=colocated)
+        yield info
+
+
 def instance_of(info: dict[str, Any], role: str) -> dict[str, Any]:
     found: dict[str, Any] = next(i for i in info["instances"] if i["role"] == role)
     return found

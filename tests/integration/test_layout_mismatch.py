@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
-from tests.integration.conftest import Oracle, complete, instance_of, metric, up_with_colocated
+from tests.integration.conftest import Oracle, complete, described_cluster, instance_of, metric
 from tests.integration.test_disagg import prompt
 
 pytestmark = pytest.mark.vllm
@@ -32,9 +32,8 @@ OVERRIDE = json.dumps({"rope_parameters": {"rope_theta": 100.0, "rope_type": "de
 @pytest.fixture(scope="module")
 def mismatched(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     up_args = ("--decode-vllm-args", f"--hf-overrides {shlex.quote(OVERRIDE)}")
-    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("mismatch"), {"transfer_timeout_s": DEADLINE_S},
-                           [], up_args, colocated_args=("--hf-overrides", OVERRIDE)) as (_, info, colocated):
-        info.update(model=tiny_model, colocated=colocated)
+    with described_cluster(tiny_model, tmp_path_factory.mktemp("mismatch"), {"transfer_timeout_s": DEADLINE_S},
+                           [], up_args, ("--hf-overrides", OVERRIDE)) as info:
         yield info
 
 

@@ -22,10 +22,10 @@ from tests.integration.conftest import (
     TRANSFER_TIMEOUT_S,
     complete,
     cut_stream,
+    described_cluster,
     instance_of,
     kv_bytes_per_block_and_layer,
     metric,
-    up_with_colocated,
 )
 from tests.integration.test_disagg import prompt
 
@@ -39,9 +39,8 @@ MAX_TOKENS = 48
 def spec_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Speculative decoding on the decode instance only (`p2pkv up --decode-vllm-args`), as deployed."""
     up_args = ("--decode-vllm-args", f"--speculative-config {shlex.quote(SPECULATIVE)}")
-    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("spec"), {"transfer_timeout_s": TRANSFER_TIMEOUT_S},
-                           [], up_args, colocated_args=("--speculative-config", SPECULATIVE)) as (_, info, colocated):
-        info.update(model=tiny_model, colocated=colocated)
+    with described_cluster(tiny_model, tmp_path_factory.mktemp("spec"), {"transfer_timeout_s": TRANSFER_TIMEOUT_S},
+                           [], up_args, ("--speculative-config", SPECULATIVE)) as info:
         yield info
 
 
@@ -92,10 +91,8 @@ def eagle_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> 
     """The same EAGLE head on every instance (`p2pkv up -- --speculative-config ...`), as the README says to."""
     head = write_tiny_eagle(tmp_path_factory.mktemp("eagle-head"))
     spec = json.dumps({"method": "eagle", "model": str(head), "num_speculative_tokens": 3})
-    with up_with_colocated(tiny_model, tmp_path_factory.mktemp("eagle"), {"transfer_timeout_s": TRANSFER_TIMEOUT_S},
-                           ["--speculative-config", spec], colocated_args=("--speculative-config", spec)
-                           ) as (_, info, colocated):
-        info.update(model=tiny_model, colocated=colocated)
+    with described_cluster(tiny_model, tmp_path_factory.mktemp("eagle"), {"transfer_timeout_s": TRANSFER_TIMEOUT_S},
+                           ["--speculative-config", spec], colocated_args=("--speculative-config", spec)) as info:
         yield info
 
 
