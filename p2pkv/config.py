@@ -94,11 +94,17 @@ class ExtraConfig:
                 raise ConfigError(f"proxy_ip: {exc}") from None
         return out
 
+    @property
+    def proxy_host(self) -> str:
+        """The first proxy's host ("" without one): a wildcard `kv_host` is named by this host's address on the route
+        to it."""
+        proxies = self.proxies
+        return proxies[0].host if proxies else ""
+
     def kv_address(self, port: int) -> Address:
         """Where peers reach a KV listener of this instance on `port`: `kv_host`, or for a wildcard the address
-        `p2pkv.hostaddr` picks (on the route to the first proxy, when there is one)."""
-        proxies = self.proxies
-        return Address.advertised(self.kv_host, port, proxies[0].host if proxies else "")
+        `p2pkv.hostaddr` picks."""
+        return Address.advertised(self.kv_host, port, self.proxy_host)
 
 
 def _as_int(key: str, lo: int, hi: int) -> Callable[[Any], int]:

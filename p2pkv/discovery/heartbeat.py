@@ -20,7 +20,6 @@ import zmq
 from p2pkv.config import ConnectorConfig, HeartbeatFormat, Role
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import ConfigError
-from p2pkv.hostaddr import advertised_host
 from p2pkv.params import Address
 from p2pkv.protocol import Heartbeat, encode_datagram
 
@@ -112,11 +111,11 @@ def sender_for(config: ConnectorConfig, tp_size: int = 0, pp_size: int = 0,
         raise ConfigError("heartbeat_format legacy: the old proxy cannot choose a data-parallel rank; use p2pkv's "
                           "heartbeats (and proxy) with --data-parallel-size")
     proxies = extra.proxies
-    host = advertised_host(extra.kv_host, proxies[0].host)  # as `extra.kv_address` names the KV port
+    kv = extra.kv_address(config.worker_port(0))  # as `DecodeParams` and the engines' hellos name it
     if extra.heartbeat_format is HeartbeatFormat.LEGACY and extra.auth_secret:
         log.warning("heartbeat_format legacy: heartbeats go unsigned (the old format has no signature); a p2pkv "
                     "proxy with a shared secret refuses them")
     return HeartbeatSender(proxies, _ROLE_NAMES[config.role],
-                           Address(host, extra.http_port), Address(host, config.worker_port(0)),
+                           Address(kv.host, extra.http_port), kv,
                            extra.heartbeat_interval_s, extra.auth_secret.encode(), tp_size, pp_size,
                            extra.heartbeat_format is HeartbeatFormat.LEGACY, dp_rank)

@@ -63,7 +63,7 @@ class EngineSettings:
             transport=extra.transport,
             pull_over_device=extra.pull_over_device,
             integrity_check=extra.integrity_check,
-            towards=proxies[0].host if (proxies := extra.proxies) else "",
+            towards=extra.proxy_host,
         )
 
 

@@ -16,8 +16,9 @@ import zmq
 from p2pkv.cli.cluster import free_port
 from p2pkv.config import parse_connector_config
 from p2pkv.discovery import HeartbeatSender, parse_announcement
-from p2pkv.discovery.heartbeat import advertised_host, sender_for
+from p2pkv.discovery.heartbeat import sender_for
 from p2pkv.errors import ConfigError, ProtocolError
+from p2pkv.hostaddr import advertised_host
 from p2pkv.params import Address
 from p2pkv.protocol import Heartbeat, PushAbort, encode_datagram, encode_frame
 from p2pkv.proxy import ProxyConfig, create_app
