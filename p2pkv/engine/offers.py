@@ -51,6 +51,7 @@ class Offer:
     claimed: set[int] = field(default_factory=set)  # decode ranks that have pulled or are pulling
     in_flight: int = 0
     served: int = 0
+    pulled_by: frozenset[str] = frozenset()  # the listeners of the decode ranks that will pull, where known
 
     @property
     def finished(self) -> bool:
@@ -65,11 +66,28 @@ class OfferTable:
 
     def offer(self, transfer_id: str, total_blocks: int, source: ViewSource, lease_s: float,
               ranges: RangeSource | None = None, slicer: Slicer | None = None,
-              slice_ranges: SliceRanges | None = None) -> None:
+              slice_ranges: SliceRanges | None = None, pulled_by: frozenset[str] = frozenset()) -> None:
         with self._lock:
             self._gone.pop(transfer_id, None)
             self._offers[transfer_id] = Offer(transfer_id, total_blocks, source, time.monotonic() + lease_s, lease_s,
-                                              ranges=ranges, slicer=slicer, slice_ranges=slice_ranges)
+                                              ranges=ranges, slicer=slicer, slice_ranges=slice_ranges,
+                                              pulled_by=pulled_by)
+
+    def refused(self, address: str, reason: str) -> list[str]:
+        """This engine refused the decode rank whose listener is at `address`: nothing it was to pull can reach it
+        (it is refused at every try), so those offers expire now, not when their leases run out: its request is
+        computed on the decode side, whatever the other ranks pulled. An offer with a pull in flight is left to end
+        as it does (by its lease, rarely). Returns the ids of those that expired."""
+        released = []
+        with self._lock:
+            for offer in self._offers.values():
+                if address in offer.pulled_by and not offer.finished and not offer.in_flight:
+                    offer.state = OfferState.EXPIRED
+                    released.append(offer.transfer_id)
+        for transfer_id in released:
+            log.warning("transfer %s: blocks freed: the decode worker at %s that was to pull them was refused (%s)",
+                        transfer_id, address, reason)
+        return released
 
     def renew(self, transfer_ids: list[str]) -> int:
         """The decode side still wants these transfers: each one still held for a pull is held for another lease

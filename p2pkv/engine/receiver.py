@@ -125,6 +125,8 @@ class Receiver:
             log.log(logging.ERROR if news else logging.DEBUG, "refusing peer %s (engine %s, listening on %s): %s",
                     conn.peer, hello.engine_id, hello.kv_address or "?", reason)
             self._metrics.refused_peers.inc()
+            if hello.kv_address:  # GET: what it was to pull will not reach it, nor be pulled by another
+                self._offers.refused(hello.kv_address, reason)
             conn.send_frame(HelloReply(accepted=False, reason=reason), (), deadline)
             return None
         self.refused.accepted(hello.kv_address)

@@ -58,6 +58,13 @@ def _raiser(exc: Exception) -> Callable[[float], bool]:
     return ready
 
 
+def _pullers(spec: SaveSpec) -> tuple[Address, ...]:
+    """The listeners of the decode ranks that will pull `spec` (GET), where the scheduler knows them."""
+    if spec.pulled_by is None:
+        return ()
+    return tuple(spec.pulled_by.offset(rank) for rank in range(spec.pullers or 1))
+
+
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, rank: int, block_size: int, tp_size: int = 1,
                  total_heads: int = 0, pp_rank: int = 0, pp_size: int = 1, total_layers: int = 0,
@@ -225,14 +232,11 @@ class WorkerSide:
 
         self.engine.offer(tid, len(ids), self.blocks.source(tid, ids), self._config.extra.lease_s,
                           self.blocks.ranges(tid, ids), lambda wanted, layers: piece(wanted, layers).source(tid, ids),
-                          slice_ranges)
+                          slice_ranges, _pullers(spec))
 
     def _refused_puller(self, spec: SaveSpec) -> tuple[Address, str] | None:
         """A rank of the decode instance that will pull `spec` (GET) that this worker refused at its hello, and why."""
-        if spec.pulled_by is None:
-            return None
-        for rank in range(spec.pullers or 1):
-            peer = spec.pulled_by.offset(rank)
+        for peer in _pullers(spec):
             reason = self.engine.refusal(peer)
             if reason is not None:
                 return peer, reason

@@ -4,8 +4,8 @@ flag on one side. Exchanged, the prefill instance's KV would make the decode ins
 configuration does, without an error; the decode instance refuses the prefill worker at its hello instead, naming
 the factor, and each request is answered as a colocated instance with the decode instance's configuration answers,
 its prompt computed on the decode instance at once, not after the transfer deadline (120 s here; the client gives up
-after 60). With GET, the prefill instance refuses the decode instance's pulls alike, and then holds no blocks for
-it."""
+after 60). With GET, the prefill instance refuses the decode instance's pulls alike, frees the blocks it held for
+it, and then holds none for it."""
 
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ def test_requests_through_a_refused_prefill_instance_are_answered_right_without_
 def test_get_transfers_are_not_held_for_a_decode_instance_the_prefill_instance_refused(
         mismatched: dict[str, Any]) -> None:
     """The proxy's two steps by hand, each transfer held for a pull (GET): the prefill instance refuses the decode
-    instance's pull at its hello, so the first load fails at once; the second transfer is not held at all."""
+    instance's pull at its hello, so the first load fails at once and the blocks held for it are freed then; the
+    second transfer is not held at all."""
     prefill, decode = instance_of(mismatched, "kv_producer"), instance_of(mismatched, "kv_consumer")
     log = Path(mismatched["log_dir"]) / "prefill0.log"
     failed = metric(decode["metrics"], FAILED_LOADS)
@@ -84,5 +85,8 @@ def test_get_transfers_are_not_held_for_a_decode_instance_the_prefill_instance_r
         reply = httpx.post(f"http://{decode['http']}/v1/completions", json=body, timeout=DEADLINE_S / 2)
         assert reply.status_code == 200, reply.text
         assert metric(decode["metrics"], FAILED_LOADS) == failed + i + 1
-        held = log.read_text().count(f"transfer {params.transfer_id}: not held for a pull")
+        logged = log.read_text()
+        held = logged.count(f"transfer {params.transfer_id}: not held for a pull")
         assert held == i, "the first is held (nothing known of the decode instance yet), the second is not"
+        freed = logged.count(f"transfer {params.transfer_id}: blocks freed: the decode worker at {decode['kv']}")
+        assert freed == 1 - i, "the first is freed at the refusal, not when its lease runs out"

@@ -16,6 +16,7 @@ import pytest
 
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.handshake import client_handshake
+from p2pkv.engine.offers import OfferState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import StageState
 from p2pkv.errors import IncompatiblePeerError
@@ -124,10 +125,16 @@ def test_a_refused_peer_is_noted_by_the_listener_it_names_until_a_hello_from_the
         conn = TcpConnection.connect(Address.parse(receiver.address), deadline, b"", FrameLimits())
         return client_handshake(conn, Hello("e", 0, layout(LAYERS, block_bytes), kv_address=str(peer)), deadline)
 
+    receiver.offer("before", 2, lambda layer, first, count: (), 60.0, pulled_by=(peer,))
     with pytest.raises(IncompatiblePeerError):
         hello(BLOCK_BYTES * 2)
     assert "KV layout mismatch: block_bytes: ours 4096, peer 8192" in str(receiver.refusal(peer))
     assert receiver.refusal(peer.offset(1)) is None  # another listener on that host was not refused
+    # GET: blocks held for that peer to pull are freed at its refusal, and at once when offered after it.
+    receiver.offer("after", 2, lambda layer, first, count: (), 60.0, pulled_by=(peer.offset(1), peer))
+    receiver.offer("other", 2, lambda layer, first, count: (), 60.0, pulled_by=(peer.offset(1),))
+    assert [receiver.offer_state(t) for t in ("before", "after", "other")] == [
+        OfferState.EXPIRED, OfferState.EXPIRED, OfferState.OFFERED]
     hello(BLOCK_BYTES).close()
     assert receiver.refusal(peer) is None
 

@@ -65,3 +65,23 @@ def test_a_renewed_offer_is_held_past_its_lease_and_only_held_offers_are_renewed
     time.sleep(0.35)
     table.expire()
     assert table.poll("wanted") is OfferState.EXPIRED  # no word since: its lease runs out in turn
+
+
+def test_a_refused_puller_frees_the_offers_it_was_to_pull_except_one_being_pulled() -> None:
+    """The engine refused the decode rank at `d:1` at its hello: what it was to pull expires at once, whatever the
+    other ranks did; one with a pull in flight ends as it does; those for other ranks or for no named rank stay."""
+    table = OfferTable()
+    table.offer("for-d", 2, _source, 30.0, pulled_by=frozenset({"d:1", "d:2"}))
+    table.offer("half-pulled", 2, _source, 30.0, pulled_by=frozenset({"d:1", "d:2"}))
+    table.offer("in-flight", 2, _source, 30.0, pulled_by=frozenset({"d:1"}))
+    table.offer("for-e", 2, _source, 30.0, pulled_by=frozenset({"e:1"}))
+    table.offer("unnamed", 2, _source, 30.0)
+    half = table.claim("half-pulled", 0, 2, pullers=2, puller=1)
+    assert isinstance(half, Offer)
+    table.finish(half)
+    assert isinstance(table.claim("in-flight", 0, 2), Offer)
+    assert sorted(table.refused("d:1", "KV layout mismatch")) == ["for-d", "half-pulled"]
+    assert table.poll("for-d") is OfferState.EXPIRED and table.poll("half-pulled") is OfferState.EXPIRED
+    assert table.poll("in-flight") is OfferState.SERVING
+    assert table.poll("for-e") is OfferState.OFFERED and table.poll("unnamed") is OfferState.OFFERED
+    assert table.refused("d:1", "again") == []

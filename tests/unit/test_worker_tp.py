@@ -410,10 +410,10 @@ def test_a_load_pushed_by_a_refused_prefill_worker_fails_at_once(sides: list[Wor
 
 
 def test_a_get_transfer_is_not_held_for_a_decode_worker_this_worker_refused(sides: list[WorkerSide]) -> None:
-    """GET: the decode worker's pull was refused at its hello (float64 blocks against float32), so its load failed.
-    The next transfer that decode instance is to pull is not held (its pull would be refused alike): the request is
-    reported sent at once, its blocks free, instead of held until the lease runs out (60 s). The control: one for
-    another decode instance is held."""
+    """GET: the decode worker's pull was refused at its hello (float64 blocks against float32), so its load failed,
+    and the blocks held for it are freed then. The next transfer that decode instance is to pull is not held (its
+    pull would be refused alike): the request is reported sent at once, its blocks free, instead of held until the
+    lease runs out (60 s). The control: one for another decode instance is held."""
     p_port, d_port = free_ports(2, run=2)
     keys: dict[str, object] = {"transfer_timeout_s": 60, "lease_s": 60}
     prefill = worker("kv_producer", p_port, 0, 1, HEADS, caches(HEADS, 40), pp_size=1, keys=keys)
@@ -432,6 +432,8 @@ def test_a_get_transfer_is_not_held_for_a_decode_worker_this_worker_refused(side
     settle(decode, "d-req", sending=False)
     assert decode.take_load_errors() == {1, 2}
     assert "KV layout mismatch" in str(prefill.engine.refusal(by_decode))
+    assert prefill.engine.offer_state("g1") is OfferState.EXPIRED, "freed at the refusal, not by its lease"
+    assert prefill.get_finished({"p-req"})[0] == {"p-req"}
     save("p-req2", "g2", by_decode)
     assert prefill.engine.offer_state("g2") is None
     assert prefill.get_finished({"p-req2"})[0] == {"p-req2"}
