@@ -274,6 +274,15 @@ class BlockRanges(msgspec.Struct, tag="ranges", frozen=True):
     digest: int | None = None
 
 
+class PeerRefused(msgspec.Struct, frozen=True, array_like=True):
+    """In a heartbeat: a worker of another instance that a worker of this one refused at its hello (the address
+    it names for its own listener), why, and how many seconds ago it was last refused."""
+
+    address: str
+    reason: str
+    age_s: float
+
+
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     """An instance announcing itself to the proxy: its role ("prefill", "decode" or "both"), its OpenAI address,
     its KV address (rank 0's control port) and how often it announces, so the proxy knows when it is overdue."""
@@ -286,6 +295,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     tp_size: int = 0  # the instance's tensor-parallel size; 0: not said
     pp_size: int = 0  # the instance's pipeline-parallel size; 0: not said
     dp_rank: int = -1  # the data-parallel rank its API server reaches this engine by; -1: none (one engine)
+    refused: tuple[PeerRefused, ...] = ()  # the latest refusals of its workers (`p2pkv.proxy.pairs`); a few at most
 
 
 Message = (Hello | HelloReply | BlockRanges | PushBlocks | PushAck | PushAbort | PullRequest | PullReply | Heartbeat

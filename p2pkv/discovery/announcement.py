@@ -18,6 +18,7 @@ from p2pkv.protocol import MAGIC, FrameLimits, Heartbeat, decode_datagram
 ROLES = ("prefill", "decode", "both")
 LEGACY_INTERVAL_S = 3.0
 MAX_ANNOUNCEMENT_BYTES = 4096
+MAX_REFUSED = 16  # refused peers one heartbeat may name (instances send 8 at most)
 _LEGACY_ROLES = {"P": "prefill", "D": "decode"}
 _LIMITS = FrameLimits(max_message_bytes=MAX_ANNOUNCEMENT_BYTES, max_payload_bytes=0)
 
@@ -32,6 +33,8 @@ class Announcement:
     tp_size: int = 0  # 0: not said
     pp_size: int = 0  # 0: not said
     dp_rank: int | None = None  # the data-parallel rank behind `http` (X-data-parallel-rank); None: the only one
+    # Workers of other instances its workers refused at their hello: (their listener, why, seconds since).
+    refused: tuple[tuple[Address, str, float], ...] = ()
 
 
 def _address(value: object, key: str) -> Address:
@@ -57,9 +60,16 @@ def _typed(raw: bytes, secret: bytes) -> Announcement:
             raise ProtocolError(f"heartbeat {key} {size!r} is out of range")
     if not -1 <= message.dp_rank < 4096:
         raise ProtocolError(f"heartbeat dp_rank {message.dp_rank!r} is out of range")
+    if len(message.refused) > MAX_REFUSED:
+        raise ProtocolError(f"heartbeat names {len(message.refused)} refused peers; {MAX_REFUSED} at most")
+    refused = []
+    for peer in message.refused:
+        if not 0 <= peer.age_s <= 1e9:  # also NaN
+            raise ProtocolError(f"heartbeat refusal age {peer.age_s!r} s is out of range")
+        refused.append((_address(peer.address, "refused address"), peer.reason, peer.age_s))
     return Announcement(message.role, _address(message.http_address, "http_address"), kv, message.interval_s,
                         tp_size=message.tp_size, pp_size=message.pp_size,
-                        dp_rank=message.dp_rank if message.dp_rank >= 0 else None)
+                        dp_rank=message.dp_rank if message.dp_rank >= 0 else None, refused=tuple(refused))
 
 
 def _legacy(raw: bytes) -> Announcement:

@@ -12,18 +12,32 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 import zmq
 
 from p2pkv.config import ConnectorConfig, HeartbeatFormat, Role
+from p2pkv.engine.refused import Refusal
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import ConfigError
 from p2pkv.params import Address
-from p2pkv.protocol import Heartbeat, encode_datagram
+from p2pkv.protocol import Heartbeat, PeerRefused, encode_datagram
 
 log = logging.getLogger(__name__)
+# A heartbeat names this many refused peers at most (the latest), each reason cut to this many bytes: a
+# heartbeat must fit the proxy's bound (`MAX_ANNOUNCEMENT_BYTES`).
+MAX_REFUSED = 8
+MAX_REASON_BYTES = 160
+
+
+def refused_in_beat(notes: Mapping[str, Refusal], now: float) -> tuple[PeerRefused, ...]:
+    """The latest `MAX_REFUSED` refusals as a heartbeat says them, the latest first."""
+    latest = sorted(notes.items(), key=lambda item: item[1].at, reverse=True)[:MAX_REFUSED]
+    return tuple(PeerRefused(address, note.reason.encode()[:MAX_REASON_BYTES].decode(errors="ignore"),
+                             round(max(0.0, now - note.at), 1)) for address, note in latest)
+
+
 class HeartbeatSender:
     def __init__(self, proxy: Address | Sequence[Address], role: str, http: Address, kv: Address, interval_s: float,
                  secret: bytes, tp_size: int = 0, pp_size: int = 0, legacy: bool = False,
@@ -37,6 +51,7 @@ class HeartbeatSender:
         self._legacy = msgspec.msgpack.encode({"type": _LEGACY_TYPES[role], "http_address": str(http),
                                                "zmq_address": str(kv)}) if legacy else b""
         self.interval_s = interval_s
+        self._refusals: Mapping[str, Refusal] = {}  # replaced whole by `note_refusals`, read by the thread
         self._secret = secret
         self._health_url = f"http://{http}/health"
         self._stop = threading.Event()
@@ -49,6 +64,18 @@ class HeartbeatSender:
                  self.message.http_address, rank, self.message.kv_address, ", ".join(map(str, self.proxies)),
                  self.interval_s)
         self._thread.start()
+
+    def note_refusals(self, notes: Mapping[str, Refusal]) -> None:
+        """The workers' refusals now (`RefusedPeers` of each, merged): later heartbeats say them."""
+        self._refusals = dict(notes)
+
+    def beat(self) -> bytes:
+        """The next heartbeat's bytes."""
+        if self._legacy:
+            return self._legacy
+        refused = refused_in_beat(self._refusals, time.monotonic())
+        message = msgspec.structs.replace(self.message, refused=refused) if refused else self.message
+        return encode_datagram(message, self._secret)
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -80,7 +107,7 @@ class HeartbeatSender:
                 # than give up after a second (three slow answers in a row would have the proxy drop a live
                 # instance), and keep the beats' cadence whatever the answer took.
                 if self._healthy(self.interval_s):
-                    beat = self._legacy or encode_datagram(self.message, self._secret)
+                    beat = self.beat()
                     for proxy, sock in socks:
                         try:
                             sock.send(beat, zmq.NOBLOCK)

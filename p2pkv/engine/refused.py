@@ -1,13 +1,21 @@
 """Peers this engine's listener refused at their hello (another KV layout), by the address they name for their own
 listener. A load of KV such a peer was to push fails at once instead of waiting out its deadline: the push is
 refused at every try, so nothing of it will come. A later hello from that address that is accepted (the peer
-restarted with a matching layout) clears the note."""
+restarted with a matching layout) clears the note. The notes also go to the proxy (in the instance's heartbeats),
+which then pairs this instance with other ones for a while (`p2pkv.proxy.pairs`)."""
 
 from __future__ import annotations
 
 import threading
+import time
+from typing import NamedTuple
 
 _MAX_NOTED = 1024  # addresses kept at most; the oldest note goes first
+
+
+class Refusal(NamedTuple):
+    reason: str
+    at: float  # time.monotonic() of the latest refusal (the system's clock: the same in every process of a host)
 
 
 class RefusedPeers:
@@ -15,27 +23,36 @@ class RefusedPeers:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._reasons: dict[str, str] = {}
+        self._notes: dict[str, Refusal] = {}
+        self._version = 0  # bumped by every refusal and every note cleared
 
     def refused(self, address: str, reason: str) -> bool:
         """Note a refusal; whether it is news (the peer was not noted as refused for this reason), for the log."""
         if not address:
             return True
         with self._lock:
-            news = self._reasons.pop(address, None) != reason
-            self._reasons[address] = reason
-            while len(self._reasons) > _MAX_NOTED:
-                del self._reasons[next(iter(self._reasons))]
-        return news
+            before = self._notes.pop(address, None)
+            self._notes[address] = Refusal(reason, time.monotonic())
+            self._version += 1
+            while len(self._notes) > _MAX_NOTED:
+                del self._notes[next(iter(self._notes))]
+        return before is None or before.reason != reason
 
     def accepted(self, address: str) -> None:
         if not address:
             return
         with self._lock:
-            self._reasons.pop(address, None)
+            if self._notes.pop(address, None) is not None:
+                self._version += 1
 
     def reason(self, address: str) -> str | None:
         """Why the peer that names its listener `address` was last refused; None if it was not, or was accepted
         since."""
         with self._lock:
-            return self._reasons.get(address)
+            note = self._notes.get(address)
+        return None if note is None else note.reason
+
+    def snapshot(self) -> tuple[int, dict[str, Refusal]]:
+        """A version (it changes whenever the notes do) and the notes, the latest refusal last."""
+        with self._lock:
+            return self._version, dict(self._notes)

@@ -32,6 +32,7 @@ from p2pkv.proxy.discard import Discarder, discard_of
 from p2pkv.proxy.discovery import DiscoveryListener, start
 from p2pkv.proxy.instances import Instance, ProxyConfig
 from p2pkv.proxy.metrics import ProxyMetrics
+from p2pkv.proxy.pairs import news, refusals, why_not_paired
 from p2pkv.proxy.passthrough import add_passthrough_routes, forward_headers, holder
 from p2pkv.proxy.prefill import MESSAGES, RESPONSES, Prefiller, prefill_body, whole_prompt_on_decode
 from p2pkv.proxy.registry import InstanceState, Policy, Pool, static_pool
@@ -91,13 +92,29 @@ class Router:
             self._sizes[a.http] = a.tp_size, a.pp_size
         expires_at = time.monotonic() + self.config.heartbeat_misses * a.interval_s
         wanted = {"prefill": (self.prefill,), "decode": (self.decode,), "both": self.pools}[a.role]
+        now, logged = time.monotonic(), False
         for pool in self.pools:
             if pool in wanted:
                 if pool.heard_from(instance, time.time(), expires_at):
                     log.info("discovered %s instance %s (KV %s)%s", pool.role, instance.name, a.kv,
                              " from an old-format heartbeat" if a.legacy else "")
+                state = pool.find(instance)
+                if state is not None and state.discovered:
+                    refused = refusals(a.refused, now)
+                    for new in [] if logged else news(state.kv_refused, refused, now):
+                        log.warning("%s instance %s refused the KV worker at %s: %s; prefill and decode instances "
+                                    "of that pair are not paired for %.0f s", a.role, instance.name, new.address,
+                                    new.reason, new.until - now)
+                    logged = True
+                    state.ranks, state.kv_refused = max(1, a.tp_size * a.pp_size), refused
             elif pool.remove(instance):
                 log.info("instance %s is no longer a %s instance", instance.name, pool.role)
+
+    def unpaired(self, decode: InstanceState) -> dict[Instance, str]:
+        """The prefill instances that must not prefill for `decode` now, and why (`p2pkv.proxy.pairs`)."""
+        now, side = time.monotonic(), decode.side()
+        return {state.instance: why for state in self.prefill.states
+                if (why := why_not_paired(side, state.side(), now)) is not None}
 
     @property
     def pools(self) -> tuple[Pool, Pool]:
@@ -239,8 +256,12 @@ class Router:
         for attempt in range(self.config.transfer_retries + 1):
             target = await self._target(decode, headers)
             params = PrefillParams(trace.transfer_id, target.address, decode_tp=target.tp, decode_pp=target.pp)
+            unpaired = self.unpaired(decode)
+            if unpaired:
+                self.metrics.passed_over.inc(len(unpaired))
             try:
-                outcome = await self._prefiller.prefill(prefill_body(body, params, path), path, headers, trace, tried)
+                outcome = await self._prefiller.prefill(prefill_body(body, params, path), path, headers, trace, tried,
+                                                        frozenset(unpaired))
             except asyncio.CancelledError:  # the client went away; the prefill may have pushed already
                 if target.address is not None:
                     self._discarder.discard(decode.instance, DiscardParams(trace.transfer_id), body, headers)
@@ -253,8 +274,12 @@ class Router:
             to_decode = dict(body)
             if outcome is None:
                 self.metrics.fallbacks.inc()
-                log.warning("transfer %s: no prefill instance succeeded; decode instance %s prefills locally",
-                            trace.transfer_id, decode.instance.name)
+                if unpaired and not tried:  # each pair's refusal was logged once, when a heartbeat first said it
+                    log.debug("transfer %s: decode instance %s prefills locally: no prefill instance whose KV it can "
+                              "take (%s)", trace.transfer_id, decode.instance.name, "; ".join(unpaired.values()))
+                else:
+                    log.warning("transfer %s: no prefill instance succeeded; decode instance %s prefills locally",
+                                trace.transfer_id, decode.instance.name)
                 to_decode.pop("kv_transfer_params", None)
             else:
                 to_decode["kv_transfer_params"] = outcome

@@ -32,6 +32,9 @@ class ProxyMetrics:
         self.stream_resumes = Counter("p2pkv_proxy_stream_resumes",
                                       "Completion streams resumed as a new transfer from the tokens they had streamed, "
                                       "after their decode instance broke off", registry=r)
+        self.passed_over = Counter("p2pkv_proxy_pairs_passed_over",
+                                   "Prefill instances passed over for a request: they and its decode instance "
+                                   "refused each other's KV workers (another layout or model settings)", registry=r)
         self.fallbacks = Counter("p2pkv_proxy_decode_only_fallbacks",
                                  "Requests sent to a decode instance alone because no prefill succeeded", registry=r)
         self.decode_only = Counter("p2pkv_proxy_decode_only",

@@ -68,11 +68,13 @@ class Prefiller:
         self.discarder = discarder
 
     async def prefill(self, body: dict[str, Any], path: str, headers: dict[str, str], trace: RequestTrace,
-                      tried: set[Instance]) -> dict[str, Any] | Response | None:
+                      tried: set[Instance], skip: frozenset[Instance] = frozenset()
+                      ) -> dict[str, Any] | Response | None:
         """The prefill's kv_transfer_params; a Response to pass on for a request the instance rejected (4xx);
-        None when every attempt failed, or every instance was `tried` (to which this adds the ones it tries)."""
+        None when every attempt failed, or every instance was `tried` (to which this adds the ones it tries) or is
+        to be skipped."""
         for attempt in range(self.config.prefill_retries + 1):
-            state = self.pool.pick(frozenset(tried))
+            state = self.pool.pick(frozenset(tried) | skip)
             if state is None:
                 return None
             tried.add(state.instance)

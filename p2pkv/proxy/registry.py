@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from p2pkv.params import Address
 from p2pkv.proxy.instances import Instance
+from p2pkv.proxy.pairs import Refused, Side
 
 log = logging.getLogger(__name__)
 # After a connection to an instance is refused, others are picked before it for this long: an instance that died
@@ -34,13 +35,21 @@ class InstanceState:
     expires_at: float | None = None  # monotonic; None for instances from static flags, which never expire
     discovered: bool = False
     shunned_until: float = 0.0  # monotonic: its connections were refused; others go first until then
+    ranks: int = 1  # its workers (tensor- times pipeline-parallel size), as its heartbeats say
+    kv_refused: tuple[Refused, ...] = ()  # workers of other instances its workers refused, as its heartbeats say
+
+    def side(self) -> Side:
+        return Side(f"{self.role} instance {self.instance.name}", self.instance.kv, self.ranks, self.kv_refused)
 
     def describe(self) -> dict[str, object]:
         return {"role": self.role, "address": str(self.instance.http), "dp_rank": self.instance.dp_rank,
                 "kv_address": str(self.instance.kv) if self.instance.kv else None,
                 "last_heartbeat": self.last_heartbeat, "in_flight": self.in_flight, "failures": self.failures,
                 "source": "heartbeat" if self.discovered else "static",
-                "shunned_s": round(max(0.0, self.shunned_until - time.monotonic()), 1)}
+                "shunned_s": round(max(0.0, self.shunned_until - time.monotonic()), 1),
+                "refused": [{"address": str(r.address), "reason": r.reason,
+                             "paired_again_in_s": round(max(0.0, r.until - time.monotonic()), 1)}
+                            for r in self.kv_refused]}
 
     def refused(self, now: float | None = None) -> None:
         """A connection to it was refused: pick others first for `SHUNNED_S` (and other engines behind its address,

@@ -13,6 +13,7 @@ from p2pkv.engine.metrics import StepStats
 from p2pkv.stages import StageLayers
 from p2pkv.vllm.metadata import P2pkvMetadata
 from p2pkv.vllm.model_factors import model_factors
+from p2pkv.vllm.refusals import InstanceRefusals, RefusalNotes
 from p2pkv.vllm.scheduler import SchedulerSide
 from p2pkv.vllm.stats import P2pkvPromMetrics, P2pkvStats
 from p2pkv.vllm.worker import WorkerSide
@@ -109,12 +110,15 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._heartbeat: HeartbeatSender | None = None
+        self._refusals: InstanceRefusals | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.config, block_size, tp_size, pp_size)
             # One announcer per instance, whatever its parallel sizes: the scheduler side is unique.
             self._heartbeat = sender_for(self.config, tp_size, pp_size, self.dp_rank)
             if self._heartbeat is not None:
                 self._heartbeat.start()
+            self._refusals = InstanceRefusals(self._heartbeat.note_refusals if self._heartbeat is not None
+                                              else lambda notes: None)
         else:
             tp_rank, pp_rank = _ranks()
             total_layers, stage_layers = _stage_layers(vllm_config)
@@ -172,6 +176,10 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
         data = self._worker.take_stats() if self._worker is not None else None
         return P2pkvStats(data=data) if data is not None else None
 
+    def build_connector_worker_meta(self) -> RefusalNotes | None:
+        """The peers this worker refused at their hello, when that changed (vLLM merges the workers')."""
+        return self._worker.refusals() if self._worker is not None else None
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> P2pkvStats:
         return P2pkvStats(data=data) if data is not None else P2pkvStats(data=StepStats().data)
@@ -202,6 +210,12 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Every step, the workers' output: what they refused goes into the heartbeats."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if meta is not None and self._refusals is not None:
+            self._refusals.update(meta)
 
     def reset_cache(self) -> bool:
         """vLLM resets its caches: KV staged or held before is not loaded after (see SchedulerSide.reset)."""

@@ -29,6 +29,7 @@ from p2pkv.stages import StageLayers
 from p2pkv.staging import STAGE_ENV, DeviceKv, TransferBuffers
 from p2pkv.vllm.loads import Loads, Placement
 from p2pkv.vllm.metadata import P2pkvMetadata, SaveSpec, Wanted
+from p2pkv.vllm.refusals import RefusalNotes, RefusalReporter
 
 if TYPE_CHECKING:
     import torch
@@ -76,6 +77,7 @@ class WorkerSide:
         KV's values depend on beyond its shape (`p2pkv.vllm.model_factors`), compared with each peer's."""
         self._config = config
         self._at = Placement(rank, tp_size, pp_rank, pp_size, total_heads, range(0), total_layers, stage_layers)
+        self._refusals = RefusalReporter(self._at.slot)
         self._block_size = block_size
         self._model = model
         self._engine: TransferEngine | None = None
@@ -375,6 +377,11 @@ class WorkerSide:
     def take_stats(self) -> dict[str, Any] | None:
         """What the engine counted since the last step: transfers, bytes, transfer times."""
         return self._engine.metrics.take_interval() if self._engine is not None else None
+
+    def refusals(self) -> RefusalNotes | None:
+        """The peers this worker refused at their hello, when that changed since the last step (for the heartbeats
+        that tell the proxy: `p2pkv.vllm.refusals`)."""
+        return self._refusals.report(self._engine.refused) if self._engine is not None else None
 
     def take_load_errors(self) -> set[int]:
         return self._loading.take_errors() if self._loading is not None else set()

@@ -16,11 +16,13 @@ import zmq
 from p2pkv.cli.cluster import free_port
 from p2pkv.config import parse_connector_config
 from p2pkv.discovery import HeartbeatSender, parse_announcement
-from p2pkv.discovery.heartbeat import sender_for
+from p2pkv.discovery.announcement import MAX_ANNOUNCEMENT_BYTES
+from p2pkv.discovery.heartbeat import MAX_REASON_BYTES, MAX_REFUSED, sender_for
+from p2pkv.engine.refused import Refusal
 from p2pkv.errors import ConfigError, ProtocolError
 from p2pkv.hostaddr import advertised_host
 from p2pkv.params import Address
-from p2pkv.protocol import Heartbeat, PushAbort, encode_datagram, encode_frame
+from p2pkv.protocol import Heartbeat, PeerRefused, PushAbort, encode_datagram, encode_frame
 from p2pkv.proxy import ProxyConfig, create_app
 from tests.helpers.servers import serve
 from tests.helpers.stubs import stub_decode, stub_prefill
@@ -314,3 +316,63 @@ def test_an_instance_announces_itself_to_every_proxy_listed() -> None:
         "proxy_ip": "127.0.0.1,127.0.0.2:40000", "proxy_port": 30001, "http_port": 8100}))
     assert from_config is not None and from_config.proxies == (Address("127.0.0.1", 30001),
                                                                Address("127.0.0.2", 40000))
+
+
+def test_a_heartbeat_says_the_latest_refusals_with_their_age_within_the_size_bound() -> None:
+    sender = HeartbeatSender(Address("127.0.0.1", 1), "decode", Address("h", 2), Address("h", 3), 1.0, SECRET)
+    assert parse_announcement(sender.beat(), SECRET).refused == ()
+    now = time.monotonic()
+    notes = {f"host-{i:02d}.cluster.example.internal:{40000 + i}": Refusal("é" * 400, now - i) for i in range(20)}
+    sender.note_refusals(notes)
+    raw = sender.beat()
+    assert len(raw) <= MAX_ANNOUNCEMENT_BYTES
+    said = parse_announcement(raw, SECRET).refused
+    assert [str(address) for address, _, _ in said] == [f"host-{i:02d}.cluster.example.internal:{40000 + i}"
+                                                       for i in range(MAX_REFUSED)]  # the latest first
+    assert all(reason == "é" * (MAX_REASON_BYTES // 2) for _, reason, _ in said)  # cut whole characters
+    assert [round(age) for _, _, age in said] == list(range(MAX_REFUSED))
+
+
+def test_instances_that_refused_each_other_are_not_paired_until_the_refusal_is_old() -> None:
+    """The decode instance's heartbeat says it refused rank 1 of prefill instance p1 (TP 2): requests are prefilled
+    on p2 only. Then p2's heartbeat says it refused the decode instance (GET): no prefill instance is left, and the
+    decode instance gets the requests alone. Refusals said to be 59.5 s old lapse half a second later: p1 prefills
+    again."""
+    p1_seen: list[dict[str, Any]] = []
+    p2_seen: list[dict[str, Any]] = []
+    d_seen: list[dict[str, Any]] = []
+    p1_kv, p2_kv, d_kv = Address("127.0.0.1", 7100), Address("127.0.0.1", 7200), Address("127.0.0.1", 7300)
+
+    def beat(role: str, http: str, kv: Address, refused: tuple[PeerRefused, ...] = ()) -> bytes:
+        return encode_datagram(Heartbeat(role, http, str(kv), 3.0, "e", 2, 1, refused=refused), b"")
+
+    def ask(n: int) -> None:
+        for _ in range(n):
+            resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+            assert resp.status_code == 200, resp.text
+
+    with serve(stub_prefill(p1_seen)) as p1, serve(stub_prefill(p2_seen)) as p2, serve(stub_decode(d_seen)) as d, \
+            discovering_proxy() as (proxy, send, _):
+        dtype = PeerRefused(str(p1_kv.offset(1)), "KV layout mismatch: dtype: ours float32, peer bfloat16", 0.0)
+        send(beat("prefill", p1, p1_kv))
+        send(beat("prefill", p2, p2_kv))
+        send(beat("decode", d, d_kv, (dtype,)))
+        wait_for(lambda: any(i["refused"] for i in listed(proxy)) and len(listed(proxy)) == 3)
+        ask(4)
+        assert (len(p1_seen), len(p2_seen)) == (0, 4)
+        assert all("kv_transfer_params" in seen for seen in d_seen)
+        decode = next(i for i in listed(proxy) if i["role"] == "decode")
+        assert decode["refused"][0]["address"] == "127.0.0.1:7101" and "dtype" in decode["refused"][0]["reason"]
+        assert metric(proxy, "p2pkv_proxy_pairs_passed_over_total") == 4
+        send(beat("prefill", p2, p2_kv, (PeerRefused(str(d_kv), "KV layout mismatch: model.sliding_window", 0.0),)))
+        wait_for(lambda: any(i["refused"] for i in listed(proxy) if i["address"] == p2))
+        d_seen.clear()
+        ask(2)
+        assert (len(p1_seen), len(p2_seen)) == (0, 4)
+        assert [seen.get("kv_transfer_params") for seen in d_seen] == [None, None]  # computed there
+        assert metric(proxy, "p2pkv_proxy_decode_only_fallbacks_total") == 2
+        send(beat("decode", d, d_kv, (msgspec.structs.replace(dtype, age_s=59.5),)))
+        send(beat("prefill", p2, p2_kv))
+        time.sleep(1.0)
+        ask(2)
+        assert len(p1_seen) >= 1, "the lapsed refusal pairs p1 again"

@@ -28,3 +28,21 @@ def test_the_oldest_note_goes_first_past_the_bound(monkeypatch: pytest.MonkeyPat
     peers.refused("h:1", "dtype")  # noted again: now the newest
     peers.refused("h:9", "dtype")
     assert [peers.reason(f"h:{port}") for port in (0, 1, 2, 3, 9)] == [None, "dtype", None, "dtype", "dtype"]
+
+
+def test_the_snapshot_changes_version_at_each_refusal_and_clearing_and_keeps_the_latest_time() -> None:
+    peers = RefusedPeers()
+    empty, notes = peers.snapshot()
+    assert notes == {}
+    peers.refused("h:1", "dtype")
+    first, notes = peers.snapshot()
+    assert first != empty and notes["h:1"].reason == "dtype"
+    at = notes["h:1"].at
+    peers.refused("h:1", "dtype")  # refused again: not news for the log, but a newer time for the proxy
+    again, notes = peers.snapshot()
+    assert again != first and notes["h:1"].at >= at
+    peers.accepted("h:2")  # nothing noted there: nothing changes
+    assert peers.snapshot()[0] == again
+    peers.accepted("h:1")
+    cleared, notes = peers.snapshot()
+    assert cleared != again and notes == {}

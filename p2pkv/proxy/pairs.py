@@ -1,0 +1,63 @@
+"""Which prefill instance may prefill for which decode instance: not one whose workers and the decode instance's
+refused each other at their hello (another KV layout, or model settings the KV depends on: their KV cannot be
+exchanged, and the decode instance would compute the prompt again after the prefill instance computed it for
+nothing). The instances' heartbeats say whom their workers refused, and how long ago (`Heartbeat.refused`). Such a
+pair is passed over for `PAIR_RETRY_S` after its latest refusal; then a request tries it again: the instances may
+have been fixed (an accepted hello clears the refusal there), and if not, the refusal is noted afresh.
+
+Instances from static flags send no heartbeats: their pairs are not known to be refused, and are used."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from p2pkv.params import Address
+
+log = logging.getLogger(__name__)
+PAIR_RETRY_S = 60.0
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A worker of another instance that a worker of this one refused at its hello, and until when the proxy passes
+    over the pair (monotonic seconds)."""
+
+    address: Address  # the refused worker's listener, as it names it
+    reason: str
+    until: float
+
+
+def refusals(said: tuple[tuple[Address, str, float], ...], now: float) -> tuple[Refused, ...]:
+    """What a heartbeat said, (address, reason, seconds since), as deadlines from `now`."""
+    return tuple(Refused(address, reason, now + PAIR_RETRY_S - age) for address, reason, age in said)
+
+
+def news(before: tuple[Refused, ...], after: tuple[Refused, ...], now: float) -> list[Refused]:
+    """The refusals in `after` that pass a pair over now and did not before (to be logged once)."""
+    known = {r.address for r in before if r.until > now}
+    return [r for r in after if r.until > now and r.address not in known]
+
+
+@dataclass(frozen=True)
+class Side:
+    """An instance as pairing sees it: its name, its workers' listeners (`kv` and the `ranks` - 1 after it), and
+    the refusals its heartbeats said."""
+
+    name: str
+    kv: Address | None
+    ranks: int
+    refused: tuple[Refused, ...]
+
+    def holds(self, address: Address) -> bool:
+        return (self.kv is not None and address.host == self.kv.host
+                and 0 <= address.port - self.kv.port < max(1, self.ranks))
+
+
+def why_not_paired(decode: Side, prefill: Side, now: float) -> str | None:
+    """Why the two must not exchange KV now (one refused a worker of the other); None if nothing says so."""
+    for by, other in ((decode, prefill), (prefill, decode)):
+        for refused in by.refused:
+            if refused.until > now and other.holds(refused.address):
+                return f"{by.name} refused its worker at {refused.address}: {refused.reason}"
+    return None

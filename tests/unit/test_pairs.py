@@ -1,0 +1,41 @@
+"""Pairing: a prefill and a decode instance are not paired while either's heartbeats say one of its workers refused
+a worker of the other (by the listener that worker names), until `PAIR_RETRY_S` after that refusal."""
+
+from __future__ import annotations
+
+from p2pkv.params import Address
+from p2pkv.proxy.pairs import PAIR_RETRY_S, Side, news, refusals, why_not_paired
+
+NOW = 1000.0
+PREFILL_KV = Address("10.0.0.1", 7100)  # its rank 0; ranks 1..3 listen on the next ports
+DECODE_KV = Address("10.0.0.2", 7300)
+
+
+def side(name: str, kv: Address | None, ranks: int, said: tuple[tuple[Address, str, float], ...] = ()) -> Side:
+    return Side(name, kv, ranks, refusals(said, NOW))
+
+
+def test_a_refusal_of_any_worker_of_the_other_instance_unpairs_them_both_ways_until_it_is_old() -> None:
+    prefill = side("prefill instance p", PREFILL_KV, 4)
+    assert why_not_paired(side("decode instance d", DECODE_KV, 1), prefill, NOW) is None
+    decode = side("decode instance d", DECODE_KV, 1, ((PREFILL_KV.offset(3), "KV layout mismatch: dtype", 10.0),))
+    why = why_not_paired(decode, prefill, NOW)
+    assert why == "decode instance d refused its worker at 10.0.0.1:7103: KV layout mismatch: dtype"
+    assert why_not_paired(decode, prefill, NOW + PAIR_RETRY_S - 10.5) is not None
+    assert why_not_paired(decode, prefill, NOW + PAIR_RETRY_S - 9.5) is None, "tried again after PAIR_RETRY_S"
+    # Not a worker of that instance: the next instance's port on that host, another host, rank 0 of no instance.
+    for address in (PREFILL_KV.offset(4), Address("10.0.0.9", 7100), PREFILL_KV.offset(-1)):
+        other = side("decode instance d", DECODE_KV, 1, ((address, "dtype", 0.0),))
+        assert why_not_paired(other, prefill, NOW) is None, address
+    assert why_not_paired(other, side("prefill instance q", None, 1), NOW) is None  # no KV address known
+    # GET: the prefill instance refused the decode instance's worker.
+    refusing = side("prefill instance p", PREFILL_KV, 4, ((DECODE_KV, "model.rope_parameters", 0.0),))
+    assert "prefill instance p refused its worker at 10.0.0.2:7300" in str(
+        why_not_paired(side("decode instance d", DECODE_KV, 1), refusing, NOW))
+
+
+def test_news_are_the_refusals_in_force_not_in_force_before() -> None:
+    old = refusals(((PREFILL_KV, "dtype", 0.0), (DECODE_KV, "dtype", PAIR_RETRY_S + 1)), NOW)
+    new = refusals(((PREFILL_KV, "dtype", 3.0), (DECODE_KV, "dtype", 0.0), (PREFILL_KV.offset(1), "x", 0.0)), NOW)
+    assert [r.address for r in news(old, new, NOW)] == [DECODE_KV, PREFILL_KV.offset(1)]
+    assert news(new, new, NOW) == []
