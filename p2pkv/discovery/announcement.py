@@ -35,6 +35,7 @@ class Announcement:
     dp_rank: int | None = None  # the data-parallel rank behind `http` (X-data-parallel-rank); None: the only one
     # Workers of other instances its workers refused at their hello: (their listener, why, seconds since).
     refused: tuple[tuple[Address, str, float], ...] = ()
+    engine_id: str = ""  # another one from the same address: the instance restarted
 
 
 def _address(value: object, key: str) -> Address:
@@ -69,7 +70,8 @@ def _typed(raw: bytes, secret: bytes) -> Announcement:
         refused.append((_address(peer.address, "refused address"), peer.reason, peer.age_s))
     return Announcement(message.role, _address(message.http_address, "http_address"), kv, message.interval_s,
                         tp_size=message.tp_size, pp_size=message.pp_size,
-                        dp_rank=message.dp_rank if message.dp_rank >= 0 else None, refused=tuple(refused))
+                        dp_rank=message.dp_rank if message.dp_rank >= 0 else None, refused=tuple(refused),
+                        engine_id=message.engine_id[:64])
 
 
 def _legacy(raw: bytes) -> Announcement:

@@ -106,7 +106,7 @@ class Router:
                                     "of that pair are not paired for %.0f s", a.role, instance.name, new.address,
                                     new.reason, new.until - now)
                     logged = True
-                    state.ranks, state.kv_refused = max(1, a.tp_size * a.pp_size), refused
+                    state.heard(a.engine_id, max(1, a.tp_size * a.pp_size), refused, now)
             elif pool.remove(instance):
                 log.info("instance %s is no longer a %s instance", instance.name, pool.role)
 

@@ -3,7 +3,9 @@ refused each other at their hello (another KV layout, or model settings the KV d
 exchanged, and the decode instance would compute the prompt again after the prefill instance computed it for
 nothing). The instances' heartbeats say whom their workers refused, and how long ago (`Heartbeat.refused`). Such a
 pair is passed over for `PAIR_RETRY_S` after its latest refusal; then a request tries it again: the instances may
-have been fixed (an accepted hello clears the refusal there), and if not, the refusal is noted afresh.
+have been fixed (an accepted hello clears the refusal there), and if not, the refusal is noted afresh. A refused
+instance that restarted (its heartbeats name another engine id) is paired again at once: refusals from before its
+restart no longer count.
 
 Instances from static flags send no heartbeats: their pairs are not known to be refused, and are used."""
 
@@ -20,17 +22,21 @@ PAIR_RETRY_S = 60.0
 
 @dataclass(frozen=True)
 class Refused:
-    """A worker of another instance that a worker of this one refused at its hello, and until when the proxy passes
-    over the pair (monotonic seconds)."""
+    """A worker of another instance that a worker of this one refused at its hello: the pair is passed over until
+    `PAIR_RETRY_S` after."""
 
     address: Address  # the refused worker's listener, as it names it
     reason: str
-    until: float
+    at: float  # when it was refused, in the proxy's monotonic seconds
+
+    @property
+    def until(self) -> float:
+        return self.at + PAIR_RETRY_S
 
 
 def refusals(said: tuple[tuple[Address, str, float], ...], now: float) -> tuple[Refused, ...]:
-    """What a heartbeat said, (address, reason, seconds since), as deadlines from `now`."""
-    return tuple(Refused(address, reason, now + PAIR_RETRY_S - age) for address, reason, age in said)
+    """What a heartbeat said, (address, reason, seconds since), as times from `now`."""
+    return tuple(Refused(address, reason, now - age) for address, reason, age in said)
 
 
 def news(before: tuple[Refused, ...], after: tuple[Refused, ...], now: float) -> list[Refused]:
@@ -41,13 +47,14 @@ def news(before: tuple[Refused, ...], after: tuple[Refused, ...], now: float) ->
 
 @dataclass(frozen=True)
 class Side:
-    """An instance as pairing sees it: its name, its workers' listeners (`kv` and the `ranks` - 1 after it), and
-    the refusals its heartbeats said."""
+    """An instance as pairing sees it: its name, its workers' listeners (`kv` and the `ranks` - 1 after it), the
+    refusals its heartbeats said, and since when it runs as it does (when the proxy saw it restart; 0: not seen)."""
 
     name: str
     kv: Address | None
     ranks: int
     refused: tuple[Refused, ...]
+    up_since: float = 0.0
 
     def holds(self, address: Address) -> bool:
         return (self.kv is not None and address.host == self.kv.host
@@ -58,6 +65,6 @@ def why_not_paired(decode: Side, prefill: Side, now: float) -> str | None:
     """Why the two must not exchange KV now (one refused a worker of the other); None if nothing says so."""
     for by, other in ((decode, prefill), (prefill, decode)):
         for refused in by.refused:
-            if refused.until > now and other.holds(refused.address):
+            if refused.until > now and refused.at >= other.up_since and other.holds(refused.address):
                 return f"{by.name} refused its worker at {refused.address}: {refused.reason}"
     return None

@@ -37,9 +37,20 @@ class InstanceState:
     shunned_until: float = 0.0  # monotonic: its connections were refused; others go first until then
     ranks: int = 1  # its workers (tensor- times pipeline-parallel size), as its heartbeats say
     kv_refused: tuple[Refused, ...] = ()  # workers of other instances its workers refused, as its heartbeats say
+    engine_id: str = ""  # as its heartbeats name it: another one says it restarted
+    up_since: float = 0.0  # monotonic: when the proxy heard it restarted; 0 if it has not
 
     def side(self) -> Side:
-        return Side(f"{self.role} instance {self.instance.name}", self.instance.kv, self.ranks, self.kv_refused)
+        return Side(f"{self.role} instance {self.instance.name}", self.instance.kv, self.ranks, self.kv_refused,
+                    self.up_since)
+
+    def heard(self, engine_id: str, ranks: int, refused: tuple[Refused, ...], now: float) -> None:
+        """What a heartbeat said of its parallel size, its refusals, and the engine id it runs as now."""
+        if engine_id and self.engine_id and engine_id != self.engine_id:
+            log.info("%s instance %s restarted (engine %s)", self.role, self.instance.name, engine_id)
+            self.up_since = now
+        self.engine_id = engine_id or self.engine_id
+        self.ranks, self.kv_refused = ranks, refused
 
     def describe(self) -> dict[str, object]:
         return {"role": self.role, "address": str(self.instance.http), "dp_rank": self.instance.dp_rank,

@@ -337,14 +337,14 @@ def test_instances_that_refused_each_other_are_not_paired_until_the_refusal_is_o
     """The decode instance's heartbeat says it refused rank 1 of prefill instance p1 (TP 2): requests are prefilled
     on p2 only. Then p2's heartbeat says it refused the decode instance (GET): no prefill instance is left, and the
     decode instance gets the requests alone. Refusals said to be 59.5 s old lapse half a second later: p1 prefills
-    again."""
+    again; and at once when it restarts after a refusal."""
     p1_seen: list[dict[str, Any]] = []
     p2_seen: list[dict[str, Any]] = []
     d_seen: list[dict[str, Any]] = []
     p1_kv, p2_kv, d_kv = Address("127.0.0.1", 7100), Address("127.0.0.1", 7200), Address("127.0.0.1", 7300)
 
-    def beat(role: str, http: str, kv: Address, refused: tuple[PeerRefused, ...] = ()) -> bytes:
-        return encode_datagram(Heartbeat(role, http, str(kv), 3.0, "e", 2, 1, refused=refused), b"")
+    def beat(role: str, http: str, kv: Address, refused: tuple[PeerRefused, ...] = (), engine: str = "e") -> bytes:
+        return encode_datagram(Heartbeat(role, http, str(kv), 3.0, engine, 2, 1, refused=refused), b"")
 
     def ask(n: int) -> None:
         for _ in range(n):
@@ -376,3 +376,13 @@ def test_instances_that_refused_each_other_are_not_paired_until_the_refusal_is_o
         time.sleep(1.0)
         ask(2)
         assert len(p1_seen) >= 1, "the lapsed refusal pairs p1 again"
+        # Refused afresh, p1 is passed over again; restarted (another engine id), it is paired again at once.
+        send(beat("decode", d, d_kv, (dtype,)))
+        wait_for(lambda: any(r["paired_again_in_s"] > 50 for i in listed(proxy) for r in i["refused"]))
+        before = len(p1_seen)
+        ask(2)
+        assert len(p1_seen) == before
+        send(beat("prefill", p1, p1_kv, engine="e2"))
+        time.sleep(0.5)
+        ask(2)
+        assert len(p1_seen) > before, "refusals from before its restart no longer count"

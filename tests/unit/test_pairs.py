@@ -39,3 +39,11 @@ def test_news_are_the_refusals_in_force_not_in_force_before() -> None:
     new = refusals(((PREFILL_KV, "dtype", 3.0), (DECODE_KV, "dtype", 0.0), (PREFILL_KV.offset(1), "x", 0.0)), NOW)
     assert [r.address for r in news(old, new, NOW)] == [DECODE_KV, PREFILL_KV.offset(1)]
     assert news(new, new, NOW) == []
+
+
+def test_refusals_from_before_the_refused_instance_restarted_no_longer_count() -> None:
+    decode = side("decode instance d", DECODE_KV, 1, ((PREFILL_KV, "dtype", 10.0),))  # refused at NOW - 10
+    restarted = Side("prefill instance p", PREFILL_KV, 1, (), up_since=NOW - 5)
+    assert why_not_paired(decode, restarted, NOW) is None, "paired again: it may have been fixed"
+    again = side("decode instance d", DECODE_KV, 1, ((PREFILL_KV, "dtype", 1.0),))  # refused again since
+    assert why_not_paired(again, restarted, NOW) is not None
