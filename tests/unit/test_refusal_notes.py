@@ -3,6 +3,7 @@ the workers' reports of a step; the scheduler side keeps each worker's latest an
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping
 
 from p2pkv.engine.refused import Refusal, RefusedPeers
@@ -37,3 +38,13 @@ def test_reports_go_when_the_notes_change_and_the_scheduler_side_unites_every_wo
     rank0.refused("p:7100", "dtype")  # refused again: a newer time for the proxy
     instance.update(report0.report(rank0))
     assert told[-1]["p:7100"].at >= told[calls - 1]["p:7100"].at and len(told) == calls + 1
+
+
+def test_a_report_survives_pickling() -> None:
+    """Workers of another process (tensor parallelism) send their output to the scheduler pickled."""
+    peers = RefusedPeers()
+    peers.refused("p:7100", "dtype")
+    report = RefusalReporter(1).report(peers)
+    assert report is not None
+    copy = pickle.loads(pickle.dumps(report))
+    assert isinstance(copy, RefusalNotes) and copy.by_slot == report.by_slot
