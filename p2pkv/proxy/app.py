@@ -99,7 +99,7 @@ class Router:
                     log.info("discovered %s instance %s (KV %s)%s", pool.role, instance.name, a.kv,
                              " from an old-format heartbeat" if a.legacy else "")
                 state = pool.find(instance)
-                if state is not None and state.discovered:
+                if state is not None:
                     refused = refusals(a.refused, now)
                     for new in [] if logged else news(state.kv_refused, refused, now):
                         log.warning("%s instance %s refused the KV worker at %s: %s; prefill and decode instances "
