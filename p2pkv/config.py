@@ -229,6 +229,12 @@ class ConnectorConfig:
     failure_policy: LoadFailurePolicy
     extra: ExtraConfig
 
+    @property
+    def takes_pulls(self) -> bool:
+        """A decode instance with `send_type` GET: it pulls its KV, and tells the proxy so (heartbeats, probe
+        answers), which then asks every prefill instance to hold the KV for it, whatever their own `send_type`."""
+        return self.role is not Role.PRODUCER and self.extra.send_type is SendType.GET
+
     def worker_port(self, rank: int) -> int:
         """Worker `rank` binds `kv_port + rank`, as the old connector did."""
         return self.kv_port + rank

@@ -155,6 +155,7 @@ class ProbeAnswer:
     kv_host: str
     tp_size: int = 0
     pp_size: int = 0
+    pulls: bool = False  # it takes its KV by pulls (send_type GET on the decode instance)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {MARKER: PARAMS_VERSION, "kv_port": self.kv_port, "kv_host": self.kv_host}
@@ -162,6 +163,8 @@ class ProbeAnswer:
             out["tp_size"] = self.tp_size
         if self.pp_size:
             out["pp_size"] = self.pp_size
+        if self.pulls:
+            out["pulls"] = True
         return out
 
 

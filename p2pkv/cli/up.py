@@ -36,8 +36,9 @@ def _ports(base: int, count: int, host: str) -> list[int]:
     return [base + i for i in range(count)] if base else free_ports(count, host)
 
 
-# Keys every instance must share (the proxy is one, and checks one secret), so not given per role.
-_SHARED_KEYS = ("auth_secret", "proxy_ip", "proxy_port", "send_type")
+# Keys every instance must share (the proxy is one, and checks one secret), so not given per role. `send_type` may
+# differ: a link pulls when either side's is GET (decode instances with GET tell the proxy, which asks for pulls).
+_SHARED_KEYS = ("auth_secret", "proxy_ip", "proxy_port")
 
 
 def _extra_config(text: str, option: str = "--extra-config", base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -51,7 +52,7 @@ def _extra_config(text: str, option: str = "--extra-config", base: dict[str, Any
         raise ConfigError(f"{option}: expected a JSON object of kv_connector_extra_config keys")
     if base is not None and (shared := [k for k in _SHARED_KEYS if k in extra]):
         raise ConfigError(f"{option}: {', '.join(shared)} must be the same on every instance: give it in "
-                          "--extra-config (or --send-type)")
+                          "--extra-config")
     try:
         parse_extra_config({**(base or {}), **extra})  # fail here, with the key named, rather than in every vLLM
     except ConfigError as exc:

@@ -36,6 +36,7 @@ class Announcement:
     # Workers of other instances its workers refused at their hello: (their listener, why, seconds since).
     refused: tuple[tuple[Address, str, float], ...] = ()
     engine_id: str = ""  # another one from the same address: the instance restarted
+    pulls: bool = False  # a decode instance that takes its KV by pulls
 
 
 def _address(value: object, key: str) -> Address:
@@ -71,7 +72,7 @@ def _typed(raw: bytes, secret: bytes) -> Announcement:
     return Announcement(message.role, _address(message.http_address, "http_address"), kv, message.interval_s,
                         tp_size=message.tp_size, pp_size=message.pp_size,
                         dp_rank=message.dp_rank if message.dp_rank >= 0 else None, refused=tuple(refused),
-                        engine_id=message.engine_id[:64])
+                        engine_id=message.engine_id[:64], pulls=message.pulls)
 
 
 def _legacy(raw: bytes) -> Announcement:

@@ -52,11 +52,13 @@ async def _client_gone(request: Request) -> None:
 
 
 class KvTarget(NamedTuple):
-    """Where a decode instance takes KV, and its tensor- and pipeline-parallel sizes (0: not known)."""
+    """Where a decode instance takes KV, its tensor- and pipeline-parallel sizes (0: not known), and whether it
+    takes it by pulls (its `send_type` GET: every prefill instance holds the KV for it)."""
 
     address: Address | None
     tp: int
     pp: int
+    pulls: bool = False
 
 
 def _size(value: Any) -> int:
@@ -74,7 +76,8 @@ class Router:
         self.decode = static_pool("decode", config.decode, Policy(config.decode_policy))
         self._kv: dict[Instance, KvTarget] = {}  # learned KV address and parallel sizes
         self._decoder = Decoder(client, metrics)
-        self._sizes: dict[Address, tuple[int, int]] = {}  # (tensor, pipeline) sizes heartbeats gave, by HTTP address
+        # (tensor, pipeline) sizes and whether it pulls, as heartbeats gave them, by HTTP address
+        self._sizes: dict[Address, tuple[int, int, bool]] = {}
         self._discarder = Discarder(client, metrics, config.connect_timeout_s + 10.0)
         self._prefiller = Prefiller(config, client, metrics, self.prefill, self._discarder)
         # Cleared while the cluster is paused through this proxy (p2pkv.proxy.control): new requests wait here for
@@ -89,7 +92,7 @@ class Router:
         self.metrics.heartbeats.labels("accepted").inc()
         instance = Instance(a.http, a.kv, a.dp_rank)
         if a.tp_size:
-            self._sizes[a.http] = a.tp_size, a.pp_size
+            self._sizes[a.http] = a.tp_size, a.pp_size, a.pulls
         expires_at = time.monotonic() + self.config.heartbeat_misses * a.interval_s
         wanted = {"prefill": (self.prefill,), "decode": (self.decode,), "both": self.pools}[a.role]
         now, logged = time.monotonic(), False
@@ -140,9 +143,9 @@ class Router:
             return target
         address = instance.kv or Address(answer.get("kv_host") or instance.http.host, answer["kv_port"])
         tp, pp = (_size(answer.get(key)) for key in ("tp_size", "pp_size"))
-        target = self._kv[instance] = KvTarget(address, tp, pp)
-        log.info("decode instance %s has its KV port at %s (tensor-parallel size %s, pipeline-parallel size %s)",
-                 instance.name, address, tp or "not said", pp or "not said")
+        target = self._kv[instance] = KvTarget(address, tp, pp, answer.get("pulls") is True)
+        log.info("decode instance %s has its KV port at %s (tensor-parallel size %s, pipeline-parallel size %s%s)",
+                 instance.name, address, tp or "not said", pp or "not said", "; it pulls" if target.pulls else "")
         return target
 
     async def _probe(self, instance: Instance, headers: dict[str, str]) -> dict[str, Any]:
@@ -255,7 +258,8 @@ class Router:
             return answer
         for attempt in range(self.config.transfer_retries + 1):
             target = await self._target(decode, headers)
-            params = PrefillParams(trace.transfer_id, target.address, decode_tp=target.tp, decode_pp=target.pp)
+            params = PrefillParams(trace.transfer_id, target.address, pull=target.pulls, decode_tp=target.tp,
+                                   decode_pp=target.pp)
             unpaired = self.unpaired(decode)
             if unpaired:
                 self.metrics.passed_over.inc(len(unpaired))

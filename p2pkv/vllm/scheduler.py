@@ -306,7 +306,7 @@ class SchedulerSide:
         if isinstance(params, ProbeParams):
             host = self._config.extra.kv_host
             return False, ProbeAnswer(self._config.kv_port, "" if host in ("0.0.0.0", "::") else host,
-                                      self._tp_size, self._pp_size).to_dict()
+                                      self._tp_size, self._pp_size, self._config.takes_pulls).to_dict()
         self._consumed.discard(req_id)
         self._prompts.pop(req_id, None)
         self._waiting.drop(req_id)

@@ -47,13 +47,14 @@ CHAT_PREAMBLE = {"choices": [{"index": 0, "delta": {"role": "assistant", "conten
 
 def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0, first_token_s: float = 0.0,
                 failures: list[str] | None = None, stored: tuple[str, ...] = (),
-                dp_ranks: list[str | None] | None = None, lookups: list[str] | None = None) -> FastAPI:
+                dp_ranks: list[str | None] | None = None, lookups: list[str] | None = None,
+                pulls: bool = False) -> FastAPI:
     """A decode backend; its probe answer says `tp_size` and `pp_size` when given (a p2pkv connector older than
     that does not). A stream's headers go out at once and its first chunk `first_token_s` later, as vLLM's do.
     `failures`: how the next requests fail, one entry each, as vLLM fails them: "500" (a plain answer), "error"
     (a stream opened with an error event), "late" (a stream whose error comes after a token), "400". `stored`: the
     ids of the Responses API answers it holds. `dp_ranks`: gets each request's `X-data-parallel-rank` header.
-    `lookups`: gets the id of each stored response asked for."""
+    `lookups`: gets the id of each stored response asked for. `pulls`: its probe answer says it pulls its KV."""
     app = FastAPI()
     failures = failures if failures is not None else []
 
@@ -92,6 +93,8 @@ def stub_decode(seen: list[dict[str, Any]], tp_size: int = 0, pp_size: int = 0, 
                 answer["tp_size"] = tp_size
             if pp_size:
                 answer["pp_size"] = pp_size
+            if pulls:
+                answer["pulls"] = True
             return {"choices": [{"text": ""}], "kv_transfer_params": answer}
         seen.append(body)
         if dp_ranks is not None:

@@ -248,6 +248,12 @@ def test_sender_from_connector_config() -> None:
     assert sender is not None
     assert (sender.message.role, sender.message.http_address, sender.message.kv_address, sender.interval_s) == (
         "decode", "127.0.0.1:8100", "127.0.0.1:14579", 1.5)
+    assert not sender.message.pulls
+    for role, pulls in (("kv_consumer", True), ("kv_producer", False)):
+        got = sender_for(parse_connector_config(role, 14579, "recompute", {
+            "proxy_ip": "127.0.0.1", "proxy_port": 30001, "http_port": 8100, "send_type": "GET"}))
+        assert got is not None and got.message.pulls is pulls
+        assert parse_announcement(got.beat(), b"").pulls is pulls
     assert sender_for(parse_connector_config("kv_producer", 1, "fail", {})) is None
     assert advertised_host("10.1.2.3", "127.0.0.1") == "10.1.2.3"
     with pytest.raises(ConfigError, match="http_port"):

@@ -607,6 +607,23 @@ def test_parallel_sizes_from_heartbeats_need_no_probe() -> None:
     state = router.decode.pick()
     assert state is not None
     assert asyncio.run(router.kv_target(state.instance, {})) == KvTarget(kv, 2, 4)
+    router.announce(Announcement("decode", Address("127.0.0.1", 8200), kv, 1.0, tp_size=2, pp_size=4, pulls=True))
+    assert asyncio.run(router.kv_target(state.instance, {})) == KvTarget(kv, 2, 4, pulls=True)
+
+
+@pytest.mark.parametrize("pulls", [True, False])
+def test_a_decode_instance_that_pulls_has_every_prefill_hold_its_kv(pulls: bool) -> None:
+    """Its probe answer says it pulls (send_type GET on the decode instance): each prefill request asks for a
+    pull (`send_type` GET in its params), whatever the prefill instance's own send_type. The control: one that
+    does not say so gets pushes."""
+    p_seen: list[dict[str, Any]] = []
+    with serve(stub_prefill(p_seen)) as p, serve(stub_decode([], tp_size=1, pp_size=1, pulls=pulls)) as d, \
+            serve(proxy_for(p, d)) as proxy:
+        for _ in range(2):
+            assert httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x", "max_tokens": 2}).is_success
+    params = [s["body"]["kv_transfer_params"] for s in p_seen]
+    assert [x.get("send_type") for x in params] == (["GET", "GET"] if pulls else [None, None])
+    assert {x["decode_kv_address"] for x in params} == {"127.0.0.1:23456"}  # it pulls from there: named still
 
 
 @pytest.mark.parametrize("spec", ["2.3", "2.4"])

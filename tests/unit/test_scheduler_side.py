@@ -314,6 +314,15 @@ def test_probe_is_answered_with_the_kv_port() -> None:
                                                   "tp_size": 1, "pp_size": 1})
 
 
+@pytest.mark.parametrize(("role", "pulls"), [("kv_consumer", True), ("kv_both", True), ("kv_producer", False)])
+def test_a_decode_instance_with_send_type_get_says_it_pulls_in_its_probe_answer(role: str, pulls: bool) -> None:
+    s = SchedulerSide(parse_connector_config(role, 21001, "recompute", {"kv_host": "h", "send_type": "GET"}), BS)
+    req = Req("probe", [0], {"p2pkv": 1, "probe": True})
+    s.get_num_new_matched_tokens(req, 0)
+    answer = s.request_finished(req, [])[1]
+    assert answer is not None and answer.get("pulls", False) is pulls
+
+
 def test_invalid_params_are_ignored_not_fatal() -> None:
     s = side("kv_consumer")
     req = Req("bad", list(range(10)), {"p2pkv": 1, "transfer_id": "bad id!", "load_remote_kv": True})

@@ -41,9 +41,15 @@ def test_role_extra_configs_apply_to_their_role_over_the_shared_one(tmp_path: Pa
     assert len({e["metrics_port"] for e in extras.values()}) == 3  # each its own ports still
 
 
+def test_a_send_type_for_one_role_applies_to_it_over_the_shared_one(tmp_path: Path) -> None:
+    """Decode instances that pull (GET) beside prefill instances that push: links pull when either side says GET."""
+    extras = _extras(tmp_path, "--send-type", "PUT", "--decode-extra-config", '{"send_type": "GET"}')
+    assert [extras[name]["send_type"] for name in ("prefill0", "decode0", "decode1")] == ["PUT", "GET", "GET"]
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--prefill-extra-config", '{"auth_secret": "x"}'], "--prefill-extra-config: auth_secret must be the same"),
-    (["--decode-extra-config", '{"send_type": "GET"}'], "--decode-extra-config: send_type must be the same"),
+    (["--decode-extra-config", '{"proxy_port": 4}'], "--decode-extra-config: proxy_port must be the same"),
     (["--decode-extra-config", '{"lese_s": 3}'], "--decode-extra-config: "),
     (["--decode-extra-config", '{"lease_s": -3}'], "--decode-extra-config: "),
     (["--prefill-extra-config", "[1]"], "--prefill-extra-config: expected a JSON object"),
