@@ -52,6 +52,11 @@ class RefusedPeers:
             note = self._notes.get(address)
         return None if note is None else note.reason
 
+    @property
+    def version(self) -> int:
+        """Changes whenever the notes do (read without the lock: an int, asked every step)."""
+        return self._version
+
     def snapshot(self) -> tuple[int, dict[str, Refusal]]:
         """A version (it changes whenever the notes do) and the notes, the latest refusal last."""
         with self._lock:

@@ -39,9 +39,9 @@ class RefusalReporter:
         self._reported = 0  # RefusedPeers starts at version 0 with no notes: nothing to report
 
     def report(self, refused: RefusedPeers) -> RefusalNotes | None:
-        version, notes = refused.snapshot()
-        if version == self._reported:
+        if refused.version == self._reported:  # every step: no copy of the notes unless they changed
             return None
+        version, notes = refused.snapshot()
         self._reported = version
         return RefusalNotes({self._slot: (version, notes)})
 
