@@ -21,6 +21,7 @@ from p2pkv.errors import ConfigError, P2pkvError
 from p2pkv.proxy.trace import TRANSFER_HEADER
 
 DISCOVERY_TIMEOUT_S = 30.0
+REFUSALS_WAIT_S = 8.0  # for the proxy to hear of a refusal after the demo request (a heartbeat every 3 s by default)
 DEMO_PROMPT = "Disaggregated serving moves the KV cache from the prefill instance to the decode instance."
 
 
@@ -147,6 +148,23 @@ def send_demo_request(proxy_url: str, model: str) -> tuple[str, bool]:
     return line, bool(cached.get("cached_tokens"))
 
 
+def listed_refusals(proxy_url: str, wait_s: float) -> list[str]:
+    """The refusals the proxy lists (`GET /instances`: instances whose KV workers refused another's at their
+    hello), one line each; waited for up to `wait_s` (a heartbeat carries them), none if none came."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{proxy_url}/instances", timeout=5) as resp:
+                instances = json.loads(resp.read())["instances"]
+        except (OSError, ValueError, KeyError):
+            instances = []
+        lines = [f"{i['role']} instance {i['address']} refused the KV worker at {r['address']}: {r['reason']}"
+                 for i in instances for r in i.get("refused") or ()]
+        if lines or time.monotonic() >= deadline:
+            return lines
+        time.sleep(0.5)
+
+
 def run_up(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
         raise SystemExit("p2pkv up: --prefill and --decode must be at least 1")
@@ -188,6 +206,8 @@ def run_up(args: argparse.Namespace) -> int:
             if not moved:
                 _say(f"the demo request's KV did not move: the decode instance computed its prompt itself (look for "
                      f"'load failed' and 'refusing peer' in {log_dir}/decode0.log and prefill0.log)")
+                for refusal in listed_refusals(proxy_url, REFUSALS_WAIT_S):
+                    _say(refusal)
             if args.exit_after_demo:
                 return 0 if moved else 1
         _say("serving; Ctrl-C stops everything")

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from p2pkv.cli.main import build_parser
-from p2pkv.cli.up import build_cluster, send_demo_request
+from p2pkv.cli.up import build_cluster, listed_refusals, send_demo_request
 from p2pkv.errors import ConfigError
 from p2pkv.proxy.trace import TRANSFER_HEADER
 from tests.helpers.servers import serve
@@ -101,3 +101,25 @@ def test_the_demo_request_says_whether_its_kv_moved(cached: int | None, moved: b
         line, did_move = send_demo_request(f"http://{address}", "m")
     assert did_move is moved
     assert f"prompt_tokens=90 cached_on_decode={cached} completion='abc' transfer=t-1" in line
+
+
+def test_refusals_the_proxy_lists_are_said_once_they_come() -> None:
+    """After a demo request whose KV did not move, `p2pkv up` says what the proxy lists as refused (the decode
+    instance refused the prefill worker: another layout), once a heartbeat has brought it."""
+    app = FastAPI()
+    asked: list[int] = []
+
+    @app.get("/instances")
+    async def instances() -> dict[str, Any]:
+        asked.append(1)
+        refused = [{"address": "127.0.0.1:7100", "reason": "KV layout mismatch: dtype", "paired_again_in_s": 59.0}]
+        return {"instances": [{"role": "prefill", "address": "127.0.0.1:8100", "refused": []},
+                              {"role": "decode", "address": "127.0.0.1:8200",
+                               "refused": refused if len(asked) > 2 else []}]}
+
+    with serve(app) as address:
+        lines = listed_refusals(f"http://{address}", 10.0)
+        assert lines == ["decode instance 127.0.0.1:8200 refused the KV worker at 127.0.0.1:7100: "
+                         "KV layout mismatch: dtype"]
+        assert len(asked) == 3
+    assert listed_refusals("http://127.0.0.1:9", 0.0) == []  # no proxy there: nothing to say, no error
