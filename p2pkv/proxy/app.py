@@ -86,6 +86,7 @@ class Router:
         self.running.set()
         for pool in (self.prefill, self.decode):
             metrics.instances.labels(pool.role).set_function(pool.count)
+        metrics.unpaired.set_function(lambda: sum(len(self.unpaired(state)) for state in self.decode.states))
 
     def announce(self, a: Announcement) -> None:
         """A heartbeat arrived: add the instance to its role's pool, or renew it there."""

@@ -47,3 +47,5 @@ class ProxyMetrics:
         self.heartbeats = Counter("p2pkv_proxy_heartbeats", "Discovery messages by outcome (accepted, refused)",
                                   ["outcome"], registry=r)
         self.instances = Gauge("p2pkv_proxy_instances", "Known instances by role", ["role"], registry=r)
+        self.unpaired = Gauge("p2pkv_proxy_unpaired", "Prefill and decode instance pairs not used now: their KV "
+                              "workers refused each other (another layout or model settings)", registry=r)

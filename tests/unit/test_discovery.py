@@ -370,6 +370,7 @@ def test_instances_that_refused_each_other_are_not_paired_until_the_refusal_is_o
         decode = next(i for i in listed(proxy) if i["role"] == "decode")
         assert decode["refused"][0]["address"] == "127.0.0.1:7101" and "dtype" in decode["refused"][0]["reason"]
         assert metric(proxy, "p2pkv_proxy_pairs_passed_over_total") == 4
+        assert metric(proxy, "p2pkv_proxy_unpaired") == 1
         send(beat("prefill", p2, p2_kv, (PeerRefused(str(d_kv), "KV layout mismatch: model.sliding_window", 0.0),)))
         wait_for(lambda: any(i["refused"] for i in listed(proxy) if i["address"] == p2))
         d_seen.clear()
@@ -377,6 +378,7 @@ def test_instances_that_refused_each_other_are_not_paired_until_the_refusal_is_o
         assert (len(p1_seen), len(p2_seen)) == (0, 4)
         assert [seen.get("kv_transfer_params") for seen in d_seen] == [None, None]  # computed there
         assert metric(proxy, "p2pkv_proxy_decode_only_fallbacks_total") == 2
+        assert metric(proxy, "p2pkv_proxy_unpaired") == 2  # the decode instance with either prefill instance
         send(beat("decode", d, d_kv, (msgspec.structs.replace(dtype, age_s=59.5),)))
         send(beat("prefill", p2, p2_kv))
         time.sleep(1.0)
