@@ -12,7 +12,9 @@
 # arguments, e.g. "--max-model-len 8192"), READY_TIMEOUT (seconds, 900), P2PKV_AUTH_SECRET (optional: signs every control frame and heartbeat),
 # FAILURE_POLICY (kv_load_failure_policy, recompute): with "fail" a decode instance whose KV did not arrive fails the
 # request instead of prefilling it among its decodes, and the proxy sends it again as a new transfer through another
-# prefill instance (p2pkv proxy --transfer-retries, 1).
+# prefill instance (p2pkv proxy --transfer-retries, 1). DECODE_SEND_TYPE (optional): GET has the decode instances pull
+# their KV (they say so in their heartbeats, and the proxy asks the prefill instances to hold it for them), where the
+# prefill instances push by default (PUT_ASYNC).
 # On vLLM's CPU build also export VLLM_CPU_KVCACHE_SPACE (GiB of KV per instance, e.g. 1) and
 # ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 (see the README); CUDA_VISIBLE_DEVICES is then ignored.
 # For hosts of their own, run one instance per host with the same command and point proxy_ip at the proxy's host;
@@ -38,10 +40,12 @@ pids+=($!)
 for ((i = 0; i < P + D; i++)); do
   if ((i < P)); then role=kv_producer; name="prefill$i"; else role=kv_consumer; name="decode$((i - P))"; fi
   http=$((BASE_HTTP + i)) kv=$((BASE_KV + 100 * i))  # worker rank r of engine d binds kv + d * (its ranks) + r
+  send=""
+  if ((i >= P)) && [ -n "${DECODE_SEND_TYPE:-}" ]; then send=",\"send_type\":\"$DECODE_SEND_TYPE\""; fi
   config=$(printf '{"kv_connector":"P2pNcclConnector","kv_connector_module_path":"p2pkv.vllm","kv_role":"%s",'\
 '"kv_port":%d,"kv_load_failure_policy":"%s","kv_connector_extra_config":{"kv_host":"%s",'\
-'"proxy_ip":"%s","proxy_port":%d,"http_port":%d}}' "$role" "$kv" "$FAILURE_POLICY" "$HOST" "$HOST" "$DISCOVERY_PORT" \
-    "$http")
+'"proxy_ip":"%s","proxy_port":%d,"http_port":%d%s}}' "$role" "$kv" "$FAILURE_POLICY" "$HOST" "$HOST" \
+    "$DISCOVERY_PORT" "$http" "$send")
   # This instance's GPUs first (vLLM uses the first ones it sees; engine d of a data-parallel instance its d-th),
   # then the others: pulls between instances (GET, and PUT_ASYNC transfers left for pulls) can then open each
   # other's KV cache with CUDA IPC (cuda_ipc), which needs the peer's GPU to be visible.
