@@ -29,11 +29,16 @@ log = logging.getLogger(__name__)
 # heartbeat must fit the proxy's bound (`MAX_ANNOUNCEMENT_BYTES`).
 MAX_REFUSED = 8
 MAX_REASON_BYTES = 160
+# Refusals older than this are not said: the proxy pairs the instances again a minute after a refusal (a pair still
+# refused is refused afresh then), so an old one names a peer that is gone.
+MAX_REFUSAL_AGE_S = 600.0
 
 
 def refused_in_beat(notes: Mapping[str, Refusal], now: float) -> tuple[PeerRefused, ...]:
-    """The latest `MAX_REFUSED` refusals as a heartbeat says them, the latest first."""
-    latest = sorted(notes.items(), key=lambda item: item[1].at, reverse=True)[:MAX_REFUSED]
+    """The latest `MAX_REFUSED` refusals of the last `MAX_REFUSAL_AGE_S` as a heartbeat says them, the latest
+    first."""
+    recent = [(address, note) for address, note in notes.items() if now - note.at <= MAX_REFUSAL_AGE_S]
+    latest = sorted(recent, key=lambda item: item[1].at, reverse=True)[:MAX_REFUSED]
     return tuple(PeerRefused(address, note.reason.encode()[:MAX_REASON_BYTES].decode(errors="ignore"),
                              round(max(0.0, now - note.at), 1)) for address, note in latest)
 

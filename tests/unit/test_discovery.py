@@ -17,7 +17,7 @@ from p2pkv.cli.cluster import free_port
 from p2pkv.config import parse_connector_config
 from p2pkv.discovery import HeartbeatSender, parse_announcement
 from p2pkv.discovery.announcement import MAX_ANNOUNCEMENT_BYTES
-from p2pkv.discovery.heartbeat import MAX_REASON_BYTES, MAX_REFUSED, sender_for
+from p2pkv.discovery.heartbeat import MAX_REASON_BYTES, MAX_REFUSAL_AGE_S, MAX_REFUSED, sender_for
 from p2pkv.engine.refused import Refusal
 from p2pkv.errors import ConfigError, ProtocolError
 from p2pkv.hostaddr import advertised_host
@@ -337,6 +337,8 @@ def test_a_heartbeat_says_the_latest_refusals_with_their_age_within_the_size_bou
                                                        for i in range(MAX_REFUSED)]  # the latest first
     assert all(reason == "é" * (MAX_REASON_BYTES // 2) for _, reason, _ in said)  # cut whole characters
     assert [round(age) for _, _, age in said] == list(range(MAX_REFUSED))
+    sender.note_refusals({"gone:1": Refusal("dtype", now - MAX_REFUSAL_AGE_S - 1), "here:1": Refusal("dtype", now)})
+    assert [str(a) for a, _, _ in parse_announcement(sender.beat(), SECRET).refused] == ["here:1"]  # not the old
 
 
 def test_instances_that_refused_each_other_are_not_paired_until_the_refusal_is_old() -> None:
