@@ -116,15 +116,21 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
                      "model": model, "instances": described, "log_dir": str(log_dir)}
 
 
+def _listed(proxy_url: str) -> list[dict[str, Any]]:
+    """The instances the proxy lists (`GET /instances`); none if it does not answer."""
+    try:
+        with urllib.request.urlopen(f"{proxy_url}/instances", timeout=2) as resp:
+            instances: list[dict[str, Any]] = json.loads(resp.read())["instances"]
+            return instances
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
 def wait_discovered(proxy_url: str, expected: int, timeout_s: float) -> None:
     """Wait until the proxy has heard from every instance."""
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            with urllib.request.urlopen(f"{proxy_url}/instances", timeout=2) as resp:
-                known = len(json.loads(resp.read())["instances"])
-        except (OSError, ValueError, KeyError):
-            known = 0
+        known = len(_listed(proxy_url))
         if known >= expected:
             return
         if time.monotonic() > deadline:
@@ -153,13 +159,8 @@ def listed_refusals(proxy_url: str, wait_s: float) -> list[str]:
     hello), one line each; waited for up to `wait_s` (a heartbeat carries them), none if none came."""
     deadline = time.monotonic() + wait_s
     while True:
-        try:
-            with urllib.request.urlopen(f"{proxy_url}/instances", timeout=5) as resp:
-                instances = json.loads(resp.read())["instances"]
-        except (OSError, ValueError, KeyError):
-            instances = []
         lines = [f"{i['role']} instance {i['address']} refused the KV worker at {r['address']}: {r['reason']}"
-                 for i in instances for r in i.get("refused") or ()]
+                 for i in _listed(proxy_url) for r in i.get("refused") or ()]
         if lines or time.monotonic() >= deadline:
             return lines
         time.sleep(0.5)

@@ -96,23 +96,22 @@ class Router:
             self._sizes[a.http] = a.tp_size, a.pp_size, a.pulls
         expires_at = time.monotonic() + self.config.heartbeat_misses * a.interval_s
         wanted = {"prefill": (self.prefill,), "decode": (self.decode,), "both": self.pools}[a.role]
-        now, logged = time.monotonic(), False
+        heard: list[InstanceState] = []
         for pool in self.pools:
             if pool in wanted:
                 if pool.heard_from(instance, time.time(), expires_at):
                     log.info("discovered %s instance %s (KV %s)%s", pool.role, instance.name, a.kv,
                              " from an old-format heartbeat" if a.legacy else "")
-                state = pool.find(instance)
-                if state is not None:
-                    refused = refusals(a.refused, now)
-                    for new in [] if logged else news(state.kv_refused, refused, now):
-                        log.warning("%s instance %s refused the KV worker at %s: %s; prefill and decode instances "
-                                    "of that pair are not paired for %.0f s", a.role, instance.name, new.address,
-                                    new.reason, new.until - now)
-                    logged = True
-                    state.heard(a.engine_id, max(1, a.tp_size * a.pp_size), refused, now)
+                heard += [state] if (state := pool.find(instance)) is not None else []
             elif pool.remove(instance):
                 log.info("instance %s is no longer a %s instance", instance.name, pool.role)
+        now = time.monotonic()
+        refused = refusals(a.refused, now)
+        for new in news(heard[0].kv_refused, refused, now) if heard else ():  # once, for a "both" instance too
+            log.warning("%s instance %s refused the KV worker at %s: %s; prefill and decode instances of that pair "
+                        "are not paired for %.0f s", a.role, instance.name, new.address, new.reason, new.until - now)
+        for state in heard:
+            state.heard(a.engine_id, max(1, a.tp_size * a.pp_size), refused, now)
 
     def unpaired(self, decode: InstanceState) -> dict[Instance, str]:
         """The prefill instances that must not prefill for `decode` now, and why (`p2pkv.proxy.pairs`)."""

@@ -11,12 +11,10 @@ Instances from static flags send no heartbeats: their pairs are not known to be 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from p2pkv.params import Address
 
-log = logging.getLogger(__name__)
 PAIR_RETRY_S = 60.0
 
 

@@ -214,6 +214,8 @@ class WorkerSide:
         tid, ids = spec.transfer_id, spec.block_ids
         if tid in self._withdrawn:
             return
+        # Checked before anything is set up for the offer (a GPU cache takes a host buffer here); a refusal that comes
+        # later expires the offer in the engine (`TransferEngine.offer`, `OfferTable.refused`).
         if (refused := self._refused_puller(spec)) is not None:
             log.warning("transfer %s: not held for a pull: this worker refused the decode worker at %s (%s); its "
                         "prompt is computed there", tid, refused[0], refused[1])
