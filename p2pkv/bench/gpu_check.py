@@ -1,11 +1,17 @@
 """`scripts/gpu_check.sh`: every check that needs a CUDA GPU, as one table; exit status 1 if any row fails.
 
-Without a CUDA device every row is reported as skipped and the exit status is 0. None of these rows has run on a
-GPU yet (no task so far has had one).
+Without a CUDA device every row is reported as skipped and the exit status is 0. Each check runs in a process of its
+own, to a deadline (`P2PKV_GPU_ROW_TIMEOUT_S`, 90 s by default): a hung check, or one that breaks its CUDA context,
+fails its own row and no other.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -96,7 +102,49 @@ CHECKS: tuple[tuple[str, Callable[[], str]], ...] = (
 )
 
 
-def run() -> list[Row]:
+ROW_TIMEOUT_S = float(os.environ.get("P2PKV_GPU_ROW_TIMEOUT_S", "90"))
+_RESULT = "p2pkv-gpu-row\t"
+
+
+def _one(index: int) -> int:
+    """Run one check in this process: its measurements on stdout, a traceback on stderr if it fails, and its result
+    as the last line (`_RESULT`, outcome, detail)."""
+    _, check = CHECKS[index]
+    try:
+        outcome, detail = "PASS", check()
+    except Exception as exc:  # the parent makes it a row
+        traceback.print_exc()
+        outcome, detail = "FAIL", f"{type(exc).__name__}: {exc}"
+    print(f"{_RESULT}{outcome}\t{' '.join(detail.split())}", flush=True)
+    return 0
+
+
+def _in_child(index: int, timeout_s: float) -> Row:
+    """One check in a process of its own, to a deadline: a hung check, or one that leaves the CUDA context broken,
+    costs only its own row."""
+    name = CHECKS[index][0]
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-m", "p2pkv.bench.gpu_check", "--row", str(index)],
+                              stdout=subprocess.PIPE, text=True, timeout=timeout_s)
+        out, code = done.stdout, done.returncode
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        print(out, end="", flush=True)
+        return Row(name, "FAIL", f"did not finish in {timeout_s:.0f} s")
+    result = None
+    for line in out.splitlines():
+        if line.startswith(_RESULT):
+            result = line[len(_RESULT):].split("\t", 1)
+        else:
+            print(line, flush=True)
+    took = f" ({time.monotonic() - started:.1f} s)"
+    if result is None or len(result) != 2:
+        return Row(name, "FAIL", f"the check's process ended with status {code} and no result{took}")
+    return Row(name, result[0], result[1] + took)
+
+
+def run(timeout_s: float = ROW_TIMEOUT_S) -> list[Row]:
     try:
         import torch
 
@@ -104,14 +152,12 @@ def run() -> list[Row]:
     except ImportError:
         has_gpu = False
     rows = []
-    for name, check in CHECKS:
+    for index, (name, _) in enumerate(CHECKS):
         if not has_gpu:
             rows.append(Row(name, "SKIP", "no CUDA device on this machine"))
             continue
-        try:
-            rows.append(Row(name, "PASS", check()))
-        except Exception as exc:  # every failure becomes a row, the next check still runs
-            rows.append(Row(name, "FAIL", f"{type(exc).__name__}: {exc}"))
+        print(f"== {name}", flush=True)
+        rows.append(_in_child(index, timeout_s))
     return rows
 
 
@@ -127,4 +173,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--row":
+        raise SystemExit(_one(int(sys.argv[2])))
     raise SystemExit(main())
