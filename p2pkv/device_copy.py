@@ -20,14 +20,25 @@ def done() -> bool:
     return True
 
 
+SPIN_S = 300e-6  # markers are asked without sleeping this long: a short copy is seen done within microseconds
+
+
 def wait_marker(marker: Marker, deadline: float) -> bool:
-    delay = 20e-6
+    """Until the marker says done (True) or the deadline passes (False). First asked in a loop that yields the GIL
+    but does not sleep (a sleep lasts 50 us or more past what it asks); then between sleeps of an eighth of the time
+    waited so far (1 ms at most), so the wait ends within about an eighth of the copy's time after it."""
+    if marker():
+        return True
+    started = time.monotonic()
+    spin_until = started + SPIN_S
     while not marker():
         now = time.monotonic()
         if now >= deadline:
             return False
-        time.sleep(min(delay, deadline - now))
-        delay = min(delay * 2, 1e-3)
+        if now < spin_until:
+            time.sleep(0)
+            continue
+        time.sleep(min(max((now - started) / 8, 20e-6), 1e-3, deadline - now))
     return True
 
 
@@ -51,8 +62,15 @@ def gather_rows(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return blocks.view(word).index_select(0, ids).view(torch.uint8)
 
 
+BYTEWISE_UP_TO = 4 << 20  # scatters of at most this many bytes go as bytes: that kernel launches sooner
+
+
 def scatter_rows(blocks: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
-    """Write contiguous `rows` ([len(ids), bytes] uint8) into rows `ids` of a [rows, bytes] uint8 view."""
+    """Write contiguous `rows` ([len(ids), bytes] uint8) into rows `ids` of a [rows, bytes] uint8 view. On an H200,
+    1 MiB: 12 us a call as bytes, 15.5 us as 8-byte words; from 16 MiB the words run at 2 to 4 times the bytes."""
+    if rows.numel() <= BYTEWISE_UP_TO:
+        blocks.index_copy_(0, ids, rows)
+        return
     word = _WORDS[_word_bytes(blocks, rows)]
     blocks.view(word).index_copy_(0, ids, rows.view(word))
 

@@ -71,6 +71,9 @@ def inner_runs(shape: Sequence[int], strides: Sequence[int], element_size: int) 
     return merge_adjacent([(o * element_size, run * element_size) for o in offsets])
 
 
+VECTOR_FROM = 64  # blocks from which `ranges` is worked out with numpy (a long transfer's list costs milliseconds)
+
+
 @dataclass(frozen=True)
 class LayerGeometry:
     """Where the blocks of one layer live, in bytes from the start of its storage."""
@@ -90,8 +93,16 @@ class LayerGeometry:
     def ranges(self, block_ids: Sequence[int]) -> list[Run]:
         """The byte ranges of these blocks, block after block, each block's runs in address order; merged where
         they touch, so consecutive blocks of a block-major layout become one range."""
-        return merge_adjacent([(self.base + b * self.block_stride + off, n) for b in block_ids
-                               for off, n in self.inner])
+        if len(block_ids) < VECTOR_FROM:
+            return merge_adjacent([(self.base + b * self.block_stride + off, n) for b in block_ids
+                                   for off, n in self.inner])
+        offs, lens = (np.array(x, dtype=np.int64) for x in zip(*self.inner, strict=True))
+        ids = np.fromiter(block_ids, dtype=np.int64, count=len(block_ids))  # from a list: a third faster than asarray
+        starts = (self.base + ids[:, None] * self.block_stride + offs[None, :]).ravel()
+        ends = starts + np.tile(lens, len(ids))
+        first = np.flatnonzero(np.r_[True, starts[1:] != ends[:-1]])  # where a range does not touch the last
+        last = np.r_[first[1:] - 1, len(starts) - 1]
+        return list(zip(starts[first].tolist(), (ends[last] - starts[first]).tolist(), strict=True))
 
     def signature(self) -> str:
         if len(self.inner) == 1:

@@ -22,6 +22,8 @@ import time
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from p2pkv.device_copy import (
@@ -121,17 +123,24 @@ class DeviceKv:
         rows = (storage.numel() - g.base - bb) // g.block_stride + 1
         return storage.as_strided((rows, bb), (g.block_stride, 1), g.base)
 
-    def _gathers(self, ranges: list[tuple[int, int]]) -> bool:
-        return self._dense and self.gather_min_runs is not None and len(ranges) >= self.gather_min_runs
+    def _gather_ids(self, block_ids: Sequence[int]) -> npt.NDArray[np.int64] | None:
+        """The block ids as an array where they are gathered on the device: a dense layer whose blocks make at
+        least `gather_min_runs` runs (counted from the ids: a long transfer's ranges cost milliseconds to list)."""
+        if not self._dense or self.gather_min_runs is None or len(block_ids) < self.gather_min_runs:
+            return None
+        ids = np.fromiter(block_ids, dtype=np.int64, count=len(block_ids))
+        g = self.geometry[0]
+        runs = len(ids) if g.block_stride != self.block_bytes else 1 + int(np.count_nonzero(np.diff(ids) != 1))
+        return ids if runs >= self.gather_min_runs else None
 
     def _move(self, layer: int, block_ids: Sequence[int], host: torch.Tensor, to_host: bool) -> Marker:
         """Queue the copies between the blocks and `host` (payload order), in either direction."""
         cache = self.storages[layer]
-        ranges = self.geometry[layer].ranges(block_ids)
+        gather = self._gather_ids(block_ids)
         at = 0
         with self._copier.after_compute():
-            if self._gathers(ranges):
-                ids = torch.tensor(block_ids, dtype=torch.int64).to(cache.device, non_blocking=True)
+            if gather is not None:
+                ids = torch.from_numpy(gather).to(cache.device, non_blocking=True)
                 rows = host[: len(block_ids) * self.block_bytes].view(len(block_ids), -1)
                 if to_host:  # the gathered rows are made on the copy stream: freed only after the copy
                     rows.copy_(gather_rows(self.blocks_2d(layer), ids), non_blocking=True)
@@ -139,7 +148,7 @@ class DeviceKv:
                     scatter_rows(self.blocks_2d(layer), ids, rows.to(cache.device, non_blocking=True))
                 at = rows.numel()
             else:
-                for start, n in ranges:
+                for start, n in self.geometry[layer].ranges(block_ids):
                     there, here = host[at : at + n], cache[start : start + n]
                     (there if to_host else here).copy_(here if to_host else there, non_blocking=True)
                     at += n

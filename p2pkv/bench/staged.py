@@ -4,7 +4,8 @@ tensors. Written against a `device` so that the same code runs on CPU tensors in
 - `round_trip`: two engines over tcp, a cache on `device` on each side; blocks pushed (PUT) and pulled (GET) land
   byte for byte in other block ids.
 - `bandwidth`: the staging copies (device to host buffer and back, blocks in one run and scattered) against a
-  plain copy of the same bytes between the same memories, measured in the same run.
+  plain copy of the same bytes between the same memories, measured in the same run and the same way (back to
+  back; or each waited for).
 """
 
 from __future__ import annotations
@@ -130,8 +131,12 @@ def _rate(nbytes: int, repeats: int, run: Callable[[], object], device: str) -> 
     return nbytes / mean_seconds(run, device, repeats) / 1e9
 
 
-def bandwidth(device: str, size: int, scattered: bool, pool: HostPool, repeats: int = 5) -> StagingRate:
-    """One layer of `size` bytes of blocks staged out and landed back, against `copy_` of one contiguous run."""
+def bandwidth(device: str, size: int, scattered: bool, pool: HostPool, repeats: int = 5,
+              waited: bool = False) -> StagingRate:
+    """One layer of `size` bytes of blocks staged out and landed back, against `copy_` of one contiguous run. Both
+    measured alike: issued `repeats` times back to back, the device drained once at the end (the engine queues
+    one layer's copy while the last is on the wire). `waited`: each staging copy, and each plain copy, waited for
+    before the next is issued (one short transfer on its own)."""
     n = size // BLOCK_BYTES
     (layer,) = caches(device, 1, 2 * n, True)
     kv = DeviceKv([layer], TOKENS, device, 60)
@@ -144,15 +149,25 @@ def bandwidth(device: str, size: int, scattered: bool, pool: HostPool, repeats: 
     deadline = time.monotonic() + 600
 
     def out() -> None:
-        assert wait_marker(kv.copy_out(0, ids, host_t), deadline)
+        marker = kv.copy_out(0, ids, host_t)
+        assert not waited or wait_marker(marker, deadline)
 
     def back() -> None:
-        assert wait_marker(kv.copy_in(0, ids, host_t), deadline)
+        marker = kv.copy_in(0, ids, host_t)
+        assert not waited or wait_marker(marker, deadline)
+
+    def plain(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], object]:
+        def copy() -> None:
+            dst.copy_(src, non_blocking=True)
+            if waited:
+                _sync(device)
+
+        return copy
 
     try:
         rate = StagingRate(size, scattered, _rate(size, repeats, out, device), _rate(size, repeats, back, device),
-                           _rate(size, repeats, lambda: host_t.copy_(flat), device),
-                           _rate(size, repeats, lambda: flat.copy_(host_t), device))
+                           _rate(size, repeats, plain(host_t, flat), device),
+                           _rate(size, repeats, plain(flat, host_t), device))
     finally:
         buffers.release("bench")
     return rate

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from p2pkv import device_copy
 from p2pkv.config import ExtraConfig, Transport
 from p2pkv.device_copy import _word_bytes, gather_rows, scatter_rows
 from p2pkv.engine import EngineSettings, TransferEngine
@@ -198,7 +199,11 @@ def test_gathered_copies_match_copies_by_run(order: str) -> None:
 
 
 @pytest.mark.parametrize(("row_bytes", "stride", "word"), [(64, 128, 8), (12, 16, 4), (6, 10, 2), (5, 8, 1)])
-def test_rows_move_as_the_widest_word_the_layout_allows(row_bytes: int, stride: int, word: int) -> None:
+@pytest.mark.parametrize("bytewise_up_to", [0, 1 << 20])
+def test_rows_move_as_the_widest_word_the_layout_allows(row_bytes: int, stride: int, word: int, bytewise_up_to: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """By words and, for small scatters, by bytes: the same bytes land, the gaps between rows kept."""
+    monkeypatch.setattr(device_copy, "BYTEWISE_UP_TO", bytewise_up_to)
     flat = torch.randint(0, 256, (stride * 10,), dtype=torch.uint8)
     blocks = flat.as_strided((10, row_bytes), (stride, 1))
     assert _word_bytes(blocks) == word
@@ -209,3 +214,19 @@ def test_rows_move_as_the_widest_word_the_layout_allows(row_bytes: int, stride: 
     expected_flat.as_strided((10, row_bytes), (stride, 1))[ids] = rows  # byte by byte, gaps between rows kept
     scatter_rows(blocks, ids, rows)
     assert torch.equal(flat, expected_flat)
+
+
+@pytest.mark.parametrize(("order", "merged"), [("LBHNC", True), ("BLHNC", False)])
+def test_gathering_is_chosen_by_the_runs_the_ids_make(order: str, merged: bool) -> None:
+    """Runs counted from the block ids alone: consecutive blocks are one run where blocks lie next to each other
+    (block-major layers), one run each where other layers lie between them."""
+    kv = DeviceKv(caches(order, True), 16, "test", 5)
+    kv.gather_min_runs = 3
+    assert kv._gather_ids([0, 2, 4]) is not None
+    assert kv._gather_ids([4, 5]) is None, "fewer blocks than runs needed"
+    consecutive = kv._gather_ids([3, 4, 5, 6, 7])
+    assert (consecutive is None) is merged
+    assert kv._gather_ids([3, 4, 5, 9, 10, 0]) is not None
+    assert (kv._gather_ids([3, 4, 5, 9, 10]) is None) is merged
+    kv.gather_min_runs = None
+    assert kv._gather_ids([0, 2, 4]) is None
