@@ -86,17 +86,18 @@ class _CudaRemote:
         return self.copy_runs(_whole(self._kv, remote, block_ids), deadline)
 
     def copy_runs(self, pairs: Sequence[tuple[int, int, Sequence[Run], Sequence[Run]]], deadline: float) -> int:
-        markers, total = [], 0
+        moves, total = [], 0
         for theirs, ours, ranges, runs in pairs:
             _check_layers(theirs, len(self._storages), ours, self._kv.num_layers)
             src = self._storages[theirs]
             _check_bounds(ranges, src.numel())
             _check_bounds(runs, self._kv.storages[ours].numel(), "our")
             cut = pair_ranges(ranges, runs)
-            markers.append(self._kv.copy_pairs(ours, src, cut))
+            moves.append((ours, src, cut))
             total += sum(n for _, _, n in cut)
+        marker = self._kv.copy_pairs(moves)  # every layer's copies queued, checked first
         # On a miss the load is reported failed and vLLM may reuse these blocks: settle lets the copies finish first.
-        if not settle(markers, deadline, self._kv.copy_timeout_s):
+        if not settle([marker], deadline, self._kv.copy_timeout_s):
             raise TransferTimeout("copying from the peer's GPU missed the deadline")
         return total
 

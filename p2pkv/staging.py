@@ -167,13 +167,15 @@ class DeviceKv:
             raise ValueError(f"{src.numel()} bytes for {len(block_ids)} blocks of {self.block_bytes}")
         return self._move(layer, block_ids, src, to_host=False)
 
-    def copy_pairs(self, layer: int, src: torch.Tensor, pairs: Sequence[tuple[int, int, int]]) -> Marker:
-        """Queue copies from `src` (a flat byte tensor on a device this one can reach) into this layer's storage:
-        (source offset, destination offset, length) each."""
-        dst = self.storages[layer]
+    def copy_pairs(self, moves: Sequence[tuple[int, torch.Tensor, Sequence[tuple[int, int, int]]]]) -> Marker:
+        """Queue copies, per (our layer, `src`, pieces), from `src` (a flat byte tensor on a device this one can
+        reach) into that layer's storage: (source offset, destination offset, length) each piece. One switch to the
+        copy stream and one marker for them all (each costs tens of microseconds of host time on a GPU)."""
         with self._copier.after_compute():
-            for s_at, d_at, n in pairs:
-                dst[d_at : d_at + n].copy_(src[s_at : s_at + n], non_blocking=True)
+            for layer, src, pairs in moves:
+                dst = self.storages[layer]
+                for s_at, d_at, n in pairs:
+                    dst[d_at : d_at + n].copy_(src[s_at : s_at + n], non_blocking=True)
             return self._copier.mark()
 
     def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:

@@ -40,9 +40,12 @@ def main():
         timed("copy_into", lambda: remote.copy_into([[(0, size)]], ids, time.monotonic() + 60))
         timed("_whole (local ranges)", lambda: ipc._whole(kv, [[(0, size)]], ids))
         timed("pair_ranges", lambda: pair_ranges(whole[0][2], whole[0][3]))
-        timed("copy_pairs, no wait", lambda: kv.copy_pairs(0, src, cut))
-        timed("copy_pairs + settle", lambda: settle([kv.copy_pairs(0, src, cut)], time.monotonic() + 60, 5))
-        timed("copy_pairs + synchronize", lambda: (kv.copy_pairs(0, src, cut), torch.cuda.synchronize()))
+        timed("copy_pairs, no wait", lambda: kv.copy_pairs([(0, src, cut)]))
+        timed("copy_pairs + settle", lambda: settle([kv.copy_pairs([(0, src, cut)])], time.monotonic() + 60, 5))
+        timed("copy_pairs + synchronize", lambda: (kv.copy_pairs([(0, src, cut)]), torch.cuda.synchronize()))
+        part = size // 32  # as 32 layers of a model would come: 32 pieces in one copy_runs
+        layers = [(0, 0, [(i * part, part)], [(i * part, part)]) for i in range(32)]
+        timed("copy_runs, 32 pieces as layers", lambda: remote.copy_runs(layers, time.monotonic() + 60))
         dst = kv.storages[0][:size]
         own = dst.clone()
         timed("plain copy + synchronize", lambda: (dst.copy_(src[:size]), torch.cuda.synchronize()))
