@@ -11,8 +11,9 @@ STAGING_SIZES = tuple(1 << p for p in range(20, 31, 2))  # 1 MiB to 1 GiB
 
 def tcp_staged() -> str:
     """GPU caches on both sides of a tcp transfer, staged through the pinned pool: bytes checked for a push and a
-    pull; the staging copies at least 80% of a plain pinned copy, 1 MiB to 1 GiB, blocks in one run. Scattered
-    blocks (every other one, gathered on the device) are reported beside them."""
+    pull; the staging copies at least 80% of a plain pinned copy, 1 MiB to 1 GiB, blocks in one run, both issued
+    back to back. Scattered blocks (every other one, gathered on the device), and one 1 MiB copy waited for against
+    a plain copy waited for, are reported beside them."""
     from p2pkv.bench import staged
     from p2pkv.memory import HostPool
 
