@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
@@ -25,7 +26,7 @@ SPIN_S = 300e-6  # markers are asked without sleeping this long: a short copy is
 
 def wait_marker(marker: Marker, deadline: float) -> bool:
     """Until the marker says done (True) or the deadline passes (False). First asked in a loop that yields the GIL
-    but does not sleep (a sleep lasts 50 us or more past what it asks); then between sleeps of an eighth of the time
+    and the core but does not sleep (a sleep lasts 50 us or more past what it asks); then between sleeps of an eighth of the time
     waited so far (1 ms at most), so the wait ends within about an eighth of the copy's time after it."""
     if marker():
         return True
@@ -36,7 +37,7 @@ def wait_marker(marker: Marker, deadline: float) -> bool:
         if now >= deadline:
             return False
         if now < spin_until:
-            time.sleep(0)
+            os.sched_yield()  # lets other threads run; time.sleep(0) would sleep 50 us or more (timer slack)
             continue
         time.sleep(min(max((now - started) / 8, 20e-6), 1e-3, deadline - now))
     return True
