@@ -26,8 +26,9 @@ SPIN_S = 300e-6  # markers are asked without sleeping this long: a short copy is
 
 def wait_marker(marker: Marker, deadline: float) -> bool:
     """Until the marker says done (True) or the deadline passes (False). First asked in a loop that yields the GIL
-    and the core but does not sleep (a sleep lasts 50 us or more past what it asks); then between sleeps of an eighth of the time
-    waited so far (1 ms at most), so the wait ends within about an eighth of the copy's time after it."""
+    and the core but does not sleep (a sleep lasts 50 us or more past what it asks); then between sleeps of an
+    eighth of the time waited so far (1 ms at most), so the wait ends within about an eighth of the copy's time
+    after it."""
     if marker():
         return True
     started = time.monotonic()

@@ -3,6 +3,7 @@ waited; the deadline kept either way."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from p2pkv import device_copy
@@ -25,7 +26,7 @@ def test_a_short_copy_is_seen_done_without_a_sleep() -> None:
     started = time.monotonic()
     assert wait_marker(marker, started + 5)
     assert time.monotonic() - started < device_copy.SPIN_S + 0.05
-    gaps = [b - a for a, b in zip(asked, asked[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(asked)]
     assert len(asked) > 3 and max(gaps) < 0.01, "asked in a loop, not between sleeps"
 
 
