@@ -46,3 +46,15 @@ def test_the_staged_tcp_row_runs_on_host_tensors() -> None:
     assert stats is not None and stats.bytes_in_use == 0
 
 
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a row failing for want of CUDA")
+def test_each_row_runs_in_a_process_of_its_own_and_its_failure_becomes_its_row() -> None:
+    row = gpu_check._in_child(0, 120)
+    assert row.name == gpu_check.CHECKS[0][0]
+    assert row.outcome == "FAIL" and "CUDA" in row.detail, row
+
+
+def test_a_row_that_outlasts_its_deadline_fails_alone() -> None:
+    row = gpu_check._in_child(0, 0.05)
+    assert row.outcome == "FAIL" and row.detail == "did not finish in 0 s", row
