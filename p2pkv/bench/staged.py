@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from p2pkv.config import ExtraConfig, Transport
-from p2pkv.device_copy import wait_marker
+from p2pkv.device_copy import Marker, wait_marker
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
@@ -148,13 +148,15 @@ def bandwidth(device: str, size: int, scattered: bool, pool: HostPool, repeats: 
     flat = layer.view(-1).view(torch.uint8)[: n * BLOCK_BYTES]
     deadline = time.monotonic() + 600
 
+    def settled(marker: Marker) -> None:
+        if waited and not wait_marker(marker, deadline):
+            raise AssertionError(f"a staging copy of {size} bytes missed its deadline")
+
     def out() -> None:
-        marker = kv.copy_out(0, ids, host_t)
-        assert not waited or wait_marker(marker, deadline)
+        settled(kv.copy_out(0, ids, host_t))
 
     def back() -> None:
-        marker = kv.copy_in(0, ids, host_t)
-        assert not waited or wait_marker(marker, deadline)
+        settled(kv.copy_in(0, ids, host_t))
 
     def plain(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], object]:
         def copy() -> None:

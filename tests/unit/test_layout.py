@@ -68,3 +68,22 @@ def test_padded_blocks_copy_only_their_elements() -> None:
 def test_layers_of_different_shape_are_refused() -> None:
     with pytest.raises(IncompatiblePeerError, match="differ"):
         KvBlocks.from_tensors([_cache(), _cache(shape=(2, 16, 4))], 16, "test")
+
+
+@pytest.mark.parametrize("inner", [((0, 256),), ((0, 128), (256, 128)), ((0, 32), (32, 32), (100, 8))])
+@pytest.mark.parametrize("stride", [256, 512, 64 * 3])
+def test_long_transfers_ranges_equal_the_block_by_block_rule(inner: tuple[tuple[int, int], ...], stride: int) -> None:
+    """From VECTOR_FROM blocks the ranges are worked out with numpy: the same ranges, in the same order, as block
+    after block with touching ranges merged, for blocks in order, shuffled, repeated and in runs."""
+    from p2pkv.layout import VECTOR_FROM, LayerGeometry, merge_adjacent
+
+    geometry = LayerGeometry(96, stride, inner)
+    rng = np.random.default_rng(7)
+    lists = [list(range(VECTOR_FROM * 3)), rng.permutation(500)[:200].tolist(), rng.integers(0, 50, 300).tolist(),
+             [*range(10, 90), *range(200, 260), 5, 6, 7, *range(300, 400, 2)]]
+    for ids in lists:
+        assert len(ids) >= VECTOR_FROM
+        expected = merge_adjacent([(96 + b * stride + off, n) for b in ids for off, n in inner])
+        got = geometry.ranges(ids)
+        assert got == expected
+        assert all(type(a) is int and type(n) is int for a, n in got)
