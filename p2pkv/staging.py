@@ -20,7 +20,8 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -50,6 +51,7 @@ from p2pkv.protocol import LayoutDigest
 
 log = logging.getLogger(__name__)
 STAGE_ENV = "P2PKV_STAGE_KV"
+_T = TypeVar("_T")
 
 
 class HostBuffer:
@@ -95,6 +97,9 @@ class DeviceKv:
         self._dense = self.geometry[0].inner == ((0, self.digest.block_bytes),)
         self.gather_min_runs: int | None = 4 if self.on_gpu and self._dense else None
         self._host_views: list[memoryview] | None = None  # the storages' bytes, for digests (a host cache)
+        # What one transfer's block ids give (the ids to gather, on the device too; each geometry's ranges), kept
+        # while the same tuple of ids comes layer after layer: worked out once per transfer, not once per layer.
+        self._memo: tuple[tuple[int, ...], dict[object, object]] | None = None
 
     @property
     def block_bytes(self) -> int:
@@ -133,14 +138,28 @@ class DeviceKv:
         runs = len(ids) if g.block_stride != self.block_bytes else 1 + int(np.count_nonzero(np.diff(ids) != 1))
         return ids if runs >= self.gather_min_runs else None
 
+    def _per_ids(self, block_ids: Sequence[int], key: object, make: Callable[[], _T]) -> _T:
+        """`make()`, remembered for these ids while the same tuple of them is asked about (a transfer's layers come
+        one after another with its one tuple); lists, which may change, are worked out every time."""
+        if type(block_ids) is not tuple:
+            return make()
+        memo = self._memo  # taken once: another thread may start another transfer's memo meanwhile
+        if memo is None or memo[0] is not block_ids:
+            memo = self._memo = (block_ids, {})
+        if key not in memo[1]:
+            memo[1][key] = make()
+        return cast(_T, memo[1][key])
+
     def _move(self, layer: int, block_ids: Sequence[int], host: torch.Tensor, to_host: bool) -> Marker:
         """Queue the copies between the blocks and `host` (payload order), in either direction."""
         cache = self.storages[layer]
-        gather = self._gather_ids(block_ids)
+        gather = self._per_ids(block_ids, "gather", lambda: self._gather_ids(block_ids))
         at = 0
         with self._copier.after_compute():
             if gather is not None:
-                ids = torch.from_numpy(gather).to(cache.device, non_blocking=True)
+                # Made on the copy stream and used only there: it may be freed whenever the memo lets it go.
+                ids = self._per_ids(block_ids, cache.device, lambda: torch.from_numpy(gather).to(cache.device,
+                                                                                                  non_blocking=True))
                 rows = host[: len(block_ids) * self.block_bytes].view(len(block_ids), -1)
                 if to_host:  # the gathered rows are made on the copy stream: freed only after the copy
                     rows.copy_(gather_rows(self.blocks_2d(layer), ids), non_blocking=True)
@@ -148,7 +167,8 @@ class DeviceKv:
                     scatter_rows(self.blocks_2d(layer), ids, rows.to(cache.device, non_blocking=True))
                 at = rows.numel()
             else:
-                for start, n in self.geometry[layer].ranges(block_ids):
+                geometry = self.geometry[layer]
+                for start, n in self._per_ids(block_ids, geometry, lambda: geometry.ranges(block_ids)):
                     there, here = host[at : at + n], cache[start : start + n]
                     (there if to_host else here).copy_(here if to_host else there, non_blocking=True)
                     at += n

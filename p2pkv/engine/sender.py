@@ -176,20 +176,20 @@ class Sender:
 
     def _loop(self) -> None:
         backlog = False  # the last drain stopped at its cap: look again without sleeping
+        poller = select.poll()  # kept: registrations change only when the connections owing a verdict do
+        poller.register(self._wake_r, select.POLLIN)
+        registered: set[int] = set()
         while not self._stop.is_set():
             with self._lock:
                 waiting = {t.peer for t in self._sending.values() if t.awaiting_ack}
                 polled = {fd: p for p in waiting if (c := self._links.get(p)) is not None and (fd := c.fileno()) >= 0}
-            poller = select.poll()
-            poller.register(self._wake_r, select.POLLIN)
-            for fd in polled:
+            for fd in registered - polled.keys():
+                poller.unregister(fd)
+            for fd in polled.keys() - registered:
                 poller.register(fd, select.POLLIN)
+            registered = set(polled)
             events = poller.poll(0 if backlog else _POLL_S * 1000)
-            try:
-                while os.read(self._wake_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
+            self._drain_wakeups()
             with self._lock:
                 self._woken = False  # jobs queued from here on write a new wake-up byte
             jobs = self._drain()
@@ -199,6 +199,15 @@ class Sender:
             for fd, _ in events:
                 if fd in polled:
                     self._poll_acks(polled[fd])
+
+    def _drain_wakeups(self) -> None:
+        """Empty the wake-up pipe: one read unless it held a full read's worth (a read that finds it empty raises,
+        and costs a system call)."""
+        try:
+            while len(os.read(self._wake_r, 4096)) == 4096:
+                pass
+        except BlockingIOError:
+            pass
 
     def _drain(self) -> list[PushJob]:
         with self._lock:

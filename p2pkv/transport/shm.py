@@ -29,10 +29,24 @@ _RANGE = struct.Struct("!QQ")
 
 
 def encode_ranges(payload: Sequence[memoryview]) -> bytes:
-    views = [v for v in payload if v.nbytes]
-    if len(views) > MAX_RANGES:
-        raise TransferError(f"a payload of {len(views)} ranges exceeds the cap of {MAX_RANGES}")
-    return _COUNT.pack(len(views)) + b"".join(_RANGE.pack(cma.address_of(v), v.nbytes) for v in views)
+    """The descriptor of a payload: its (address, length) ranges in our memory, in order, merged where one ends
+    where the next starts (a transfer's layers often lie back to back: one range for the reader, not one each)."""
+    flat: list[int] = []  # address, length, address, length, ...
+    end = -1
+    for view in payload:
+        n = view.nbytes
+        if not n:
+            continue
+        address = cma.address_of(view)
+        if address == end:
+            flat[-1] += n
+        else:
+            flat += (address, n)
+        end = address + n
+    count = len(flat) // 2
+    if count > MAX_RANGES:
+        raise TransferError(f"a payload of {count} ranges exceeds the cap of {MAX_RANGES}")
+    return _COUNT.pack(count) + struct.pack(f"!{len(flat)}Q", *flat)
 
 
 class ShmConnection:
@@ -104,10 +118,10 @@ class ShmConnection:
             raise ProtocolError(f"a descriptor of {count} ranges exceeds the cap of {MAX_RANGES}")
         body = bytearray(count * _RANGE.size)
         self._inner.recv_exact_into(memoryview(body), deadline)
-        ranges = [_RANGE.unpack_from(body, i * _RANGE.size) for i in range(count)]
-        if sum(n for _, n in ranges) != payload_len:
-            raise ProtocolError(f"descriptor ranges hold {sum(n for _, n in ranges)} bytes, the frame says "
-                                f"{payload_len}")
+        flat = struct.unpack(f"!{2 * count}Q", body)
+        ranges = list(zip(flat[::2], flat[1::2], strict=True))
+        if sum(flat[1::2]) != payload_len:
+            raise ProtocolError(f"descriptor ranges hold {sum(flat[1::2])} bytes, the frame says {payload_len}")
         self._frame, self._ranges, self._left = frame, ranges, payload_len
 
     def _take(self, nbytes: int) -> list[tuple[int, int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import struct
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from p2pkv.errors import TransferError
 from p2pkv.params import Address
 from p2pkv.protocol import CmaOffer
 from p2pkv.transport import cma
+from p2pkv.transport.shm import encode_ranges
 from p2pkv.transport.split_read import SplitReader, split_views
 from tests.helpers.peer import layout
 
@@ -51,6 +53,24 @@ def test_read_remote_scattered_fills_each_buffer_in_turn(pieces: int) -> None:
     assert b"".join(bytes(v) for v in local) == src.tobytes()
     with pytest.raises(TransferError, match="hold"):
         cma.read_remote_scattered(os.getpid(), local, remote[:-1])
+
+
+def test_a_descriptor_merges_ranges_that_touch() -> None:
+    """Views lying back to back (a transfer's layers, often) go as one range; gaps and order are kept, empty views
+    dropped; the cap counts ranges as sent."""
+    src = np.arange(64, dtype=np.uint8)
+    base = cma.address_of(memoryview(src))
+    whole = memoryview(src)
+    views = [whole[0:8], whole[8:16], whole[16:16], whole[20:24], whole[24:32], whole[0:4]]
+    raw = encode_ranges(views)
+    (count,) = struct.unpack("!I", raw[:4])
+    flat = struct.unpack(f"!{2 * count}Q", raw[4:])
+    assert list(zip(flat[::2], flat[1::2], strict=True)) == [(base, 16), (base + 20, 12), (base, 4)]
+    dest = bytearray(32)
+    cma.read_remote_scattered(os.getpid(), [memoryview(dest)], list(zip(flat[::2], flat[1::2], strict=True)))
+    assert bytes(dest) == src[0:16].tobytes() + src[20:32].tobytes() + src[0:4].tobytes()
+    adjacent = [whole[i : i + 1] for i in range(64)] * 2  # 128 views, two ranges
+    assert struct.unpack("!I", encode_ranges(adjacent)[:4]) == (2,)
 
 
 def test_read_remote_reports_errors() -> None:

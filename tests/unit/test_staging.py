@@ -16,7 +16,7 @@ from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import StageState
-from p2pkv.layout import KvBlocks
+from p2pkv.layout import KvBlocks, LayerGeometry
 from p2pkv.memory import HostPool
 from p2pkv.params import Address
 from p2pkv.staging import DeviceKv, HostBuffer, TransferBuffers
@@ -230,3 +230,42 @@ def test_gathering_is_chosen_by_the_runs_the_ids_make(order: str, merged: bool) 
     assert (kv._gather_ids([3, 4, 5, 9, 10]) is None) is merged
     kv.gather_min_runs = None
     assert kv._gather_ids([0, 2, 4]) is None
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_a_transfers_block_ids_are_worked_out_once_not_per_layer(gather: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transfer's layers come one after another with its one tuple of block ids: the ids to gather, and the
+    ranges of layers that lie alike (one tensor each, as vLLM's GPU caches), are worked out once for it. Another
+    transfer's ids are worked out anew, and the bytes are right for both."""
+    src_layers = [t.clone() for t in caches("BLHNC", True)]  # each layer a tensor of its own: they lie alike
+    kv = DeviceKv(src_layers, 16, "test", 5)
+    kv.gather_min_runs = 1 if gather else None
+    reference = KvBlocks.from_tensors(src_layers, 16, "test")
+    transfers = (("a", [9, 2, 3, 11, 0]), ("b", [5, 6, 1]))
+    expected = {tid: [b"".join(bytes(v) for v in reference.block_views(layer, blocks)) for layer in range(SIZES["L"])]
+                for tid, blocks in transfers}
+    asked: list[str] = []
+    real_gather, real_ranges = DeviceKv._gather_ids, LayerGeometry.ranges
+    monkeypatch.setattr(DeviceKv, "_gather_ids", lambda self, ids: asked.append("gather") or real_gather(self, ids))
+    monkeypatch.setattr(LayerGeometry, "ranges", lambda self, ids: asked.append("ranges") or real_ranges(self, ids))
+    buffers = TransferBuffers(kv)
+    for tid, blocks in transfers:
+        asked.clear()
+        for layer in range(SIZES["L"]):
+            (staged,), ready = buffers.push_views(tid, layer, blocks)
+            assert ready(time.monotonic() + 1)
+            assert bytes(staged) == expected[tid][layer]
+        assert asked == (["gather"] if gather else ["gather", "ranges"]), asked
+
+
+def test_block_ids_in_a_list_are_worked_out_every_time() -> None:
+    """A list may change between calls: nothing is kept for it."""
+    src_layers = [t.clone() for t in caches("BLHNC", True)]
+    kv = DeviceKv(src_layers, 16, "test", 5)
+    reference = KvBlocks.from_tensors(src_layers, 16, "test")
+    ids = [1, 2, 3]
+    out = torch.empty(len(ids) * BLOCK_BYTES, dtype=torch.uint8)
+    for blocks in ([1, 2, 3], [7, 0, 4]):
+        ids[:] = blocks
+        assert kv.copy_out(0, ids, out)()
+        assert out.numpy().tobytes() == b"".join(bytes(v) for v in reference.block_views(0, blocks))
