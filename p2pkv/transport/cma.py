@@ -132,7 +132,10 @@ def read_remote_scattered(pid: int, local: Sequence[memoryview], remote: Sequenc
     views = [v for v in local if v.nbytes]
     ranges = [r for r in remote if r[1]]
     local_iov = array.array("Q", [x for view in views for x in (address_of(view), view.nbytes)])
-    remote_iov = array.array("Q", [x for r in ranges for x in r])
+    try:
+        remote_iov = array.array("Q", [x for r in ranges for x in r])
+    except OverflowError:
+        raise TransferError(f"a range of process {pid} memory is negative or too large: {ranges}") from None
     want = sum(local_iov[1::2])
     if sum(remote_iov[1::2]) != want:
         raise TransferError(f"remote ranges hold {sum(remote_iov[1::2])} bytes, the buffers {want}")

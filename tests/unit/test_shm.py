@@ -82,6 +82,10 @@ def test_read_remote_reports_errors() -> None:
     gone.wait()
     with pytest.raises(TransferError, match="No such process"):
         cma.read_remote(gone.pid, memoryview(bytearray(8)), [(cma.token()[0], 8)])
+    with pytest.raises(TransferError, match="hold 4 bytes"):
+        cma.read_remote_scattered(os.getpid(), [memoryview(bytearray(8))], [(1, 4)])
+    with pytest.raises(TransferError, match="negative or too large"):
+        cma.read_remote_scattered(os.getpid(), [memoryview(bytearray(4))], [(-5, 4)])
 
 
 def _copy_threads() -> list[str]:
