@@ -90,7 +90,8 @@ def _wait(engine: TransferEngine, tid: str, deadline: float) -> str:
 
 def push_run(pipe: Connection, shape: Shape, transport: str, peer: str, tids: list[str], sequential: bool,
              warmup: int) -> None:
-    """Child process: push one transfer per id, in order; report the start time of each and their outcomes.
+    """Child process: push one transfer per id, in order, as the connector does (over shm all layers at once);
+    report the start time of each and their outcomes.
     The first `warmup` transfers all finish before the next one starts."""
     engine = engine_for(shape, transport, shape.nbytes)
     data = kv_like(shape)
@@ -107,8 +108,11 @@ def push_run(pipe: Connection, shape: Shape, transport: str, peer: str, tids: li
             elif i >= lag and i - lag >= len(states):
                 states.append(_wait(engine, tids[i - lag], deadline))
             started.append(time.monotonic())
-            for layer in range(shape.layers):
-                engine.push_layer(tid, address, layer, shape.blocks, views[layer], deadline)
+            if transport == "shm":  # as the connector pushes host KV to a peer that reads it in place: at once
+                engine.push_layers(tid, address, 0, shape.blocks, views, deadline)
+            else:  # layer by layer, as the connector pushes while the forward computes them
+                for layer in range(shape.layers):
+                    engine.push_layer(tid, address, layer, shape.blocks, views[layer], deadline)
         for tid in tids[len(states) :]:
             states.append(_wait(engine, tid, deadline))
     finally:

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from p2pkv.config import ExtraConfig, Transport
@@ -183,6 +183,17 @@ class TransferEngine:
         assert self._sender is not None, "engine not started"
         self._sender.submit(PushJob(transfer_id, peer, layer, self.layout.num_layers, total_blocks, views, deadline,
                                     ready, pull_instead))
+
+    def push_layers(self, transfer_id: str, peer: Address, first_layer: int, total_blocks: int,
+                    layer_views: Sequence[tuple[memoryview, ...]], deadline: float) -> None:
+        """Queue consecutive layers at once, from `first_layer`, whose bytes are ready (KV in host memory): one job
+        and one frame for them, where `push_layer` costs a job each."""
+        assert self._sender is not None, "engine not started"
+        if not layer_views:
+            return
+        self._sender.submit(PushJob(transfer_id, peer, first_layer, self.layout.num_layers, total_blocks,
+                                    tuple(v for views in layer_views for v in views), deadline,
+                                    layers=len(layer_views)))
 
     def pulls_instead(self, peer: Address) -> bool:
         """The link to `peer` is up and its receiver pulls over a device path: push nothing, leave the blocks."""

@@ -31,7 +31,8 @@ _MAX_BATCH = 256
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs several times more, 8+ times a transfer
 class PushJob:
-    """One layer of one transfer: `views` are the bytes of blocks 0..total_blocks-1, in order."""
+    """Layers `layer .. layer + layers - 1` of one transfer: `views` are the bytes of blocks 0..total_blocks-1 of
+    each layer, layer after layer."""
 
     transfer_id: str
     peer: Address
@@ -42,6 +43,7 @@ class PushJob:
     deadline: float
     ready: Callable[[float], bool] | None = None  # staged device KV: waits (to a deadline) until `views` hold it
     pull_instead: bool = False  # the link asked for pulls (its handshake): no views, send PullInstead for it
+    layers: int = 1  # consecutive layers from `layer` (a worker that queues a whole transfer at once: one job)
 
 
 class OutState(enum.Enum):
@@ -86,13 +88,14 @@ def _frames(jobs: list[PushJob], digests: bool = False) -> list[tuple[PushBlocks
     start = 0
     while start < len(jobs):
         first = jobs[start]
-        end = start + 1
+        end, after = start + 1, first.layer + first.layers  # the layer that would come next in this frame
         while (end < len(jobs) and jobs[end].transfer_id == first.transfer_id
-               and jobs[end].layer == first.layer + (end - start) and jobs[end].total_blocks == first.total_blocks):
+               and jobs[end].layer == after and jobs[end].total_blocks == first.total_blocks):
+            after += jobs[end].layers
             end += 1
-        views = tuple(v for job in jobs[start:end] for v in job.views)
+        views = first.views if end == start + 1 else tuple(v for job in jobs[start:end] for v in job.views)
         frames.append((PushBlocks(first.transfer_id, first.layer, 0, first.total_blocks, first.total_blocks,
-                                  first.num_layers, end - start, digest(views) if digests else None), views))
+                                  first.num_layers, after - first.layer, digest(views) if digests else None), views))
         start = end
     return frames
 
@@ -274,7 +277,7 @@ class Sender:
                     nbytes += view.nbytes
                 total += nbytes
                 item.nbytes += nbytes
-                item.layers_sent.add(job.layer)
+                item.layers_sent.update(range(job.layer, job.layer + job.layers))
                 sent[job.transfer_id] = item
             for item in sent.values():
                 item.transport = name

@@ -269,6 +269,40 @@ class WorkerSide:
             views, ready = (), _raiser(exc)
         self.engine.push_layer(spec.transfer_id, peer, layer, len(spec.block_ids), views, deadline, ready)
 
+    def _push_rest(self, spec: SaveSpec) -> None:
+        """The layers of `spec` not pushed yet. KV in host memory goes as one job per run of consecutive layers (one
+        frame, one wake-up of the engine's sender: a job per layer cost it about as much again per layer); a GPU
+        cache's layers, whose copies to the host each have their own `ready`, and a transfer left for a pull go
+        layer by layer."""
+        pushed = self._pushed[spec.transfer_id]
+        todo = [layer for layer in range(len(self._layer_index)) if layer not in pushed]
+        if not todo or spec.peer is None:
+            return
+        peer = spec.peer.offset(self._at.slot)
+        if self._staged or spec.transfer_id in self._left or (not pushed and self.engine.pulls_instead(peer)):
+            for layer in todo:
+                self._push(spec, layer)
+            return
+        try:
+            got = [self.blocks.push_views(spec.transfer_id, layer, spec.block_ids) for layer in todo]
+        except Exception:  # the careful path, which fails this transfer and not the forward pass
+            got = []
+        if len(got) != len(todo) or any(ready is not None for _, ready in got):  # not in place after all
+            for layer in todo:
+                self._push(spec, layer)
+            return
+        views = [layer_views for layer_views, _ in got]
+        pushed.update(todo)
+        self._sending[spec.req_id] = spec.transfer_id
+        self._specs[spec.req_id] = spec
+        deadline = time.monotonic() + self._config.extra.transfer_timeout_s
+        start = 0
+        for end in range(1, len(todo) + 1):
+            if end == len(todo) or todo[end] != todo[end - 1] + 1:
+                self.engine.push_layers(spec.transfer_id, peer, todo[start], len(spec.block_ids), views[start:end],
+                                        deadline)
+                start = end
+
     def wait_for_save(self) -> None:
         # The layers not pushed yet are pushed here (every layer, for host-memory KV a peer on this host reads in
         # place; otherwise those whose hook did not fire this step, none in normal runs), so no transfer is short.
@@ -281,8 +315,7 @@ class WorkerSide:
                 self._sending[spec.req_id] = spec.transfer_id
                 self._offer(spec)
                 continue
-            for layer in range(len(self._layer_index)):
-                self._push(spec, layer)
+            self._push_rest(spec)
         if any(spec.inline and spec.peer is not None for spec in self._meta.saves):
             self.engine.wait_sent(time.monotonic() + self._config.extra.transfer_timeout_s)
 

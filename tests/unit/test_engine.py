@@ -17,7 +17,7 @@ import pytest
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.handshake import client_handshake
 from p2pkv.engine.offers import OfferState
-from p2pkv.engine.sender import OutState
+from p2pkv.engine.sender import OutState, PushJob, _frames
 from p2pkv.engine.store import StageState
 from p2pkv.errors import IncompatiblePeerError
 from p2pkv.params import Address
@@ -106,6 +106,46 @@ def test_a_large_push_lands_exact_bytes_and_shm_copies_it_on_two_threads(transpo
         peer.close()
         receiver.close()
     assert p2pkv_threads() == [], "engine threads outlived close()"
+
+
+def test_jobs_of_several_layers_make_frames_of_consecutive_layers() -> None:
+    """A job of several layers (`push_layers`) goes in one frame, merged with the jobs of the layers right after it;
+    a gap, another transfer or another block count starts a new frame. The views go in layer order."""
+    peer, views = Address("127.0.0.1", 1), [(memoryview(bytes([i])),) for i in range(8)]
+
+    def job(tid: str, layer: int, layers: int = 1, blocks: int = 2) -> PushJob:
+        return PushJob(tid, peer, layer, 8, blocks, tuple(v for vs in views[layer : layer + layers] for v in vs), 0.0,
+                       layers=layers)
+
+    jobs = [job("a", 0, 3), job("a", 3, 2), job("a", 5), job("a", 7), job("b", 7), job("a", 6, blocks=3)]
+    frames = _frames(jobs)
+    assert [(f.transfer_id, f.layer, f.layers, f.num_blocks) for f, _ in frames] == [
+        ("a", 0, 6, 2), ("a", 7, 1, 2), ("b", 7, 1, 2), ("a", 6, 1, 3)]
+    assert [bytes(v)[0] for v in frames[0][1]] == [0, 1, 2, 3, 4, 5]
+    assert [bytes(v)[0] for v in frames[1][1]] == [7]
+
+
+def test_layers_pushed_together_and_alone_land_exact_bytes() -> None:
+    """Layers 0-1 together, 2 alone, 3-5 together: the transfer completes with every layer's bytes."""
+    layers = 6
+    settings = EngineSettings.from_config(engine_config(kv_host="127.0.0.1", transfer_timeout_s=10), 0, 0)
+    receiver = TransferEngine(settings, layout(layers, BLOCK_BYTES))
+    receiver.start()
+    engine = start_engine(layers, BLOCK_BYTES)
+    try:
+        data = payload(11, layers, BLOCKS, BLOCK_BYTES)
+        rows = [(data[layer].data,) for layer in range(layers)]
+        peer, deadline = Address.parse(receiver.address), time.monotonic() + 20
+        engine.push_layers("mixed", peer, 0, BLOCKS, rows[:2], deadline)
+        engine.push_layer("mixed", peer, 2, BLOCKS, rows[2], deadline)
+        engine.push_layers("mixed", peer, 3, BLOCKS, rows[3:], deadline)
+        out = engine.wait_outgoing("mixed", 20)
+        assert out is not None and out.state is OutState.DONE, out
+        assert out.nbytes == layers * BLOCKS * BLOCK_BYTES
+        take_and_check(receiver, "mixed", 11, layers, BLOCKS, BLOCK_BYTES)
+    finally:
+        engine.close()
+        receiver.close()
 
 
 def test_layout_mismatch_is_refused_with_the_difference(receiver: TransferEngine) -> None:

@@ -252,9 +252,17 @@ def test_host_kv_read_in_place_is_pushed_when_the_forward_ends(sides: list[Worke
     push_once(prefill, decode, list(p_kv), "tid7", p_port, d_port, lambda: None)  # the link is up from here on
     d_kv[next(iter(d_kv))].zero_()
     seen: list[bool] = []
+    jobs: list[tuple[str, int]] = []  # (how, layers) of each call that queued layers of tid8
+    one, many = prefill.engine.push_layer, prefill.engine.push_layers
+    monkeypatch.setattr(prefill.engine, "push_layer", lambda tid, *a, **k: (
+        jobs.append(("push_layer", 1)), one(tid, *a, **k))[1])
+    monkeypatch.setattr(prefill.engine, "push_layers", lambda tid, peer, first, blocks, views, deadline: (
+        jobs.append(("push_layers", len(views))), many(tid, peer, first, blocks, views, deadline))[1])
     push_once(prefill, decode, list(p_kv), "tid8", p_port, d_port,
               lambda: seen.append(prefill.engine.outgoing("tid8") is not None))
     assert seen == [case != "host-cache-shm"]
+    # Read in place: the whole transfer queued as one job (one frame, one wake-up of the sender); else layer by layer.
+    assert jobs == ([("push_layers", len(p_kv))] if case == "host-cache-shm" else [("push_layer", 1)] * len(p_kv))
     assert prefill.engine.peer_reads_in_place(Address("127.0.0.1", d_port)) == (case != "host-cache-tcp")
     for name in d_kv:
         assert torch.equal(d_kv[name][[4, 0]], p_kv[name][[1, 3]])
