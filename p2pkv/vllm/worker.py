@@ -271,9 +271,9 @@ class WorkerSide:
 
     def _push_rest(self, spec: SaveSpec) -> None:
         """The layers of `spec` not pushed yet. KV in host memory goes as one job per run of consecutive layers (one
-        frame, one wake-up of the engine's sender: a job per layer cost it about as much again per layer); a GPU
-        cache's layers, whose copies to the host each have their own `ready`, and a transfer left for a pull go
-        layer by layer."""
+        frame and one wake-up of the engine's sender; queueing 32 layers took this thread 17 us, against 35 us a job
+        per layer, on the 2-core CI machine); a GPU cache's layers, whose copies to the host each have their own
+        `ready`, and a transfer left for a pull go layer by layer."""
         pushed = self._pushed[spec.transfer_id]
         todo = [layer for layer in range(len(self._layer_index)) if layer not in pushed]
         if not todo or spec.peer is None:
