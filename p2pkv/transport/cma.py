@@ -12,7 +12,7 @@ import array
 import ctypes
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -23,10 +23,6 @@ _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 
 
-class _IoVec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
@@ -35,8 +31,9 @@ def _libc() -> ctypes.CDLL | None:
         fn = libc.process_vm_readv
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                   ctypes.c_ulong]
+    # The iovec arrays are passed as addresses: built as `array.array("Q")` of (base, length) pairs, they cost a
+    # fraction of ctypes structures (about 1 against 6 us for a few ranges).
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
     fn.restype = ctypes.c_ssize_t
     return libc
 
@@ -44,18 +41,21 @@ def _libc() -> ctypes.CDLL | None:
 _LIBC = _libc()
 
 
-def _flat_readv() -> Callable[..., int] | None:
-    """process_vm_readv taking the iovec arrays as addresses: built as `array.array("Q")` of (base, length)
-    pairs, they cost a fraction of ctypes structures (about 1 against 6 us for a few ranges)."""
-    if _LIBC is None:
-        return None
-    fn = _LIBC["process_vm_readv"]  # a function object of its own: `_LIBC.process_vm_readv` keeps its argtypes
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
-    fn.restype = ctypes.c_ssize_t
-    return fn
+def _iovecs(ranges: Sequence[tuple[int, int]]) -> array.array[int]:
+    """(address, length) pairs as the kernel's iovec array; a TransferError for a range it cannot hold."""
+    try:
+        return array.array("Q", [x for r in ranges for x in r])
+    except OverflowError:
+        raise TransferError(f"a memory range is negative or too large: {list(ranges)[:4]}") from None
 
 
-_READV = _flat_readv()
+def _readv(pid: int, local: array.array[int], remote: array.array[int]) -> int:
+    """Bytes read (negative on an error, in errno); callers have checked that the call exists."""
+    assert _LIBC is not None
+    return int(_LIBC.process_vm_readv(pid, local.buffer_info()[0], len(local) // 2, remote.buffer_info()[0],
+                                      len(remote) // 2, 0))
+
+
 _TOKEN = ctypes.create_string_buffer(os.urandom(16), 16)
 
 
@@ -103,9 +103,7 @@ def read_remote(pid: int, local: memoryview, remote: Sequence[tuple[int, int]]) 
     while pending:
         batch, pending = pending[:IOV_MAX], pending[IOV_MAX:]
         want = sum(n for _, n in batch)
-        local_iov = _IoVec(dest, want)
-        remote_iov = (_IoVec * len(batch))(*(_IoVec(a, n) for a, n in batch))
-        got = _LIBC.process_vm_readv(pid, ctypes.byref(local_iov), 1, remote_iov, len(batch), 0)
+        got = _readv(pid, _iovecs([(dest, want)]), _iovecs(batch))
         if got < 0:
             err = ctypes.get_errno()
             raise TransferError(f"reading {want} bytes from process {pid} failed: {os.strerror(err)}")
@@ -127,21 +125,17 @@ def read_remote(pid: int, local: memoryview, remote: Sequence[tuple[int, int]]) 
 def read_remote_scattered(pid: int, local: Sequence[memoryview], remote: Sequence[tuple[int, int]]) -> None:
     """Fill the `local` buffers in turn from the peer's ranges, with one system call where the kernel's iovec
     limit allows (and the peer's memory reads whole); otherwise buffer by buffer."""
-    if _READV is None:
+    if _LIBC is None:
         raise TransferError("cross-memory attach is not available on this platform")
     views = [v for v in local if v.nbytes]
     ranges = [r for r in remote if r[1]]
-    local_iov = array.array("Q", [x for view in views for x in (address_of(view), view.nbytes)])
-    try:
-        remote_iov = array.array("Q", [x for r in ranges for x in r])
-    except OverflowError:
-        raise TransferError(f"a range of process {pid} memory is negative or too large: {ranges}") from None
+    local_iov = _iovecs([(address_of(view), view.nbytes) for view in views])
+    remote_iov = _iovecs(ranges)
     want = sum(local_iov[1::2])
     if sum(remote_iov[1::2]) != want:
         raise TransferError(f"remote ranges hold {sum(remote_iov[1::2])} bytes, the buffers {want}")
-    if len(views) <= IOV_MAX and len(ranges) <= IOV_MAX:
-        if _READV(pid, local_iov.buffer_info()[0], len(views), remote_iov.buffer_info()[0], len(ranges), 0) == want:
-            return
+    if len(views) <= IOV_MAX and len(ranges) <= IOV_MAX and _readv(pid, local_iov, remote_iov) == want:
+        return
     for view in views:  # too many pieces, or a partial read: the careful path, one buffer at a time
         take, ranges = split_ranges(ranges, view.nbytes)
         read_remote(pid, view, take)
