@@ -38,7 +38,7 @@ from p2pkv.proxy.prefill import MESSAGES, RESPONSES, Prefiller, prefill_body, wh
 from p2pkv.proxy.registry import InstanceState, Policy, Pool, static_pool
 from p2pkv.proxy.resume import Progress, resumable, with_token_ids
 from p2pkv.proxy.trace import RequestTrace
-from p2pkv.proxy.transport import SturdyTransport
+from p2pkv.proxy.transport import upstream_client
 from p2pkv.proxy.upstream import Decoder, Relay, RelayResponse, Resume, error_response
 
 log = logging.getLogger(__name__)
@@ -362,9 +362,7 @@ class Router:
 def create_app(config: ProxyConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        async with httpx.AsyncClient(timeout=timeout, transport=SturdyTransport(limits=limits)) as client:
+        async with upstream_client(config.request_timeout_s, config.connect_timeout_s) as client:
             router = Router(config, client, ProxyMetrics())
             app.state.router = router
             task: asyncio.Task[None] | None = None
