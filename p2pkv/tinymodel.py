@@ -7,6 +7,7 @@ The weights are random but seeded, so every machine writes identical files; the 
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,3 +184,12 @@ def write_tiny_eagle(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec())
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / MODEL_MARKER).write_text(spec_json)
     return out
+
+
+def tiny_prompt(tag: str, length: int) -> str:
+    """A prompt of exactly `length` tokens for the tiny model (one token per byte), unique to `tag` and the same on
+    every machine: tests and measurements that must not share a cached prefix give each request its own tag."""
+    rng = random.Random(tag)
+    words = " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+                     for _ in range(length))
+    return (f"[{tag}] " + words)[:length]

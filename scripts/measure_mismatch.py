@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import time
 
 import httpx
 
-
-def prompt(tag: str, length: int) -> str:
-    rng = random.Random(tag)
-    words = " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
-                     for _ in range(length))
-    return (f"[{tag}] " + words)[:length]
+from p2pkv.tinymodel import tiny_prompt
 
 
 def finished(address: str) -> float:
@@ -54,7 +48,7 @@ def main() -> None:
         prefill = next(i for i in info["instances"] if i["role"] == "kv_producer")
         before, times = finished(prefill["http"]), []
         for i in range(n):
-            body = {"model": info["model"], "prompt": prompt(f"{label}-{i}", length), "max_tokens": 16,
+            body = {"model": info["model"], "prompt": tiny_prompt(f"{label}-{i}", length), "max_tokens": 16,
                     "temperature": 0, "ignore_eos": True}
             started = time.perf_counter()
             reply = httpx.post(f"{info['proxy']}/v1/completions", json=body, timeout=120)

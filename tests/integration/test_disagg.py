@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ import pytest
 
 from p2pkv.params import Address, DecodeParams, DiscardParams, PrefillParams, parse_transfer_params
 from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, TRANSFER_HEADER
-from p2pkv.tinymodel import TinyModelSpec, write_tiny_model
+from p2pkv.tinymodel import TinyModelSpec, tiny_prompt, write_tiny_model
 from tests.integration.conftest import (
     BLOCK_SIZE,
     TRANSFER_TIMEOUT_S,
@@ -34,12 +33,7 @@ MAX_TOKENS = 16
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def prompt(tag: str, length: int) -> str:
-    """A unique prompt of exactly `length` tokens (the tiny model's tokenizer is one token per byte)."""
-    rng = random.Random(tag)
-    words = " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
-                     for _ in range(length))
-    return (f"[{tag}] " + words)[:length]
+prompt = tiny_prompt  # the name every integration test imports
 
 
 def greedy(base: str, model: str, text: str) -> dict[str, Any]:
