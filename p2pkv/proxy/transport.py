@@ -26,9 +26,10 @@ _BODY_HEADERS = frozenset({"content-length", "transfer-encoding"})
 def upstream_client(request_timeout_s: float, connect_timeout_s: float,
                     max_connections: int = 1024) -> httpx.AsyncClient:
     """The proxy's client for its instances. It keeps no cookies: one an instance set would otherwise go back to
-    it with every later request, whichever client made it (the client's own cookies are forwarded per request)."""
+    it with every later request, whichever client made it (the client's own cookies are forwarded per request).
+    Nothing comes from the environment (`HTTP_PROXY` and the like, `.netrc`): instances are reached directly."""
     return httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
-                             transport=UpstreamTransport(max_connections),
+                             transport=UpstreamTransport(max_connections), trust_env=False,
                              cookies=CookieJar(DefaultCookiePolicy(allowed_domains=[])))
 
 

@@ -123,6 +123,19 @@ def test_requests_and_answers_pass_through_unchanged() -> None:
     assert b"session=1" not in again.content  # a backend's cookie is not sent back on the next request
 
 
+def test_instances_are_reached_directly_whatever_the_environment_names_as_proxy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        nowhere = taken.getsockname()[1]
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{nowhere}")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    with serve(echo_app()) as backend:
+        answer = run_client(lambda client: client.get(f"http://{backend}/direct"))
+    assert answer.status_code == 201 and answer.content.startswith(b"GET /direct?")
+
+
 def test_a_refused_connection_is_a_connect_error() -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
