@@ -2,14 +2,14 @@
 connection pool and HTTP/1.1 parser.
 
 Why: httpx's own transport (httpcore on anyio) cost about 0.75 ms of CPU per call against 0.22 ms for aiohttp, on
-this project's stub backends (one process, uvloop, sequential POSTs), and the proxy makes two calls per request:
-most of the proxy's added latency. The rest of the proxy keeps httpx's types, so the choice stays in this module.
+this project's stub backends (one process, uvloop, sequential POSTs), and the proxy makes two calls per request
+(docs/benchmarks.md, thirtieth session). The rest of the proxy keeps httpx's types: the choice stays in this module.
 
 Failures come out as httpx's exceptions, which the proxy's routing tells apart: a connection that could not be
-made (refused, or the socket failing before any answer: an instance killed under load) is `httpx.ConnectError`,
-that instance failing; a connect or read deadline passed is a `httpx.TimeoutException`; a peer that closed the
-connection early or spoke broken HTTP is `httpx.RemoteProtocolError`; other faults of the socket are
-`httpx.ReadError`. Bodies are passed through as they came (no decompression here: httpx decodes)."""
+made (refused, reset as it was set up: an instance killed under load) is `httpx.ConnectError`, that instance
+failing; a connect or read deadline passed is a `httpx.TimeoutException`; a peer that closed the connection early
+or spoke broken HTTP is `httpx.RemoteProtocolError`; other faults of the socket are `httpx.ReadError`. Bodies are
+passed through as they came (no decompression here: httpx decodes)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             resp = await self._get_session().request(request.method, str(request.url), data=body or None,
                                                      headers=headers, allow_redirects=False, timeout=timeout)
         except (aiohttp.ClientError, OSError) as exc:
-            raise _as_httpx(exc, request, connecting=True) from exc
+            raise _as_httpx(exc, request) from exc
         return httpx.Response(resp.status, headers=resp.raw_headers, stream=_Body(resp, request), request=request,
                               extensions={"http_version": b"HTTP/1.1", "reason_phrase": (resp.reason or "").encode()})
 
@@ -82,14 +82,16 @@ class _Body(httpx.AsyncByteStream):
             async for chunk in self._resp.content.iter_any():
                 yield chunk
         except (aiohttp.ClientError, OSError) as exc:
-            raise _as_httpx(exc, self._request, connecting=False) from exc
+            raise _as_httpx(exc, self._request) from exc
 
     async def aclose(self) -> None:
         self._resp.release()  # back to the pool if the body was read to its end; closed otherwise
 
 
-def _as_httpx(exc: aiohttp.ClientError | OSError, request: httpx.Request, connecting: bool) -> httpx.TransportError:
-    """httpx's exception for a failure of aiohttp, or of the socket under it (`connecting`: before any answer)."""
+def _as_httpx(exc: aiohttp.ClientError | OSError, request: httpx.Request) -> httpx.TransportError:
+    """httpx's exception for a failure of aiohttp, or of the socket under it. Only a connection that could not be
+    made is a connect error (the instance is shunned, a decode request not sent again); a connection reset or closed
+    after it was made, as a pooled one its server closed as the request went out, is not."""
     message = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return httpx.ConnectTimeout(message, request=request)
@@ -99,6 +101,4 @@ def _as_httpx(exc: aiohttp.ClientError | OSError, request: httpx.Request, connec
         return httpx.ConnectError(message, request=request)
     if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)):
         return httpx.RemoteProtocolError(message, request=request)
-    if connecting and isinstance(exc, OSError):  # the socket failed before any answer: as a refused connection
-        return httpx.ConnectError(message, request=request)
     return httpx.ReadError(message, request=request)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -504,8 +505,10 @@ class DropsFirstRequest:
     ANSWER = {"choices": [{"text": "abc"}]}
     PROBE = {"choices": [{"text": ""}], "kv_transfer_params": {"p2pkv": 1, "kv_port": 23456, "kv_host": ""}}
 
-    def __init__(self, after_headers: bool = False) -> None:
+    def __init__(self, after_headers: bool = False, reset: bool = False) -> None:
+        """`reset`: the first request's connection is reset (RST), not closed."""
         self.after_headers = after_headers
+        self.reset = reset
         self.server = socket.create_server(("127.0.0.1", 0))
         self.server.settimeout(0.2)
         self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
@@ -548,7 +551,9 @@ class DropsFirstRequest:
                         if self.after_headers:
                             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                                          b"Transfer-Encoding: chunked\r\n\r\n")
-                        continue  # closed without an answer (or any event)
+                        if self.reset:
+                            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        continue  # closed (or reset) without an answer (or any event)
                 reply = self.ANSWER if body and not probe else self.PROBE if probe else {"data": [{"id": "tiny"}]}
                 answer = json.dumps(reply).encode()
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
@@ -560,9 +565,10 @@ class DropsFirstRequest:
         self.server.close()
 
 
-def test_a_decode_connection_broken_before_any_answer_is_sent_once_more(backends: Any) -> None:
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_decode_connection_broken_before_any_answer_is_sent_once_more(backends: Any, reset: bool) -> None:
     p, _, _, _ = backends
-    decode = DropsFirstRequest()
+    decode = DropsFirstRequest(reset=reset)
     try:
         with serve(proxy_for(p, decode.address)) as proxy:
             resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x"}, timeout=30)

@@ -143,9 +143,14 @@ def test_a_refused_connection_is_a_connect_error() -> None:
         run_client(lambda client: client.get(f"http://127.0.0.1:{port}/"))
 
 
+def reset_while_connecting(req: Any) -> aiohttp.ClientConnectorError:
+    """What aiohttp raises for a connection reset as it was set up (an instance killed under load)."""
+    return aiohttp.ClientConnectorError(req.connection_key, ConnectionResetError(104, "connection reset by peer"))
+
+
 def test_a_socket_fault_while_connecting_is_a_connect_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def dies_while_connecting(connector: aiohttp.TCPConnector, *args: Any, **kwargs: Any) -> Any:
-        raise ConnectionResetError("connection reset by peer")
+    async def dies_while_connecting(connector: aiohttp.TCPConnector, req: Any, *args: Any, **kwargs: Any) -> Any:
+        raise reset_while_connecting(req)
 
     monkeypatch.setattr(aiohttp.TCPConnector, "connect", dies_while_connecting)
     with serve(echo_app()) as backend, pytest.raises(httpx.ConnectError):
@@ -211,7 +216,7 @@ def test_a_socket_fault_while_connecting_to_a_prefill_instance_is_that_instance_
 
     async def dies_while_connecting(connector: aiohttp.TCPConnector, req: Any, *args: Any, **kwargs: Any) -> Any:
         if req.url.port == port:  # a socket that failed as it was set up: the instance was killed under load
-            raise ConnectionResetError("connection reset by peer")
+            raise reset_while_connecting(req)
         return await real(connector, req, *args, **kwargs)
 
     monkeypatch.setattr(aiohttp.TCPConnector, "connect", dies_while_connecting)
