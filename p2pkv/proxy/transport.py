@@ -18,6 +18,7 @@ from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 import aiohttp
 import httpx
+from yarl import URL
 
 # Headers aiohttp sets itself from the body it is given (the proxy's request bodies are always whole bytes).
 _BODY_HEADERS = frozenset({"content-length", "transfer-encoding"})
@@ -57,7 +58,8 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in _BODY_HEADERS]
         body = await request.aread()
         try:
-            resp = await self._get_session().request(request.method, str(request.url), data=body or None,
+            resp = await self._get_session().request(request.method, URL(str(request.url), encoded=True),
+                                                     data=body or None,
                                                      headers=headers, allow_redirects=False, timeout=timeout)
         except (aiohttp.ClientError, OSError) as exc:
             raise _as_httpx(exc, request) from exc

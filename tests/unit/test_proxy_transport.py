@@ -71,7 +71,7 @@ def read_request(conn: socket.socket) -> bytes:
 
 
 def echo_app() -> Any:
-    """An ASGI app answering with what it was sent (method, path, query, headers, body; the client's port in a
+    """An ASGI app answering with what it was sent (method, raw path, query, headers, body; the client's port in a
     header), a gzip'd body at /gzip, and a long body at /long."""
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -91,7 +91,7 @@ def echo_app() -> Any:
             payload, headers = b"x" * (4 << 20), []
         else:
             seen = b"\n".join(k + b": " + v for k, v in scope["headers"])
-            payload = b"%s %s?%s\n%s\n\n%s" % (scope["method"].encode(), scope["path"].encode(),
+            payload = b"%s %s?%s\n%s\n\n%s" % (scope["method"].encode(), scope["raw_path"],
                                                 scope["query_string"], seen, body)
             headers = [(b"x-client-port", str(scope["client"][1]).encode())]
             headers += [(b"x-twice", b"one"), (b"x-twice", b"two"), (b"set-cookie", b"session=1")]
@@ -104,7 +104,8 @@ def echo_app() -> Any:
 def test_requests_and_answers_pass_through_unchanged() -> None:
     with serve(echo_app()) as backend:
         async def use(client: httpx.AsyncClient) -> tuple[httpx.Response, httpx.Response, httpx.Response]:
-            echoed = await client.post(f"http://{backend}/v1/x", params={"a": "1"}, content=b"\x00body\xff",
+            echoed = await client.post(f"http://{backend}/v1/x%2Fy", params={"a": "1", "q": "a+b/c%d é"},
+                                       content=b"\x00body\xff",
                                        headers=[("x-one", "1"), ("x-many", "a"), ("x-many", "b")])
             squeezed = await client.get(f"http://{backend}/gzip")
             again = await client.post(f"http://{backend}/v1/x", json={"k": "v"})
@@ -114,7 +115,8 @@ def test_requests_and_answers_pass_through_unchanged() -> None:
     assert echoed.status_code == 201
     head, _, body = echoed.content.partition(b"\n\n")
     assert body == b"\x00body\xff"
-    assert head.startswith(b"POST /v1/x?a=1\n")
+    assert head.startswith(b"POST /v1/x%2Fy?" + echoed.request.url.query + b"\n")  # as httpx encoded it
+    assert echoed.request.url.query == b"a=1&q=a%2Bb%2Fc%25d+%C3%A9"
     assert b"x-one: 1" in head and b"x-many: a" in head and b"x-many: b" in head
     assert b"content-length: 6" in head and b"transfer-encoding" not in head
     assert echoed.headers.get_list("x-twice") == ["one", "two"]
