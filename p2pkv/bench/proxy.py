@@ -1,5 +1,6 @@
 """`p2pkv bench proxy`: the proxy against stub backends on this host, next to calling the backends directly in
-the same run. Latency is measured one request at a time; throughput at a fixed concurrency."""
+the same run. Latency is measured one request at a time; throughput at a fixed concurrency. Every path is called
+with the client the proxy calls its instances with (`p2pkv.proxy.transport.upstream_client`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from p2pkv.cli.cluster import Cluster, Process, free_ports
+from p2pkv.proxy.transport import upstream_client
 
 BODY = {"model": "stub", "prompt": "hello", "max_tokens": 4}
 
@@ -28,7 +30,8 @@ class Figures:
 
 async def _measure(call: Callable[[httpx.AsyncClient], Awaitable[None]], requests: int,
                    concurrency: int) -> Figures:
-    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=concurrency * 2)) as client:
+    # The proxy's own client: the two calls made by hand cost the caller what they cost the proxy.
+    async with upstream_client(30, 30, max_connections=concurrency * 2) as client:
         for _ in range(50):
             await call(client)
         latencies = []
