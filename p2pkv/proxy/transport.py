@@ -58,9 +58,10 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in _BODY_HEADERS]
         body = await request.aread()
         try:
+            # The URL as httpx encoded it (`encoded`: yarl does not quote it again).
             resp = await self._get_session().request(request.method, URL(str(request.url), encoded=True),
-                                                     data=body or None,
-                                                     headers=headers, allow_redirects=False, timeout=timeout)
+                                                     data=body or None, headers=headers, allow_redirects=False,
+                                                     timeout=timeout)
         except (aiohttp.ClientError, OSError) as exc:
             raise _as_httpx(exc, request) from exc
         return httpx.Response(resp.status, headers=resp.raw_headers, stream=_Body(resp, request), request=request,

@@ -34,8 +34,8 @@ def run_client(use: Callable[[httpx.AsyncClient], Awaitable[T]], read_timeout_s:
 
 @contextmanager
 def raw_server(answer: Callable[[socket.socket], None]) -> Iterator[str]:
-    """A loopback TCP server that hands each connection to `answer` (on its own thread), for faults no HTTP server
-    makes on purpose."""
+    """A loopback TCP server that hands its connections in turn to `answer`, on the server's one thread, for faults
+    no HTTP server makes on purpose."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.2)
     stop = threading.Event()
@@ -60,6 +60,7 @@ def raw_server(answer: Callable[[socket.socket], None]) -> Iterator[str]:
 
 
 def read_request(conn: socket.socket) -> bytes:
+    """A request's head (what came up to its blank line), read within 5 s."""
     conn.settimeout(5)
     data = b""
     while b"\r\n\r\n" not in data:
