@@ -246,6 +246,13 @@ class WorkerSide:
                 return peer, reason
         return None
 
+    def _claim(self, spec: SaveSpec, layers: Iterable[int]) -> float:
+        """Note `layers` of `spec` as pushed and its request as sending; the deadline of the pushes."""
+        self._pushed[spec.transfer_id].update(layers)
+        self._sending[spec.req_id] = spec.transfer_id
+        self._specs[spec.req_id] = spec
+        return time.monotonic() + self._config.extra.transfer_timeout_s
+
     def _push(self, spec: SaveSpec, layer: int) -> None:
         if spec.peer is None:
             return
@@ -255,10 +262,7 @@ class WorkerSide:
         peer = spec.peer.offset(self._at.slot)
         if not pushed and self.engine.pulls_instead(peer):
             self._left.add(spec.transfer_id)  # decided once per transfer, at its first layer
-        pushed.add(layer)
-        self._sending[spec.req_id] = spec.transfer_id
-        self._specs[spec.req_id] = spec
-        deadline = time.monotonic() + self._config.extra.transfer_timeout_s
+        deadline = self._claim(spec, (layer,))
         if spec.transfer_id in self._left:  # the peer pulls over a device path: no copy to the host, no bytes
             self.engine.push_layer(spec.transfer_id, peer, layer, len(spec.block_ids), (), deadline, None, True)
             return
@@ -292,10 +296,7 @@ class WorkerSide:
                 self._push(spec, layer)
             return
         views = [layer_views for layer_views, _ in got]
-        pushed.update(todo)
-        self._sending[spec.req_id] = spec.transfer_id
-        self._specs[spec.req_id] = spec
-        deadline = time.monotonic() + self._config.extra.transfer_timeout_s
+        deadline = self._claim(spec, todo)
         start = 0
         for end in range(1, len(todo) + 1):
             if end == len(todo) or todo[end] != todo[end - 1] + 1:
