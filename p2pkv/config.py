@@ -75,6 +75,7 @@ class ExtraConfig:
     auth_secret: str = ""
     max_frame_bytes: int = 1 << 20
     integrity_check: bool = False
+    weights_check: bool = True
     huge_pages: bool = True
     test_fault_injection: bool = False
 
@@ -193,6 +194,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "auth_secret": _as_str("auth_secret"),
     "max_frame_bytes": _as_int("max_frame_bytes", 1024, 1 << 30),
     "integrity_check": _as_bool("integrity_check"),
+    "weights_check": _as_bool("weights_check"),
     "huge_pages": _as_bool("huge_pages"),
     "test_fault_injection": _as_bool("test_fault_injection"),
 }

@@ -92,8 +92,15 @@ class LayoutDigest(msgspec.Struct, frozen=True):
         if not self.model or not other.model or self.model == other.model:
             return []
         ours, theirs = _factors(self.model), _factors(other.model)
+        keys = ours.keys() | theirs.keys()
+        # A factor only one side could tell (its weight files were not found, or it runs without the check) is
+        # not known to differ.
+        keys -= {key for key in _IF_BOTH_KNOW if key not in ours or key not in theirs}
         return [f"model.{key}: ours {ours.get(key, 'unset')}, peer {theirs.get(key, 'unset')}"
-                for key in sorted(ours.keys() | theirs.keys()) if ours.get(key) != theirs.get(key)]
+                for key in sorted(keys) if ours.get(key) != theirs.get(key)]
+
+
+_IF_BOTH_KNOW = frozenset({"weights"})  # `p2pkv.weights`: compared only when both sides have it
 
 
 def _factors(text: str) -> dict[str, str]:

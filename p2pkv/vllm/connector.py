@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +13,7 @@ from p2pkv.discovery.heartbeat import HeartbeatSender, sender_for
 from p2pkv.engine.metrics import StepStats
 from p2pkv.stages import StageLayers
 from p2pkv.vllm.metadata import P2pkvMetadata
-from p2pkv.vllm.model_factors import model_factors
+from p2pkv.vllm.model_factors import model_factors, weights_factor
 from p2pkv.vllm.refusals import InstanceRefusals, RefusalNotes
 from p2pkv.vllm.scheduler import SchedulerSide
 from p2pkv.vllm.stats import P2pkvPromMetrics, P2pkvStats
@@ -123,7 +124,9 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tp_rank, pp_rank = _ranks()
             total_layers, stage_layers = _stage_layers(vllm_config)
             self._worker = WorkerSide(self.config, tp_rank, block_size, tp_size, _total_kv_heads(vllm_config),
-                                      pp_rank, pp_size, total_layers, stage_layers, model_factors(vllm_config))
+                                      pp_rank, pp_size, total_layers, stage_layers, model_factors(vllm_config),
+                                      functools.partial(weights_factor, vllm_config)
+                                      if self.config.extra.weights_check else None)
 
     @property
     def scheduler(self) -> SchedulerSide:

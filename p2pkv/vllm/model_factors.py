@@ -2,15 +2,25 @@
 (`LayoutDigest.model`): two instances whose blocks have the same shape but were computed with another positional
 encoding (RoPE base or scaling, say through `--hf-overrides`), another architecture, sliding window or weight
 quantization would exchange KV the decode side would not have computed itself, and answer wrongly without an error.
-Peers compare these factors at their hello and refuse each other, naming the factor, as for any layout difference."""
+Peers compare these factors at their hello and refuse each other, naming the factor, as for any layout difference.
+The weights themselves are one more factor, `weights` (`p2pkv.weights`), read from the model's files once they are
+loaded."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from p2pkv.weights import fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+log = logging.getLogger(__name__)
 
 # Keys of the model's (text) config that shape the KV's values; each named in a refusal as `model.<key>`.
 _CONFIG_KEYS = ("hidden_size", "num_attention_heads", "head_dim", "rope_parameters", "rope_theta", "rope_scaling",
@@ -35,3 +45,29 @@ def model_factors(vllm_config: VllmConfig) -> str:
         if value is not None and not (key == "rope_scaling" and _text(value) == factors.get("rope_parameters")):
             factors[key] = _text(value)
     return ";".join(f"{k}={v}" for k, v in sorted(factors.items()))
+
+
+def weights_factor(vllm_config: VllmConfig) -> str:
+    """`weights=<fingerprint>` of the files the model was loaded from: its directory, or its snapshot in the
+    Hugging Face cache (looked up without the network); "" where neither holds weight files (another loader, say):
+    not known, and not compared with a peer's."""
+    model = vllm_config.model_config
+    started = time.monotonic()
+    directory = _weights_directory(str(model.model), getattr(model, "revision", None),
+                                   getattr(getattr(vllm_config, "load_config", None), "download_dir", None))
+    found = fingerprint(directory) if directory is not None else ""
+    log.info("weights of %s: %s (%.2f s)", model.model, f"fingerprint {found}" if found
+             else "no weight files found, not compared with peers", time.monotonic() - started)
+    return f"weights={found}" if found else ""
+
+
+def _weights_directory(name: str, revision: str | None, cache_dir: str | None) -> Path | None:
+    if os.path.isdir(name):
+        return Path(name)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, revision=revision, cache_dir=cache_dir, local_files_only=True))
+    except Exception as exc:  # not a hub model, or not in the cache: the loader took its weights elsewhere
+        log.debug("no local snapshot of %s: %r", name, exc)
+        return None

@@ -69,17 +69,20 @@ def _pullers(spec: SaveSpec) -> tuple[Address, ...]:
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, rank: int, block_size: int, tp_size: int = 1,
                  total_heads: int = 0, pp_rank: int = 0, pp_size: int = 1, total_layers: int = 0,
-                 stage_layers: StageLayers | None = None, model: str = "") -> None:
+                 stage_layers: StageLayers | None = None, model: str = "",
+                 weights: Callable[[], str] | None = None) -> None:
         """`rank`: the tensor-parallel rank; `pp_rank`: the pipeline stage, whose ranks come after the earlier
         stages' (the worker binds `kv_port + pp_rank * tp_size + rank`, as vLLM numbers its workers).
         `total_layers` and `stage_layers` (which layers a stage holds): how the model's layers split over stages,
         for prefill instances of another pipeline-parallel size (not known: such loads fail). `model`: what the
-        KV's values depend on beyond its shape (`p2pkv.vllm.model_factors`), compared with each peer's."""
+        KV's values depend on beyond its shape (`p2pkv.vllm.model_factors`), compared with each peer's; `weights`
+        adds the weights' factor to it when the cache is registered (the model is loaded by then)."""
         self._config = config
         self._at = Placement(rank, tp_size, pp_rank, pp_size, total_heads, range(0), total_layers, stage_layers)
         self._refusals = RefusalReporter(self._at.slot)
         self._block_size = block_size
         self._model = model
+        self._weights = weights
         self._engine: TransferEngine | None = None
         self._blocks: BlockAccess | None = None
         self._slices = HeadSlices()
@@ -134,8 +137,9 @@ class WorkerSide:
         self._at = replace(self._at, layers=held, total_layers=self._at.total_layers if in_order else 0)
         metrics_port = extra.metrics_port + self._at.slot if extra.metrics_port else 0
         settings = EngineSettings.from_config(extra, self._config.worker_port(self._at.slot), metrics_port)
+        factors = ";".join(f for f in (self._model, self._weights() if self._weights else "") if f)
         digest = msgspec.structs.replace(self._blocks.digest, first_layer=first, total_layers=self._at.total_layers,
-                                         model=self._model)
+                                         model=factors)
         self._engine = TransferEngine(settings, digest, self._at.slot, access, pipes)
         self._engine.metrics.intervals = True  # vLLM takes them every step (take_stats)
         if device is not None:

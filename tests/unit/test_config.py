@@ -33,6 +33,11 @@ def test_legacy_keys_parse_with_their_old_spellings() -> None:
     assert config.kv_buffer_size == 5e8
 
 
+def test_weights_are_compared_with_peers_unless_turned_off() -> None:
+    assert parse_extra_config({}).weights_check is True
+    assert parse_extra_config({"weights_check": False}).weights_check is False
+
+
 def test_unknown_key_names_the_key_and_the_accepted_ones() -> None:
     with pytest.raises(ConfigError, match=r"unknown .*'kv_bufer_size'.*accepted keys: .*kv_buffer_size"):
         parse_extra_config({"kv_bufer_size": 1})
@@ -49,6 +54,7 @@ def test_unknown_key_names_the_key_and_the_accepted_ones() -> None:
         ("proxy_port", 70000, r"proxy_port: expected an integer in \[0, 65535\]"),
         ("transfer_timeout_s", -1, r"transfer_timeout_s: expected a number"),
         ("test_fault_injection", "maybe", r"test_fault_injection: expected true or false"),
+        ("weights_check", "sometimes", r"weights_check: expected true or false"),
         ("proxy_ip", 5, r"proxy_ip: expected a string"),
     ],
 )

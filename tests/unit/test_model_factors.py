@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from p2pkv.vllm.model_factors import model_factors
+import pytest
+
+from p2pkv.tinymodel import write_tiny_model
+from p2pkv.vllm.model_factors import model_factors, weights_factor
+from p2pkv.weights import fingerprint
 
 
 def config(quantization: str | None = None, **text: Any) -> Any:
@@ -34,3 +39,29 @@ def test_rope_scaling_that_only_repeats_rope_parameters_is_named_once() -> None:
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     assert "rope_scaling" not in model_factors(config(rope_scaling=rope))
     assert 'rope_scaling={"factor":4.0}' in model_factors(config(rope_scaling={"factor": 4.0}))
+
+
+def test_the_weights_factor_is_the_fingerprint_of_the_files_the_model_was_loaded_from(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = write_tiny_model(tmp_path / "tiny")
+    loaded = SimpleNamespace(model_config=SimpleNamespace(model=str(model), revision=None),
+                             load_config=SimpleNamespace(download_dir=None))
+    assert weights_factor(loaded) == f"weights={fingerprint(model)}"
+    # A name that is neither a directory nor a model in the (empty) Hugging Face cache: not known.
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    elsewhere = SimpleNamespace(model_config=SimpleNamespace(model="someone/some-model", revision=None),
+                                load_config=SimpleNamespace(download_dir=None))
+    assert weights_factor(elsewhere) == ""
+
+
+def test_a_model_in_the_hugging_face_cache_is_found_there(tmp_path: Path) -> None:
+    """The cache's layout: `models--OWNER--NAME/snapshots/<commit>/`, named by `refs/main`."""
+    repo = tmp_path / "hub" / "models--someone--some-model"
+    snapshot = repo / "snapshots" / ("c0ffee" * 6 + "c0ff")
+    write_tiny_model(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snapshot.name)
+    cached = SimpleNamespace(model_config=SimpleNamespace(model="someone/some-model", revision=None),
+                             load_config=SimpleNamespace(download_dir=str(tmp_path / "hub")))
+    assert weights_factor(cached) == f"weights={fingerprint(snapshot)}"

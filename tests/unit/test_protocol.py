@@ -126,6 +126,13 @@ def test_layouts_of_the_same_shape_computed_another_way_differ_by_each_model_fac
     assert ours.differences(msgspec.structs.replace(ours)) == []
     # A peer that does not say (an older p2pkv, or a digest made without vLLM's config) is not compared.
     assert ours.differences(LAYOUT) == [] and LAYOUT.differences(ours) == []
+    # The weights' fingerprint differs as any factor does, but only where both sides know it (`p2pkv.weights`).
+    weighed = msgspec.structs.replace(ours, model=ours.model + ";weights=0123456789abcdef")
+    other_weights = msgspec.structs.replace(ours, model=ours.model + ";weights=fedcba9876543210")
+    assert weighed.differences(other_weights) == ["model.weights: ours 0123456789abcdef, peer fedcba9876543210"]
+    assert weighed.differences(ours) == [] and ours.differences(weighed) == []
+    assert weighed.differences(theirs)[0] == "model.quantization: ours none, peer fp8"
+    assert "model.weights" not in " ".join(weighed.differences(theirs))
     # It travels in the hello.
     hello = Hello("e", 0, ours)
     prefix_raw, body = _split(encode_frame(hello, 0, b""))
