@@ -50,11 +50,13 @@ def model_factors(vllm_config: VllmConfig) -> str:
 def weights_factor(vllm_config: VllmConfig) -> str:
     """`weights=<fingerprint>` of the files the model was loaded from: its directory, or its snapshot in the
     Hugging Face cache (looked up without the network); "" where neither holds weight files (another loader, say):
-    not known, and not compared with a peer's."""
-    model = vllm_config.model_config
+    not known, and not compared with a peer's. vLLM's `dummy` load format (seeded random weights) is `weights=dummy`."""
+    model, load = vllm_config.model_config, getattr(vllm_config, "load_config", None)
+    if str(getattr(load, "load_format", "")) == "dummy":  # seeded random weights, whatever the files hold
+        return "weights=dummy"
     started = time.monotonic()
     directory = _weights_directory(str(model.model), getattr(model, "revision", None),
-                                   getattr(getattr(vllm_config, "load_config", None), "download_dir", None))
+                                   getattr(load, "download_dir", None))
     found = fingerprint(directory) if directory is not None else ""
     log.info("weights of %s: %s (%.2f s)", model.model, f"fingerprint {found}" if found
              else "no weight files found, not compared with peers", time.monotonic() - started)

@@ -47,6 +47,10 @@ def test_the_weights_factor_is_the_fingerprint_of_the_files_the_model_was_loaded
     loaded = SimpleNamespace(model_config=SimpleNamespace(model=str(model), revision=None),
                              load_config=SimpleNamespace(download_dir=None))
     assert weights_factor(loaded) == f"weights={fingerprint(model)}"
+    # vLLM's dummy load format fills the weights with seeded random values, whatever the files hold.
+    dummy = SimpleNamespace(model_config=loaded.model_config,
+                            load_config=SimpleNamespace(download_dir=None, load_format="dummy"))
+    assert weights_factor(dummy) == "weights=dummy"
     # A name that is neither a directory nor a model in the (empty) Hugging Face cache: not known.
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
