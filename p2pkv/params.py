@@ -156,6 +156,12 @@ class ProbeAnswer:
     tp_size: int = 0
     pp_size: int = 0
     pulls: bool = False  # it takes its KV by pulls (send_type GET on the decode instance)
+    # What a heartbeat says too, for a proxy that lists the instance statically and asks (`p2pkv.proxy.poll`): the
+    # id of its engine (another one: it restarted), the address its first worker names itself by to peers (which
+    # their refusals name), and the workers of other instances its workers refused: (address, why, seconds since).
+    engine_id: str = ""
+    kv_named: str = ""
+    refused: tuple[tuple[str, str, float], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {MARKER: PARAMS_VERSION, "kv_port": self.kv_port, "kv_host": self.kv_host}
@@ -165,6 +171,12 @@ class ProbeAnswer:
             out["pp_size"] = self.pp_size
         if self.pulls:
             out["pulls"] = True
+        if self.engine_id:
+            out["engine_id"] = self.engine_id
+        if self.kv_named:
+            out["kv_named"] = self.kv_named
+        if self.refused:
+            out["refused"] = [list(r) for r in self.refused]
         return out
 
 

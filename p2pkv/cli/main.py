@@ -26,7 +26,8 @@ def _proxy(args: argparse.Namespace) -> int:
                          prefill_policy=args.prefill_policy,
                          decode_policy=args.decode_policy, api_key=os.environ.get("P2PKV_PROXY_API_KEY", ""),
                          discovery_host=args.discovery_host, discovery_port=args.discovery_port,
-                         heartbeat_misses=args.heartbeat_misses, secret=os.environ.get(AUTH_SECRET_ENV, ""))
+                         heartbeat_misses=args.heartbeat_misses, secret=os.environ.get(AUTH_SECRET_ENV, ""),
+                         probe_interval_s=args.probe_interval)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ZMQ port for instance heartbeats, old and new format (0: static lists only)")
     proxy.add_argument("--heartbeat-misses", type=float, default=3.0,
                        help="heartbeat intervals an instance may miss before it is dropped")
+    proxy.add_argument("--probe-interval", type=float, default=10.0,
+                       help="seconds between probes of static instances that send no heartbeats, which ask them "
+                            "what a heartbeat says: KV workers they refused, restarts (0: never)")
     proxy.add_argument("--request-timeout", type=float, default=600.0, help="seconds per decode request")
     proxy.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds per prefill attempt")
     proxy.add_argument("--prefill-retries", type=int, default=2, help="other prefill instances to try on failure")

@@ -34,6 +34,7 @@ from p2pkv.proxy.instances import Instance, ProxyConfig
 from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.pairs import news, refusals, why_not_paired
 from p2pkv.proxy.passthrough import add_passthrough_routes, forward_headers, holder
+from p2pkv.proxy.poll import Probed, StaticPoller
 from p2pkv.proxy.prefill import MESSAGES, RESPONSES, Prefiller, prefill_body, whole_prompt_on_decode
 from p2pkv.proxy.registry import InstanceState, Policy, Pool, static_pool
 from p2pkv.proxy.resume import Progress, resumable, with_token_ids
@@ -105,13 +106,25 @@ class Router:
                 heard += [state] if (state := pool.find(instance)) is not None else []
             elif pool.remove(instance):
                 log.info("instance %s is no longer a %s instance", instance.name, pool.role)
+        self._heard(heard, a.engine_id, max(1, a.tp_size * a.pp_size), a.refused)
+
+    def probed(self, states: list[InstanceState], probed: Probed) -> None:
+        """A static instance without heartbeats answered a probe (`p2pkv.proxy.poll`)."""
+        for state in states:
+            state.kv_named = probed.named or state.kv_named
+        self._heard(states, probed.engine_id, probed.ranks, probed.refused)
+
+    def _heard(self, states: list[InstanceState], engine_id: str, ranks: int,
+               said: tuple[tuple[Address, str, float], ...]) -> None:
+        """What an instance said of its engine, its ranks and its refusals, for each of its states (one per pool)."""
         now = time.monotonic()
-        refused = refusals(a.refused, now)
-        for new in news(heard[0].kv_refused, refused, now) if heard else ():  # once, for a "both" instance too
+        refused = refusals(said, now)
+        for new in news(states[0].kv_refused, refused, now) if states else ():  # once, for a "both" instance too
             log.warning("%s instance %s refused the KV worker at %s: %s; prefill and decode instances of that pair "
-                        "are not paired for %.0f s", a.role, instance.name, new.address, new.reason, new.until - now)
-        for state in heard:
-            state.heard(a.engine_id, max(1, a.tp_size * a.pp_size), refused, now)
+                        "are not paired for %.0f s", states[0].role, states[0].instance.name, new.address,
+                        new.reason, new.until - now)
+        for state in states:
+            state.heard(engine_id, ranks, refused, now)
 
     def unpaired(self, decode: InstanceState) -> dict[Instance, str]:
         """The prefill instances that must not prefill for `decode` now, and why (`p2pkv.proxy.pairs`)."""
@@ -148,13 +161,22 @@ class Router:
                  instance.name, address, tp or "not said", pp or "not said", "; it pulls" if target.pulls else "")
         return target
 
-    async def _probe(self, instance: Instance, headers: dict[str, str]) -> dict[str, Any]:
+    async def static_probe(self, instance: Instance) -> dict[str, Any]:
+        """A probe of a static instance for what its heartbeats would say (`p2pkv.proxy.poll`), with the key the
+        proxy passes on to instances."""
+        key = self.config.api_key
+        return await self._probe(instance, {"authorization": f"Bearer {key}"} if key else {},
+                                 timeout=max(10.0, self.config.probe_interval_s))
+
+    async def _probe(self, instance: Instance, headers: dict[str, str],
+                     timeout: float | None = None) -> dict[str, Any]:
         headers = instance.headers(headers)
-        models = await self.client.get(f"{instance.url}/v1/models", headers=headers)
+        wait = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
+        models = await self.client.get(f"{instance.url}/v1/models", headers=headers, timeout=wait)
         models.raise_for_status()
         model = models.json()["data"][0]["id"]
         probe = {"model": model, "prompt": [0], "max_tokens": 1, "kv_transfer_params": ProbeParams().to_dict()}
-        resp = await self.client.post(f"{instance.url}/v1/completions", json=probe, headers=headers)
+        resp = await self.client.post(f"{instance.url}/v1/completions", json=probe, headers=headers, timeout=wait)
         resp.raise_for_status()
         answer = resp.json().get("kv_transfer_params") or {}
         if not isinstance(answer.get("kv_port"), int):
@@ -373,13 +395,20 @@ def create_app(config: ProxyConfig) -> FastAPI:
                 listener = DiscoveryListener(host, config.discovery_port, config.secret.encode(), router.announce,
                                              router.metrics.heartbeats.labels("refused").inc)
                 task = start(listener)
+            poller: asyncio.Task[None] | None = None
+            if config.probe_interval_s:
+                timeout_s = max(10.0, config.probe_interval_s)
+                poller = asyncio.create_task(StaticPoller(
+                    lambda: [s for pool in router.pools for s in pool.states], router.static_probe, router.probed,
+                    config.probe_interval_s, timeout_s).run())
             try:
                 yield
             finally:
-                if task is not None:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                for running in (task, poller):
+                    if running is not None:
+                        running.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await running
 
     app = FastAPI(title="p2pkv proxy", lifespan=lifespan)
 

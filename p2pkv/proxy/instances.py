@@ -71,6 +71,7 @@ class ProxyConfig:
     discovery_port: int = 0  # 0: no discovery, static lists only
     heartbeat_misses: float = 3.0
     secret: str = ""  # shared secret: heartbeats must carry a valid HMAC
+    probe_interval_s: float = 10.0  # how often static instances without heartbeats are asked for them (0: never)
 
     def __post_init__(self) -> None:
         if not self.discovery_port and not self.prefill:
@@ -79,6 +80,8 @@ class ProxyConfig:
             raise ConfigError("--decode: at least one decode instance is required without discovery")
         if not 0 <= self.discovery_port < 65536:
             raise ConfigError("--discovery-port: expected 0 (off) or a port number")
+        if not 0 <= self.probe_interval_s <= 3600:
+            raise ConfigError("--probe-interval: expected 0 (off) to 3600 seconds")
         if self.heartbeat_misses < 1:
             raise ConfigError("--heartbeat-misses: expected at least 1")
         for name in ("prefill_policy", "decode_policy"):

@@ -39,10 +39,11 @@ class InstanceState:
     kv_refused: tuple[Refused, ...] = ()  # workers of other instances its workers refused, as its heartbeats say
     engine_id: str = ""  # as its heartbeats name it: another one says it restarted
     up_since: float = 0.0  # monotonic: when the proxy heard it restarted; 0 if it has not
+    kv_named: Address | None = None  # its first worker's address as its workers name it, where a probe said it
 
     def side(self) -> Side:
-        return Side(f"{self.role} instance {self.instance.name}", self.instance.kv, self.ranks, self.kv_refused,
-                    self.up_since)
+        return Side(f"{self.role} instance {self.instance.name}", self.kv_named or self.instance.kv, self.ranks,
+                    self.kv_refused, self.up_since)
 
     def heard(self, engine_id: str, ranks: int, refused: tuple[Refused, ...], now: float) -> None:
         """What a heartbeat said of its parallel size, its refusals, and the engine id it runs as now."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -113,13 +114,16 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._heartbeat: HeartbeatSender | None = None
         self._refusals: InstanceRefusals | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.config, block_size, tp_size, pp_size)
             # One announcer per instance, whatever its parallel sizes: the scheduler side is unique.
             self._heartbeat = sender_for(self.config, tp_size, pp_size, self.dp_rank)
             if self._heartbeat is not None:
                 self._heartbeat.start()
             self._refusals = InstanceRefusals(self._heartbeat.note_refusals if self._heartbeat is not None
                                               else lambda notes: None)
+            # A probe's answer says what the heartbeats say (for a proxy that lists this instance statically).
+            engine_id = self._heartbeat.message.engine_id if self._heartbeat is not None else uuid.uuid4().hex
+            self._scheduler = SchedulerSide(self.config, block_size, tp_size, pp_size, engine_id,
+                                            self._refusals.latest)
         else:
             tp_rank, pp_rank = _ranks()
             total_layers, stage_layers = _stage_layers(vllm_config)

@@ -52,6 +52,11 @@ class InstanceRefusals:
     def __init__(self, tell: Callable[[Mapping[str, Refusal]], None]) -> None:
         self._tell = tell
         self._by_slot: dict[int, tuple[int, Notes]] = {}
+        self._union: Notes = {}
+
+    def latest(self) -> Mapping[str, Refusal]:
+        """The union last told: what a probe's answer says (`p2pkv.params.ProbeAnswer`)."""
+        return self._union
 
     def update(self, meta: object) -> None:
         if not isinstance(meta, RefusalNotes):
@@ -68,4 +73,5 @@ class InstanceRefusals:
             for address, note in notes.items():
                 if address not in union or union[address].at < note.at:
                     union[address] = note
+        self._union = union
         self._tell(union)

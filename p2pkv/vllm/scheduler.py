@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from p2pkv.config import ConnectorConfig, Role, SendType
+from p2pkv.discovery.heartbeat import refused_in_beat
+from p2pkv.engine.refused import Refusal
 from p2pkv.errors import ConfigError
 from p2pkv.params import (
     Address,
@@ -63,8 +66,13 @@ class _Claim:
 
 
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int = 1, pp_size: int = 1) -> None:
+    def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int = 1, pp_size: int = 1,
+                 engine_id: str = "", refused: Callable[[], Mapping[str, Refusal]] | None = None) -> None:
+        """`engine_id` and `refused` (the workers' refusals now): what a probe's answer says besides the KV
+        address, as the instance's heartbeats do."""
         self._config = config
+        self._engine_id = engine_id
+        self._refused = refused
         self._params = RequestParams(config)
         self._block_size = block_size
         self._tp_size = tp_size
@@ -305,8 +313,11 @@ class SchedulerSide:
         params = self._params.get(request)
         if isinstance(params, ProbeParams):
             host = self._config.extra.kv_host
+            said = refused_in_beat(self._refused(), time.monotonic()) if self._refused is not None else ()
             return False, ProbeAnswer(self._config.kv_port, "" if host in ("0.0.0.0", "::") else host,
-                                      self._tp_size, self._pp_size, self._config.takes_pulls).to_dict()
+                                      self._tp_size, self._pp_size, self._config.takes_pulls, self._engine_id,
+                                      str(self._own_address),
+                                      tuple((p.address, p.reason, p.age_s) for p in said)).to_dict()
         self._consumed.discard(req_id)
         self._prompts.pop(req_id, None)
         self._waiting.drop(req_id)

@@ -21,12 +21,15 @@ import httpx
 import pytest
 
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
+from p2pkv.proxy import Instance, ProxyConfig, create_app
+from tests.helpers.servers import serve
 from tests.integration.conftest import Oracle, complete, described_cluster, instance_of, metric
 from tests.integration.test_disagg import prompt
 
 pytestmark = pytest.mark.vllm
 DEADLINE_S = 120.0
 FAILED_LOADS = 'p2pkv_transfers_total{direction="load",outcome="failed"}'
+PASSED_OVER = "p2pkv_proxy_pairs_passed_over_total"
 PREFILLS = "vllm:e2e_request_latency_seconds_count"  # requests an instance finished (on its OpenAI port)
 OVERRIDE = json.dumps({"rope_parameters": {"rope_theta": 100.0, "rope_type": "default"}})
 
@@ -116,3 +119,30 @@ def test_get_transfers_are_not_held_for_a_decode_instance_the_prefill_instance_r
         assert held == i, "the first is held (nothing known of the decode instance yet), the second is not"
         freed = logged.count(f"transfer {params.transfer_id}: blocks freed: the decode worker at {decode['kv']}")
         assert freed == 1 - i, "the first is freed at the refusal, not when its lease runs out"
+
+
+def test_a_proxy_with_static_lists_learns_of_the_refusal_by_probes_and_passes_the_prefill_instance_over(
+        mismatched: dict[str, Any]) -> None:
+    """A second proxy that lists the two instances statically (no heartbeats reach it) asks them by probes what a
+    heartbeat says (`p2pkv.proxy.poll`): once the decode instance has refused the prefill worker (an earlier test,
+    or this test's first request), requests through it go to the decode instance alone (no load fails, since no
+    prefill instance pushes), answered as the colocated instance with the decode side's settings answers them."""
+    prefill, decode = instance_of(mismatched, "kv_producer"), instance_of(mismatched, "kv_consumer")
+    config = ProxyConfig(prefill=(Instance.parse(prefill["http"]),),
+                         decode=(Instance.parse(f"{decode['http']}@{decode['kv']}"),), discovery_port=0,
+                         probe_interval_s=0.5)
+    with serve(create_app(config)) as proxy:
+        body = {"model": mismatched["model"], "prompt": prompt("static-0", 120), "max_tokens": 4, "temperature": 0}
+        reply = httpx.post(f"http://{proxy}/v1/completions", json=body, timeout=DEADLINE_S / 2)
+        assert reply.status_code == 200, reply.text
+        _wait_for_the_proxy_to_hear_of_the_refusal(proxy, prefill)
+        failed, passed_over = metric(decode["metrics"], FAILED_LOADS), metric(proxy, PASSED_OVER)
+        for i in range(1, 3):
+            body = {"model": mismatched["model"], "prompt": prompt(f"static-{i}", 200), "max_tokens": 16,
+                    "temperature": 0, "ignore_eos": True, "logprobs": 1}
+            reply = httpx.post(f"http://{proxy}/v1/completions", json=body, timeout=DEADLINE_S / 2)
+            assert reply.status_code == 200, reply.text
+            got, want = _logprobs(reply.json()), _logprobs(complete(mismatched["colocated"], body))
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4, i
+        assert metric(decode["metrics"], FAILED_LOADS) == failed, "no prefill instance pushed for them"
+        assert metric(proxy, PASSED_OVER) == passed_over + 2

@@ -28,9 +28,10 @@ def test_reports_go_when_the_notes_change_and_the_scheduler_side_unites_every_wo
     assert report0.report(rank0) is None  # reported: not again until it changes
     instance.update(merged)
     assert set(told[-1]) == {"p:7100", "p:7101"}
+    assert instance.latest() == told[-1], "what a probe's answer says"
     rank1.accepted("p:7101")  # that prefill worker was restarted with a matching layout
     instance.update(report1.report(rank1))
-    assert set(told[-1]) == {"p:7100"}
+    assert set(told[-1]) == {"p:7100"} and set(instance.latest()) == {"p:7100"}
     calls = len(told)
     instance.update(merged)  # an older report of the same workers changes nothing
     instance.update(None)

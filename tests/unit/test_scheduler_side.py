@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("vllm", reason="the scheduler side imports vLLM's connector base class")
 
 from p2pkv.config import parse_connector_config
+from p2pkv.engine.refused import Refusal
 from p2pkv.params import (
     Address,
     DecodeParams,
@@ -311,7 +312,25 @@ def test_probe_is_answered_with_the_kv_port() -> None:
     req = Req("probe", [0], {"p2pkv": 1, "probe": True})
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert s.request_finished(req, []) == (False, {"p2pkv": 1, "kv_port": 21001, "kv_host": "127.0.0.1",
-                                                  "tp_size": 1, "pp_size": 1})
+                                                  "tp_size": 1, "pp_size": 1, "kv_named": "127.0.0.1:21001"})
+
+
+def test_a_probe_answer_says_what_a_heartbeat_says_the_engine_and_the_refusals() -> None:
+    """For a proxy that lists the instance statically (`p2pkv.proxy.poll`): the workers' refusals now, the latest
+    first, with their age."""
+    now = time.monotonic()
+    notes = {"10.0.0.2:21001": Refusal("KV layout mismatch: model.weights: ours a, peer b", now - 5.0),
+             "10.0.0.3:21001": Refusal("block_size: ours 16, peer 32", now - 1.0)}
+    s = SchedulerSide(parse_connector_config("kv_consumer", 21001, "recompute", {"kv_host": "10.0.0.1"}), BS,
+                      engine_id="e1", refused=lambda: notes)
+    req = Req("probe", [0], {"p2pkv": 1, "probe": True})
+    s.get_num_new_matched_tokens(req, 0)
+    answer = s.request_finished(req, [])[1]
+    assert answer is not None and answer["engine_id"] == "e1" and answer["kv_named"] == "10.0.0.1:21001"
+    assert [entry[:2] for entry in answer["refused"]] == [
+        ["10.0.0.3:21001", "block_size: ours 16, peer 32"],
+        ["10.0.0.2:21001", "KV layout mismatch: model.weights: ours a, peer b"]]
+    assert 0.9 <= answer["refused"][0][2] <= 2.0 and 4.9 <= answer["refused"][1][2] <= 6.0
 
 
 @pytest.mark.parametrize(("role", "pulls"), [("kv_consumer", True), ("kv_both", True), ("kv_producer", False)])
