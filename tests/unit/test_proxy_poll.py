@@ -63,17 +63,21 @@ def test_a_static_pair_whose_decode_instance_refused_the_prefill_worker_is_not_p
     refusal is no longer said (its instance fixed and restarted, another engine id), the pair is used again."""
     p_seen: list[dict[str, Any]] = []
     d_seen: list[dict[str, Any]] = []
-    decode_says: dict[str, Any] = {"kv_port": 22001, "kv_host": "", "engine_id": "d1", "kv_named": "127.0.0.1:22001",
-                                   "refused": [[PREFILL_KV, REASON, 1.5]]}
+    refused_at = time.monotonic() - 1.5  # the decode instance's latest refusal; its answers give its age
+
+    def decode_says() -> dict[str, Any]:
+        return {"kv_port": 22001, "kv_host": "", "engine_id": "d1", "kv_named": "127.0.0.1:22001",
+                "refused": [[PREFILL_KV, REASON, time.monotonic() - refused_at]]}
+
     prefill_says: dict[str, Any] = {"kv_port": 21001, "kv_host": "", "engine_id": "p1", "kv_named": PREFILL_KV}
-    with serve(instance(p_seen, lambda: prefill_says)) as p, serve(instance(d_seen, lambda: decode_says)) as d:
+    with serve(instance(p_seen, lambda: prefill_says)) as p, serve(instance(d_seen, decode_says)) as d:
         config = ProxyConfig(prefill=(Instance.parse(p),), decode=(Instance.parse(f"{d}@127.0.0.1:22001"),),
                              discovery_port=0, probe_interval_s=0.2)
         with serve(create_app(config)) as proxy:
             wait_for(lambda: bool(listed(proxy, "decode")["refused"]), "the proxy did not hear of the refusal")
             refused = listed(proxy, "decode")["refused"][0]
             assert refused["address"] == PREFILL_KV and refused["reason"] == REASON
-            assert 55 < refused["paired_again_in_s"] <= 60
+            assert 50 < refused["paired_again_in_s"] <= 58.5
             body = {"model": "tiny", "prompt": "hello", "max_tokens": 3}
             reply = httpx.post(f"http://{proxy}/v1/completions", json=body, timeout=10)
             assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "abc"
@@ -81,9 +85,12 @@ def test_a_static_pair_whose_decode_instance_refused_the_prefill_worker_is_not_p
             assert "kv_transfer_params" not in d_seen[-1], "the decode instance prefilled the prompt itself"
             metrics = httpx.get(f"http://{proxy}/metrics", timeout=10).text
             assert "p2pkv_proxy_pairs_passed_over_total 1.0" in metrics
-            # The prefill instance restarts with the settings fixed: a new engine id; the refusal predates it.
+            # The prefill instance restarts with the settings fixed: a new engine id; the refusal predates it, and
+            # the pair is used again from then on (well before the 60 s of the refusal are over).
             prefill_says["engine_id"] = "p2"
             wait_for(lambda: _prefilled(proxy, body, p_seen), "the pair was not used again")
+            time.sleep(0.5)  # more probe rounds: the decode instance still names the refusal from before
+            assert _prefilled(proxy, body, p_seen)
             assert d_seen[-1]["kv_transfer_params"]["transfer_id"] == p_seen[-1]["kv_transfer_params"]["transfer_id"]
 
 
