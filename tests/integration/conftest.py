@@ -66,6 +66,21 @@ def complete(base: str, body: dict[str, Any], path: str = "/v1/completions") -> 
     return out
 
 
+def logprobs(answer: dict[str, Any]) -> list[float]:
+    values: list[float] = answer["choices"][0]["logprobs"]["token_logprobs"]
+    return values
+
+
+def answers_like(base: str, body: dict[str, Any], like: str, unlike: str, why: str, timeout_s: float = 60.0) -> None:
+    """`body` (with `logprobs`) sent to `base` is answered as `like` answers it (token log-probabilities within 1e-4),
+    not as `unlike` does (more than 1e-3 apart somewhere: `why` the two differ)."""
+    reply = httpx.post(f"{base}/v1/completions", json=body, timeout=timeout_s)
+    assert reply.status_code == 200, reply.text
+    got = logprobs(reply.json())
+    assert max(abs(a - b) for a, b in zip(got, logprobs(complete(like, body)), strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(got, logprobs(complete(unlike, body)), strict=True)) > 1e-3, why
+
+
 @dataclass
 class UpCluster:
     """`p2pkv up` (1P1D behind the proxy) plus one colocated vLLM without a connector, for the oracle."""

@@ -23,7 +23,7 @@ import pytest
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from tests.helpers.servers import serve
-from tests.integration.conftest import Oracle, complete, described_cluster, instance_of, metric
+from tests.integration.conftest import Oracle, answers_like, complete, described_cluster, instance_of, metric
 from tests.integration.test_disagg import prompt
 
 pytestmark = pytest.mark.vllm
@@ -42,11 +42,6 @@ def mismatched(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield info
 
 
-def _logprobs(answer: dict[str, Any]) -> list[float]:
-    values: list[float] = answer["choices"][0]["logprobs"]["token_logprobs"]
-    return values
-
-
 def test_requests_through_a_refused_prefill_instance_are_answered_right_without_waiting_out_the_deadline(
         mismatched: dict[str, Any], oracle: Oracle) -> None:
     """Answers as the colocated instance with the decode side's settings gives them (token log-probabilities within
@@ -61,12 +56,7 @@ def test_requests_through_a_refused_prefill_instance_are_answered_right_without_
     for i, length in enumerate((150, 290, 333)):
         body = {"model": mismatched["model"], "prompt": prompt(f"mismatch-{i}", length), "max_tokens": 16,
                 "temperature": 0, "ignore_eos": True, "logprobs": 1}
-        reply = httpx.post(f"{mismatched['proxy']}/v1/completions", json=body, timeout=DEADLINE_S / 2)
-        assert reply.status_code == 200, reply.text
-        got, want = _logprobs(reply.json()), _logprobs(complete(mismatched["colocated"], body))
-        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4, i
-        other = _logprobs(complete(oracle.url(), body))
-        assert max(abs(a - b) for a, b in zip(got, other, strict=True)) > 1e-3, "the settings change the answer"
+        answers_like(mismatched["proxy"], body, mismatched["colocated"], oracle.url(), "the settings change it")
         assert metric(decode["metrics"], FAILED_LOADS) == failed + 1, "the first load failed, reported to vLLM"
         assert metric(prefill["http"], PREFILLS) == prefilled + 1, "only the first request was prefilled"
         if i == 0:
@@ -122,7 +112,7 @@ def test_get_transfers_are_not_held_for_a_decode_instance_the_prefill_instance_r
 
 
 def test_a_proxy_with_static_lists_learns_of_the_refusal_by_probes_and_passes_the_prefill_instance_over(
-        mismatched: dict[str, Any]) -> None:
+        mismatched: dict[str, Any], oracle: Oracle) -> None:
     """A second proxy that lists the two instances statically (no heartbeats reach it) asks them by probes what a
     heartbeat says (`p2pkv.proxy.poll`): once the decode instance has refused the prefill worker (an earlier test,
     or this test's first request), requests through it go to the decode instance alone (no load fails, since no
@@ -140,9 +130,6 @@ def test_a_proxy_with_static_lists_learns_of_the_refusal_by_probes_and_passes_th
         for i in range(1, 3):
             body = {"model": mismatched["model"], "prompt": prompt(f"static-{i}", 200), "max_tokens": 16,
                     "temperature": 0, "ignore_eos": True, "logprobs": 1}
-            reply = httpx.post(f"http://{proxy}/v1/completions", json=body, timeout=DEADLINE_S / 2)
-            assert reply.status_code == 200, reply.text
-            got, want = _logprobs(reply.json()), _logprobs(complete(mismatched["colocated"], body))
-            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4, i
+            answers_like(f"http://{proxy}", body, mismatched["colocated"], oracle.url(), "the settings change it")
         assert metric(decode["metrics"], FAILED_LOADS) == failed, "no prefill instance pushed for them"
         assert metric(proxy, PASSED_OVER) == passed_over + 2
