@@ -118,7 +118,7 @@ class Router:
                said: tuple[tuple[Address, str, float], ...]) -> None:
         """What an instance said of its engine, its ranks and its refusals, for each of its states (one per pool)."""
         now = time.monotonic()
-        refused = refusals(said, now)
+        refused = refusals(said, now, states[0].kv_refused if states else ())
         for new in news(states[0].kv_refused, refused, now) if states else ():  # once, for a "both" instance too
             log.warning("%s instance %s refused the KV worker at %s: %s; prefill and decode instances of that pair "
                         "are not paired for %.0f s", states[0].role, states[0].instance.name, new.address,

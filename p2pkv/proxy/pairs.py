@@ -3,7 +3,9 @@ refused each other at their hello (another KV layout, or model settings the KV d
 exchanged, and the decode instance would compute the prompt again after the prefill instance computed it for
 nothing). The instances' heartbeats say whom their workers refused, and how long ago (`Heartbeat.refused`). Such a
 pair is passed over for `PAIR_RETRY_S` after its latest refusal; then a request tries it again: the instances may
-have been fixed (an accepted hello clears the refusal there), and if not, the refusal is noted afresh. A refused
+have been fixed (an accepted hello clears the refusal there), and if not, the refusal is noted afresh, and the pair
+is passed over twice as long as the time before, up to `MAX_PAIR_RETRY_S` (each try costs a prefill computed for
+nothing). A refused
 instance that restarted (its heartbeats name another engine id) is paired again at once: refusals from before its
 restart no longer count.
 
@@ -16,25 +18,36 @@ from dataclasses import dataclass
 from p2pkv.params import Address
 
 PAIR_RETRY_S = 60.0
+MAX_PAIR_RETRY_S = 480.0  # under the 10 minutes for which heartbeats name a refusal (`MAX_REFUSAL_AGE_S`)
 
 
 @dataclass(frozen=True)
 class Refused:
     """A worker of another instance that a worker of this one refused at its hello: the pair is passed over until
-    `PAIR_RETRY_S` after."""
+    `PAIR_RETRY_S` after, doubled for each time it was refused again when tried after that (`strikes`)."""
 
     address: Address  # the refused worker's listener, as it names it
     reason: str
     at: float  # when it was refused, in the proxy's monotonic seconds
+    strikes: int = 0
 
     @property
     def until(self) -> float:
-        return self.at + PAIR_RETRY_S
+        return self.at + min(MAX_PAIR_RETRY_S, PAIR_RETRY_S * float(1 << min(self.strikes, 16)))
 
 
-def refusals(said: tuple[tuple[Address, str, float], ...], now: float) -> tuple[Refused, ...]:
-    """What a heartbeat said, (address, reason, seconds since), as times from `now`."""
-    return tuple(Refused(address, reason, now - age) for address, reason, age in said)
+def refusals(said: tuple[tuple[Address, str, float], ...], now: float,
+             before: tuple[Refused, ...] = ()) -> tuple[Refused, ...]:
+    """What a heartbeat said, (address, reason, seconds since), as times from `now`. `before`: what the instance
+    said last; a refusal of the same worker made once the one before had run out (the pair was tried again, and
+    refused afresh) is one more strike."""
+    known = {r.address: r for r in before}
+    out = []
+    for address, reason, age in said:
+        at, last = now - age, known.get(address)
+        strikes = 0 if last is None else last.strikes + (at >= last.until)
+        out.append(Refused(address, reason, at, strikes))
+    return tuple(out)
 
 
 def news(before: tuple[Refused, ...], after: tuple[Refused, ...], now: float) -> list[Refused]:

@@ -4,7 +4,7 @@ a worker of the other (by the listener that worker names), until `PAIR_RETRY_S` 
 from __future__ import annotations
 
 from p2pkv.params import Address
-from p2pkv.proxy.pairs import PAIR_RETRY_S, Side, news, refusals, why_not_paired
+from p2pkv.proxy.pairs import MAX_PAIR_RETRY_S, PAIR_RETRY_S, Side, news, refusals, why_not_paired
 
 NOW = 1000.0
 PREFILL_KV = Address("10.0.0.1", 7100)  # its rank 0; ranks 1..3 listen on the next ports
@@ -47,3 +47,23 @@ def test_refusals_from_before_the_refused_instance_restarted_no_longer_count() -
     assert why_not_paired(decode, restarted, NOW) is None, "paired again: it may have been fixed"
     again = side("decode instance d", DECODE_KV, 1, ((PREFILL_KV, "dtype", 1.0),))  # refused again since
     assert why_not_paired(again, restarted, NOW) is not None
+
+
+def test_a_pair_refused_again_when_tried_waits_twice_as_long_up_to_the_cap() -> None:
+    """Each try of a pair still refused costs a prefill computed for nothing: after 60 s, then 120, 240, 480 at
+    most (under the 10 minutes heartbeats name a refusal). The same refusal said again is no new strike."""
+    first = refusals(((PREFILL_KV, "dtype", 0.0),), NOW)
+    assert first[0].until == NOW + PAIR_RETRY_S
+    repeated = refusals(((PREFILL_KV, "dtype", 2.9),), NOW + 3.0, first)  # the next heartbeat, ages rounded
+    assert repeated[0].strikes == 0 and abs(repeated[0].until - first[0].until) < 0.2
+    said, at = first, NOW
+    for waited in (2 * PAIR_RETRY_S, 4 * PAIR_RETRY_S, MAX_PAIR_RETRY_S, MAX_PAIR_RETRY_S):
+        at = said[0].until + 1.0  # tried once the pass-over ran out: refused afresh
+        said = refusals(((PREFILL_KV, "dtype", 0.0),), at, said)
+        assert said[0].until == at + waited
+        decode = Side("decode instance d", DECODE_KV, 1, said)
+        prefill = Side("prefill instance p", PREFILL_KV, 1, ())
+        assert why_not_paired(decode, prefill, at + waited - 1) is not None
+        assert why_not_paired(decode, prefill, at + waited + 1) is None
+    # A refusal the instance no longer says (an accepted hello cleared it) leaves no strike behind.
+    assert refusals(((PREFILL_KV, "dtype", 0.0),), at + 1000, refusals((), at + 999, said))[0].strikes == 0

@@ -134,3 +134,27 @@ def test_probe_answers_are_checked() -> None:
                 {"engine_id": 5}, {"kv_named": "no port"}):
         with pytest.raises(ValueError):
             read_probe(bad)
+
+
+def test_a_pair_refused_afresh_after_its_pass_over_ran_out_is_passed_over_twice_as_long() -> None:
+    """The decode instance's refusal of the prefill worker is 61 s old (the pair is tried again), then it refuses
+    the worker afresh: the proxy passes the pair over for 120 s from then, not 60."""
+    p_seen: list[dict[str, Any]] = []
+    d_seen: list[dict[str, Any]] = []
+    refused_at = [time.monotonic() - 61.0]
+
+    def decode_says() -> dict[str, Any]:
+        return {"kv_port": 22001, "kv_host": "", "engine_id": "d1",
+                "refused": [[PREFILL_KV, REASON, time.monotonic() - refused_at[0]]]}
+
+    prefill_says = {"kv_port": 21001, "kv_host": "", "engine_id": "p1", "kv_named": PREFILL_KV}
+    with serve(instance(p_seen, lambda: prefill_says)) as p, serve(instance(d_seen, decode_says)) as d:
+        config = ProxyConfig(prefill=(Instance.parse(p),), decode=(Instance.parse(f"{d}@127.0.0.1:22001"),),
+                             discovery_port=0, probe_interval_s=0.2)
+        with serve(create_app(config)) as proxy:
+            wait_for(lambda: bool(listed(proxy, "decode")["refused"]), "the proxy did not hear of the refusal")
+            assert listed(proxy, "decode")["refused"][0]["paired_again_in_s"] == 0, "its 60 s are over"
+            refused_at[0] = time.monotonic()
+            wait_for(lambda: listed(proxy, "decode")["refused"][0]["paired_again_in_s"] > 60,
+                     "the second refusal did not double the wait")
+            assert listed(proxy, "decode")["refused"][0]["paired_again_in_s"] <= 120
