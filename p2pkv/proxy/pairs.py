@@ -5,11 +5,10 @@ nothing). The instances' heartbeats say whom their workers refused, and how long
 pair is passed over for `PAIR_RETRY_S` after its latest refusal; then a request tries it again: the instances may
 have been fixed (an accepted hello clears the refusal there), and if not, the refusal is noted afresh, and the pair
 is passed over twice as long as the time before, up to `MAX_PAIR_RETRY_S` (each try costs a prefill computed for
-nothing). A refused
-instance that restarted (its heartbeats name another engine id) is paired again at once: refusals from before its
-restart no longer count.
+nothing). A refused instance that restarted (its heartbeats name another engine id) is paired again at once:
+refusals from before its restart no longer count.
 
-Instances from static flags send no heartbeats: their pairs are not known to be refused, and are used."""
+Instances from static flags that send no heartbeats are asked the same by probes (`p2pkv.proxy.poll`)."""
 
 from __future__ import annotations
 
