@@ -162,21 +162,18 @@ class Router:
         return target
 
     async def static_probe(self, instance: Instance) -> dict[str, Any]:
-        """A probe of a static instance for what its heartbeats would say (`p2pkv.proxy.poll`), with the key the
-        proxy passes on to instances."""
+        """A probe of a static instance for what its heartbeats would say (`p2pkv.proxy.poll`, which bounds it),
+        with the key the proxy passes on to instances."""
         key = self.config.api_key
-        return await self._probe(instance, {"authorization": f"Bearer {key}"} if key else {},
-                                 timeout=max(10.0, self.config.probe_interval_s))
+        return await self._probe(instance, {"authorization": f"Bearer {key}"} if key else {})
 
-    async def _probe(self, instance: Instance, headers: dict[str, str],
-                     timeout: float | None = None) -> dict[str, Any]:
+    async def _probe(self, instance: Instance, headers: dict[str, str]) -> dict[str, Any]:
         headers = instance.headers(headers)
-        wait = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
-        models = await self.client.get(f"{instance.url}/v1/models", headers=headers, timeout=wait)
+        models = await self.client.get(f"{instance.url}/v1/models", headers=headers)
         models.raise_for_status()
         model = models.json()["data"][0]["id"]
         probe = {"model": model, "prompt": [0], "max_tokens": 1, "kv_transfer_params": ProbeParams().to_dict()}
-        resp = await self.client.post(f"{instance.url}/v1/completions", json=probe, headers=headers, timeout=wait)
+        resp = await self.client.post(f"{instance.url}/v1/completions", json=probe, headers=headers)
         resp.raise_for_status()
         answer = resp.json().get("kv_transfer_params") or {}
         if not isinstance(answer.get("kv_port"), int):
@@ -396,11 +393,10 @@ def create_app(config: ProxyConfig) -> FastAPI:
                                              router.metrics.heartbeats.labels("refused").inc)
                 task = start(listener)
             poller: asyncio.Task[None] | None = None
-            if config.probe_interval_s:
-                timeout_s = max(10.0, config.probe_interval_s)
+            if config.probe_interval_s:  # each probe bounded by the interval, or 10 s for shorter ones
                 poller = asyncio.create_task(StaticPoller(
                     lambda: [s for pool in router.pools for s in pool.states], router.static_probe, router.probed,
-                    config.probe_interval_s, timeout_s).run())
+                    config.probe_interval_s, max(10.0, config.probe_interval_s)).run())
             try:
                 yield
             finally:

@@ -35,8 +35,9 @@ class Probed:
 
 
 def _size(value: object) -> int:
-    ok = isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 4096
-    return value if ok else 1  # type: ignore[return-value]
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 4096:
+        return value
+    return 1
 
 
 def read_probe(answer: Mapping[str, Any]) -> Probed:

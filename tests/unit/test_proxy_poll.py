@@ -3,6 +3,7 @@ with static lists, in front of stub instances (real HTTP servers) whose probe an
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +14,8 @@ from fastapi import FastAPI, Request
 
 from p2pkv.params import Address
 from p2pkv.proxy import Instance, ProxyConfig, create_app
-from p2pkv.proxy.poll import read_probe
+from p2pkv.proxy.poll import Probed, StaticPoller, read_probe
+from p2pkv.proxy.registry import InstanceState
 from tests.helpers.servers import serve
 
 PREFILL_KV = "127.0.0.1:21001"  # as the prefill instance's workers name themselves
@@ -158,3 +160,22 @@ def test_a_pair_refused_afresh_after_its_pass_over_ran_out_is_passed_over_twice_
             wait_for(lambda: listed(proxy, "decode")["refused"][0]["paired_again_in_s"] > 60,
                      "the second refusal did not double the wait")
             assert listed(proxy, "decode")["refused"][0]["paired_again_in_s"] <= 120
+
+
+def test_a_probe_that_never_answers_ends_at_its_deadline_and_the_round_goes_on() -> None:
+    """One silent static instance (its probe never returns) does not hold the round past the probe's
+    deadline, nor keep the other instance's answer from counting."""
+    silent, answering = Instance.parse("10.0.0.1:8100"), Instance.parse("10.0.0.2:8100")
+    states = [InstanceState(silent, "prefill"), InstanceState(answering, "decode")]
+    heard: list[tuple[str, Probed]] = []
+
+    async def probe(instance: Instance) -> dict[str, Any]:
+        if instance == silent:
+            await asyncio.Event().wait()  # never set
+        return {"kv_port": 1, "engine_id": "d1"}
+
+    poller = StaticPoller(lambda: states, probe, lambda s, p: heard.append((s[0].instance.name, p)), 60.0, 0.3)
+    started = time.monotonic()
+    asyncio.run(asyncio.wait_for(poller.round(), 5.0))
+    assert time.monotonic() - started < 2.0
+    assert [(name, p.engine_id) for name, p in heard] == [("10.0.0.2:8100", "d1")]
