@@ -7,6 +7,7 @@ names the key and what it accepts.
 from __future__ import annotations
 
 import enum
+import hashlib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
@@ -230,6 +231,9 @@ class ConnectorConfig:
     kv_port: int
     failure_policy: LoadFailurePolicy
     extra: ExtraConfig
+    # This start of the instance (`launch_of` vLLM's kv_transfer_config.engine_id, new at every start unless set):
+    # peers tell a restart by it; "": not known
+    launch: str = ""
 
     @property
     def takes_pulls(self) -> bool:
@@ -261,8 +265,13 @@ class ConnectorConfig:
         return replace(self, kv_port=self.kv_port + shift, extra=extra)
 
 
+def launch_of(engine_id: str) -> str:
+    """A start of an instance as peers name it: 16 hex digits of vLLM's engine id for its KV transfer (any text)."""
+    return hashlib.blake2b(engine_id.encode(), digest_size=8).hexdigest() if engine_id else ""
+
+
 def parse_connector_config(
-    role: str | None, kv_port: int, failure_policy: str, extra: Mapping[str, Any] | None
+    role: str | None, kv_port: int, failure_policy: str, extra: Mapping[str, Any] | None, engine_id: str = ""
 ) -> ConnectorConfig:
     parsed_role = _as_enum("kv_role", Role)(role)
     port = _as_int("kv_port", 1, 65535)(kv_port)
@@ -270,4 +279,5 @@ def parse_connector_config(
     parsed = parse_extra_config(extra)
     if parsed.heartbeat_format is HeartbeatFormat.LEGACY and parsed_role is Role.BOTH:
         raise ConfigError("heartbeat_format: legacy heartbeats say P or D; a kv_both instance needs p2pkv's")
-    return ConnectorConfig(role=parsed_role, kv_port=port, failure_policy=policy, extra=parsed)
+    return ConnectorConfig(role=parsed_role, kv_port=port, failure_policy=policy, extra=parsed,
+                           launch=launch_of(engine_id))

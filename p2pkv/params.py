@@ -124,6 +124,9 @@ class DecodeParams:
     # how long the prefill instance holds the blocks without word from the decode side, in seconds (its `lease_s`;
     # 0: not said, taken to equal ours): the decode side renews a waiting request's lease before it runs out
     lease_s: float = 0.0
+    # which start of the prefill instance holds the KV (`p2pkv.config.launch_of`; "": not said): a refusal of an
+    # earlier start of it (before a restart) does not fail the load
+    prefill_launch: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -138,6 +141,8 @@ class DecodeParams:
             out["test_corrupt"] = True
         if self.lease_s:
             out["prefill_lease_s"] = self.lease_s
+        if self.prefill_launch:
+            out["prefill_launch"] = self.prefill_launch
         return _held_at(out, self.prefill_kv, self.pull, self.prefill_tp, self.prefill_pp)
 
 
@@ -240,6 +245,14 @@ def _size(raw: dict[str, Any], key: str) -> int:
     return value
 
 
+def _digest(raw: dict[str, Any], key: str) -> str:
+    """16 hex digits, or "" when not said."""
+    value = raw.get(key, "")
+    if not isinstance(value, str) or (value and not _DIGEST.match(value)):
+        raise ConfigError(f"kv_transfer_params.{key}: expected 16 hex digits, got {value!r}")
+    return value
+
+
 def _lease(raw: dict[str, Any]) -> float:
     value = raw.get("prefill_lease_s", 0.0)
     if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= 3600:
@@ -271,12 +284,10 @@ def parse_transfer_params(raw: Any) -> AnyParams | None:
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
             raise ConfigError(f"kv_transfer_params.num_prompt_tokens: expected a positive integer, got {tokens!r}")
         prefill = raw.get("prefill_kv_address")
-        digest = raw.get("prompt_digest", "")
-        if not isinstance(digest, str) or (digest and not _DIGEST.match(digest)):
-            raise ConfigError(f"kv_transfer_params.prompt_digest: expected 16 hex digits, got {digest!r}")
         params = DecodeParams(transfer_id, tokens, Address.parse(prefill) if isinstance(prefill, str) else None,
                               bool(raw.get("test_corrupt", False)), _pull(raw), _size(raw, "prefill_tp_size"),
-                              _size(raw, "prefill_pp_size"), digest, _lease(raw))
+                              _size(raw, "prefill_pp_size"), _digest(raw, "prompt_digest"), _lease(raw),
+                              _digest(raw, "prefill_launch"))
         if params.pull and params.prefill_kv is None:
             raise ConfigError("kv_transfer_params: send_type GET needs prefill_kv_address")
         return params

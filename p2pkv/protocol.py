@@ -157,6 +157,9 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     # Where the speaker's own KV listener is reached, as its instance names it to peers (`DecodeParams`): a
     # listener that refuses it notes the refusal under this address, so that loads of its pushes fail at once.
     kv_address: str = ""
+    # Which start of its instance the speaker is (`p2pkv.config.launch_of`; "": not said): a refusal is of that
+    # start, and a load whose prefill instance started since does not fail on it (`DecodeParams.prefill_launch`).
+    launch: str = ""
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):

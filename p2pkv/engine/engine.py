@@ -46,6 +46,7 @@ class EngineSettings:
     pull_over_device: bool = True
     integrity_check: bool = False
     towards: str = ""  # the proxy's host, if any: a wildcard `host` is named by this host's address on its route
+    launch: str = ""  # this start of the instance (`p2pkv.config.launch_of`), said in the hello
 
     @classmethod
     def from_config(cls, extra: ExtraConfig, port: int, metrics_port: int) -> EngineSettings:
@@ -128,7 +129,8 @@ class TransferEngine:
                       device_kind=device.kind if device is not None else "",
                       pipe_kind=pipes.kind if pipes is not None else "",
                       home=DeviceHome(export.kind, export.boot_id, export.device) if export is not None else None,
-                      digests=s.integrity_check, kv_address=str(Address.advertised(s.host, listener.port, s.towards)))
+                      digests=s.integrity_check, kv_address=str(Address.advertised(s.host, listener.port, s.towards)),
+                      launch=s.launch)
         require_shm = s.transport is Transport.SHM
         self._sender = Sender(self._connect, hello, self.metrics, require_shm)
         self._sender.start()
@@ -269,10 +271,11 @@ class TransferEngine:
         self._puller.forget(transfer_id)
 
     # Receiving side.
-    def refusal(self, peer: Address) -> str | None:
+    def refusal(self, peer: Address, launch: str = "") -> str | None:
         """Why this engine's listener refused the peer whose own listener is at `peer`, at its last hello; None if it
-        did not (or accepted it since)."""
-        return self.refused.reason(str(peer))
+        did not (or accepted it since, or `launch` names a later start of the peer's instance than the one
+        refused)."""
+        return self.refused.reason(str(peer), launch)
 
     def staged_state(self, transfer_id: str) -> StageState | None:
         return self.store.state(transfer_id)

@@ -121,7 +121,7 @@ class Receiver:
         if diffs:
             reason = "KV layout mismatch: " + "; ".join(diffs)
             # Logged once a peer: it tries again at every push, and is refused alike (still counted each time).
-            news = self.refused.refused(hello.kv_address, reason)
+            news = self.refused.refused(hello.kv_address, reason, hello.launch)
             log.log(logging.ERROR if news else logging.DEBUG, "refusing peer %s (engine %s, listening on %s): %s",
                     conn.peer, hello.engine_id, hello.kv_address or "?", reason)
             self._metrics.refused_peers.inc()

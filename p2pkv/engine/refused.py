@@ -1,8 +1,9 @@
 """Peers this engine's listener refused at their hello (another KV layout), by the address they name for their own
 listener. A load of KV such a peer was to push fails at once instead of waiting out its deadline: the push is
 refused at every try, so nothing of it will come. A later hello from that address that is accepted (the peer
-restarted with a matching layout) clears the note. The notes also go to the proxy (in the instance's heartbeats),
-which then pairs this instance with other ones for a while (`p2pkv.proxy.pairs`)."""
+restarted with a matching layout) clears the note; until that hello comes, a load that names a later start of the
+peer's instance than the one refused (`Hello.launch`) is not failed on the note. The notes also go to the proxy
+(in the instance's heartbeats), which then pairs this instance with other ones for a while (`p2pkv.proxy.pairs`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ _MAX_NOTED = 1024  # addresses kept at most; the oldest note goes first
 class Refusal(NamedTuple):
     reason: str
     at: float  # time.monotonic() of the latest refusal (the system's clock: the same in every process of a host)
+    launch: str = ""  # the start of the peer's instance that was refused (`Hello.launch`); "": not said
 
 
 class RefusedPeers:
@@ -26,13 +28,14 @@ class RefusedPeers:
         self._notes: dict[str, Refusal] = {}
         self._version = 0  # bumped by every refusal and every note cleared
 
-    def refused(self, address: str, reason: str) -> bool:
-        """Note a refusal; whether it is news (the peer was not noted as refused for this reason), for the log."""
+    def refused(self, address: str, reason: str, launch: str = "") -> bool:
+        """Note a refusal (of the start `launch` of the peer's instance); whether it is news (the peer was not noted
+        as refused for this reason), for the log."""
         if not address:
             return True
         with self._lock:
             before = self._notes.pop(address, None)
-            self._notes[address] = Refusal(reason, time.monotonic())
+            self._notes[address] = Refusal(reason, time.monotonic(), launch)
             self._version += 1
             while len(self._notes) > _MAX_NOTED:
                 del self._notes[next(iter(self._notes))]
@@ -45,12 +48,15 @@ class RefusedPeers:
             if self._notes.pop(address, None) is not None:
                 self._version += 1
 
-    def reason(self, address: str) -> str | None:
+    def reason(self, address: str, launch: str = "") -> str | None:
         """Why the peer that names its listener `address` was last refused; None if it was not, or was accepted
-        since."""
+        since, or if `launch` names another start of its instance than the one refused (it restarted since: its
+        next hello decides)."""
         with self._lock:
             note = self._notes.get(address)
-        return None if note is None else note.reason
+        if note is None or (launch and note.launch and launch != note.launch):
+            return None
+        return note.reason
 
     @property
     def version(self) -> int:

@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 # After a connection to an instance is refused, others are picked before it for this long: an instance that died
 # would otherwise draw requests (each then sent again elsewhere) until its missed heartbeats drop it.
 SHUNNED_S = 5.0
+# Dropped instances whose engine id is kept (the latest ones): one that comes back under another id restarted.
+GONE_KEPT = 256
 
 
 class Policy(enum.Enum):
@@ -81,6 +83,9 @@ class Pool:
     policy: Policy
     states: list[InstanceState] = field(default_factory=list)
     _turn: itertools.count[int] = field(default_factory=itertools.count)
+    # The engine ids of dropped instances, by name: a restart takes longer than the missed heartbeats that drop an
+    # instance, and refusals of the old engine must not count against the new one (`InstanceState.up_since`).
+    _gone: dict[str, str] = field(default_factory=dict)
 
     def prune(self, now: float | None = None) -> list[InstanceState]:
         """Drop discovered instances whose heartbeats are overdue; the dropped ones."""
@@ -90,6 +95,11 @@ class Pool:
             self.states = [s for s in self.states if s not in gone]
             for state in gone:
                 log.warning("%s instance %s missed its heartbeats; dropped", self.role, state.instance.name)
+                if state.engine_id:
+                    self._gone.pop(state.instance.name, None)
+                    self._gone[state.instance.name] = state.engine_id
+                    while len(self._gone) > GONE_KEPT:
+                        del self._gone[next(iter(self._gone))]
         return gone
 
     def count(self) -> int:
@@ -113,7 +123,7 @@ class Pool:
         state = self.find(instance)
         if state is None:
             self.states.append(InstanceState(instance, self.role, last_heartbeat=wall, expires_at=expires_at,
-                                             discovered=True))
+                                             discovered=True, engine_id=self._gone.pop(instance.name, "")))
             return True
         state.last_heartbeat = wall
         if state.discovered:

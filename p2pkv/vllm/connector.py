@@ -103,7 +103,7 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
         _route_logs()
         tc = vllm_config.kv_transfer_config
         config = parse_connector_config(tc.kv_role, tc.kv_port, getattr(tc, "kv_load_failure_policy", "fail"),
-                                        tc.kv_connector_extra_config)
+                                        tc.kv_connector_extra_config, str(getattr(tc, "engine_id", "") or ""))
         block_size = vllm_config.cache_config.block_size
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)

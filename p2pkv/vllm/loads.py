@@ -270,10 +270,11 @@ class Loads:
 
     def _refusal(self, spec: LoadSpec) -> str | None:
         """Why this worker refused the prefill worker that would push this load (its hello; its pushes are all
-        refused alike), if it did: the load then fails at once rather than at its deadline."""
+        refused alike), if it did: the load then fails at once rather than at its deadline. Not if the prefill
+        instance started again since that refusal (its restart's first push is on the way)."""
         if spec.fallback_from is None:
             return None
-        return self._engine.refusal(spec.fallback_from.offset(self._at.slot))
+        return self._engine.refusal(spec.fallback_from.offset(self._at.slot), spec.prefill_launch)
 
     def _abandon(self, req_ids: AbstractSet[str]) -> set[str]:
         """Requests vLLM ended (their client went away) while their KV was on the way. One that awaits a push is

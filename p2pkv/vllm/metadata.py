@@ -43,6 +43,7 @@ class LoadSpec:
     fallback_from: Address | None = None  # where to pull from if this side refused the push (no space)
     prefill_tp: int = 0  # the prefill instance's tensor-parallel size, when it differs from ours (else 0)
     prefill_pp: int = 0  # the prefill instance's pipeline-parallel size, when it differs from ours (else 0)
+    prefill_launch: str = ""  # which start of the prefill instance pushes it (`DecodeParams.prefill_launch`)
 
 
 @dataclass(frozen=True)

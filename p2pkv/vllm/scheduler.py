@@ -204,7 +204,7 @@ class SchedulerSide:
         pulled = params.pull or bool(prefill_tp or prefill_pp)
         self._loads.append(LoadSpec(req_id, params.transfer_id, first, tuple(block_ids[first : last + 1]),
                                     params.test_corrupt, params.prefill_kv if pulled else None,
-                                    params.prefill_kv, prefill_tp, prefill_pp))
+                                    params.prefill_kv, prefill_tp, prefill_pp, params.prefill_launch))
 
     def _abandon(self, producer: _Producer) -> None:
         """Nobody will get this transfer's answer (its request was aborted, or its client went away and the proxy
@@ -343,4 +343,5 @@ class SchedulerSide:
         decode side without staging space pulls instead."""
         return DecodeParams(producer.transfer_id, producer.num_prompt_tokens, self._own_address,
                             pull=producer.peer is None, prefill_tp=self._tp_size, prefill_pp=self._pp_size,
-                            prompt=producer.prompt, lease_s=self._config.extra.lease_s).to_dict()
+                            prompt=producer.prompt, lease_s=self._config.extra.lease_s,
+                            prefill_launch=self._config.launch).to_dict()

@@ -136,7 +136,8 @@ class WorkerSide:
         in_order = [_layer_number(n) for n in names] == list(held) and held.stop <= self._at.total_layers
         self._at = replace(self._at, layers=held, total_layers=self._at.total_layers if in_order else 0)
         metrics_port = extra.metrics_port + self._at.slot if extra.metrics_port else 0
-        settings = EngineSettings.from_config(extra, self._config.worker_port(self._at.slot), metrics_port)
+        settings = replace(EngineSettings.from_config(extra, self._config.worker_port(self._at.slot), metrics_port),
+                           launch=self._config.launch)
         factors = ";".join(f for f in (self._model, self._weights() if self._weights else "") if f)
         digest = msgspec.structs.replace(self._blocks.digest, first_layer=first, total_layers=self._at.total_layers,
                                          model=factors)

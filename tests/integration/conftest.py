@@ -76,7 +76,12 @@ def answers_like(base: str, body: dict[str, Any], like: str, unlike: str, why: s
     not as `unlike` does (more than 1e-3 apart somewhere: `why` the two differ)."""
     reply = httpx.post(f"{base}/v1/completions", json=body, timeout=timeout_s)
     assert reply.status_code == 200, reply.text
-    got = logprobs(reply.json())
+    answered_like(reply.json(), body, like, unlike, why)
+
+
+def answered_like(answer: dict[str, Any], body: dict[str, Any], like: str, unlike: str, why: str) -> None:
+    """`answer` is how `like` answers `body` (token log-probabilities within 1e-4), not how `unlike` does."""
+    got = logprobs(answer)
     assert max(abs(a - b) for a, b in zip(got, logprobs(complete(like, body)), strict=True)) < 1e-4
     assert max(abs(a - b) for a, b in zip(got, logprobs(complete(unlike, body)), strict=True)) > 1e-3, why
 

@@ -5,25 +5,39 @@ configuration does, without an error; the decode instance refuses the prefill wo
 the factor, and each request is answered as a colocated instance with the decode instance's configuration answers,
 its prompt computed on the decode instance at once, not after the transfer deadline (120 s here; the client gives up
 after 60). With GET, the prefill instance refuses the decode instance's pulls alike, frees the blocks it held for
-it, and then holds none for it."""
+it, and then holds none for it. Last, the prefill instance restarts with the decode side's settings: it is paired
+again, and its first push loads, though the decode worker still notes the refusal of the old one."""
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import signal
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
-from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
+from p2pkv.cli.cluster import Process
+from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params, prompt_digest
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from tests.helpers.servers import serve
-from tests.integration.conftest import Oracle, answers_like, complete, described_cluster, instance_of, metric
+from tests.integration.conftest import (
+    Oracle,
+    answered_like,
+    answers_like,
+    complete,
+    described_cluster,
+    instance_of,
+    metric,
+)
 from tests.integration.test_disagg import prompt
 
 pytestmark = pytest.mark.vllm
@@ -133,3 +147,91 @@ def test_a_proxy_with_static_lists_learns_of_the_refusal_by_probes_and_passes_th
             answers_like(f"http://{proxy}", body, mismatched["colocated"], oracle.url(), "the settings change it")
         assert metric(decode["metrics"], FAILED_LOADS) == failed, "no prefill instance pushed for them"
         assert metric(proxy, PASSED_OVER) == passed_over + 2
+
+
+def test_a_prefill_instance_restarted_with_matching_settings_is_paired_again_and_its_first_push_loads(
+        mismatched: dict[str, Any], oracle: Oracle) -> None:
+    """The prefill instance is killed and started again with the decode side's settings (its command line and
+    environment, plus the flag it lacked). Its heartbeats stopped for longer than the proxy waits, so the proxy
+    dropped it; it comes back under another engine id, and is paired again at once though the decode instance
+    still names the refusal of the old one. A load bound before the new instance's first hello (forced here: the
+    decode request goes first, the prefill request for the same transfer 2 s later) names the prefill instance's
+    new start (`prefill_launch`), so it waits for the push rather than failing on the old refusal. No load fails,
+    the KV moves, and the answers are the colocated instance's with those settings. Runs last: it changes the
+    cluster."""
+    prefill, decode = instance_of(mismatched, "kv_producer"), instance_of(mismatched, "kv_consumer")
+    proxy, model = mismatched["proxy"].removeprefix("http://"), mismatched["model"]
+    if metric(decode["metrics"], "p2pkv_refused_peers_total") == 0:  # run alone: have the old one refused first
+        body = {"model": model, "prompt": prompt("restart-0", 120), "max_tokens": 2}
+        assert httpx.post(f"{mismatched['proxy']}/v1/completions", json=body, timeout=DEADLINE_S / 2).is_success
+    _wait_for_the_proxy_to_hear_of_the_refusal(proxy, prefill)
+    old = psutil.Process(mismatched["pids"][0])
+    argv, env = old.cmdline(), old.environ()
+    assert "--hf-overrides" not in argv, argv
+    os.killpg(old.pid, signal.SIGKILL)  # the API server with its engine and worker
+    psutil.wait_procs([old], timeout=30)
+    restarted = Process("prefill0-restarted", [*argv, "--hf-overrides", OVERRIDE],
+                        Path(mismatched["log_dir"]) / "prefill0-restarted.log", env,
+                        f"http://{prefill['http']}/health", 1)
+    failed, loaded = metric(decode["metrics"], FAILED_LOADS), metric(decode["metrics"], "p2pkv_bytes_loaded_total")
+    try:
+        restarted.start()
+        deadline = time.monotonic() + 300
+        while not restarted.healthy():
+            assert restarted.exited() is None, restarted.log_tail()
+            assert time.monotonic() < deadline, "the restarted prefill instance did not come up"
+            time.sleep(0.5)
+        while not any(i["role"] == "prefill" for i in _listed(proxy)):
+            assert time.monotonic() < deadline, "the proxy did not hear from the restarted prefill instance"
+            time.sleep(0.2)
+        assert [r["address"] for i in _listed(proxy) if i["role"] == "decode" for r in i["refused"]] == [
+            prefill["kv"]], "the decode instance still names the old refusal"
+        _load_before_the_first_hello(mismatched, prefill, decode, oracle)
+        for i in range(2):
+            body = {"model": model, "prompt": prompt(f"restarted-{i}", 200 + 50 * i), "max_tokens": 16,
+                    "temperature": 0, "ignore_eos": True, "logprobs": 1}
+            answers_like(mismatched["proxy"], body, mismatched["colocated"], oracle.url(), "the settings change it")
+        assert metric(decode["metrics"], FAILED_LOADS) == failed, "no load failed on the old refusal"
+        assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") > loaded, "the KV moved"
+        # The new one's hello was accepted: the decode instance no longer names the refusal.
+        while any(i["refused"] for i in _listed(proxy)):
+            assert time.monotonic() < deadline + 30, "the refusal is still named"
+            time.sleep(0.2)
+    finally:
+        restarted.stop()
+
+
+def _listed(proxy: str) -> list[dict[str, Any]]:
+    listed: list[dict[str, Any]] = httpx.get(f"http://{proxy}/instances", timeout=10).json()["instances"]
+    return listed
+
+
+def _load_before_the_first_hello(info: dict[str, Any], prefill: dict[str, Any], decode: dict[str, Any],
+                                 oracle: Oracle) -> None:
+    """The proxy's two steps by hand, the decode step first: its load is bound and waits (the decode worker notes
+    the old prefill instance's refusal and has heard no hello since), then the prefill step pushes the KV. The
+    prefill instance's start comes from a pull (GET) by hand before it, which says hello only at the prefill
+    instance's listener."""
+    model, d_url, p_url = info["model"], f"http://{decode['http']}", f"http://{prefill['http']}"
+    text = prompt("restarted-get", 150)
+    held = complete(p_url, {"model": model, "prompt": text, "max_tokens": 1, "kv_transfer_params": PrefillParams(
+        uuid.uuid4().hex, Address.parse(decode["kv"]), pull=True).to_dict()})
+    pulled = parse_transfer_params(held["kv_transfer_params"])
+    assert isinstance(pulled, DecodeParams) and pulled.pull and pulled.prefill_launch, pulled
+    complete(d_url, {"model": model, "prompt": text, "max_tokens": 1, "kv_transfer_params": pulled.to_dict()})
+    tokens = httpx.post(f"{d_url}/tokenize", json={"model": model, "prompt": prompt("restarted-race", 260)},
+                        timeout=30).json()["tokens"]
+    tid = uuid.uuid4().hex
+    loads = DecodeParams(tid, len(tokens), Address.parse(prefill["kv"]), prompt=prompt_digest(tokens),
+                         prefill_launch=pulled.prefill_launch)
+    body = {"model": model, "prompt": tokens, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    failed = metric(decode["metrics"], FAILED_LOADS)
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(complete, d_url, {**body, "kv_transfer_params": loads.to_dict()})
+        time.sleep(2.0)
+        assert not answer.done() and metric(decode["metrics"], FAILED_LOADS) == failed, "the load waits"
+        complete(p_url, {"model": model, "prompt": tokens, "max_tokens": 1,
+                         "kv_transfer_params": PrefillParams(tid, Address.parse(decode["kv"])).to_dict()})
+        answered_like(answer.result(timeout=DEADLINE_S), body, info["colocated"], oracle.url(),
+                      "the settings change it")
+    assert metric(decode["metrics"], FAILED_LOADS) == failed

@@ -31,6 +31,9 @@ def test_prefill_and_decode_params_round_trip() -> None:
     leased = DecodeParams("abc123", 3, Address("h", 1), pull=True, lease_s=12.5)
     assert leased.to_dict()["prefill_lease_s"] == 12.5 and parse_transfer_params(leased.to_dict()) == leased
     assert "prefill_lease_s" not in dec.to_dict()
+    started = DecodeParams("abc123", 3, Address("h", 1), prefill_launch="0123456789abcdef")
+    assert started.to_dict()["prefill_launch"] == "0123456789abcdef"
+    assert parse_transfer_params(started.to_dict()) == started and "prefill_launch" not in dec.to_dict()
 
 
 def test_discard_params_round_trip_and_follow_the_prefill_answer() -> None:
@@ -75,6 +78,8 @@ def test_foreign_params_are_not_ours() -> None:
         {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prefill_lease_s": -1},
         {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prefill_lease_s": 1e9},
         {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prefill_lease_s": True},
+        {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prefill_launch": 5},
+        {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prefill_launch": "a b"},
         {"p2pkv": 1, "transfer_id": "x", "discard_transfer": True, "send_type": "GET"},  # GET: from where?
         {"p2pkv": 1, "transfer_id": "x", "discard_transfer": True, "prefill_tp_size": 0.5},
         {"p2pkv": 1, "transfer_id": "x", "discard_transfer": "yes"},

@@ -617,6 +617,33 @@ def test_parallel_sizes_from_heartbeats_need_no_probe() -> None:
     assert asyncio.run(router.kv_target(state.instance, {})) == KvTarget(kv, 2, 4, pulls=True)
 
 
+@pytest.mark.parametrize("restarted", [True, False])
+def test_an_instance_dropped_and_back_under_another_engine_id_is_paired_again_at_once(restarted: bool) -> None:
+    """A prefill instance the decode instance refused restarts (fixed): its heartbeats stop for longer than the
+    proxy waits, so it is dropped, and it comes back under another engine id while the decode instance still names
+    the refusal (no hello from the new engine yet). The pair is used again at once, as for a restart seen without a
+    drop. The control: back under the same engine id (its heartbeats were only lost), the pair stays passed over."""
+    from p2pkv.discovery import Announcement
+    from p2pkv.params import Address
+    from p2pkv.proxy.app import Router
+    from p2pkv.proxy.metrics import ProxyMetrics
+
+    router = Router(ProxyConfig((), (), discovery_port=1), None, ProxyMetrics())  # type: ignore[arg-type]
+    p_http, p_kv = Address("127.0.0.1", 8100), Address("127.0.0.1", 23100)
+    refusal = ((p_kv, "KV layout mismatch: dtype", 1.0),)
+    router.announce(Announcement("prefill", p_http, p_kv, 0.01, engine_id="before"))
+    router.announce(Announcement("decode", Address("127.0.0.1", 8200), Address("127.0.0.1", 23200), 60.0,
+                                 refused=refusal, engine_id="d"))
+    (decode,) = router.decode.states
+    assert len(router.unpaired(decode)) == 1
+    time.sleep(0.05)
+    assert router.prefill.count() == 0, "dropped: its heartbeats are overdue"
+    router.announce(Announcement("prefill", p_http, p_kv, 60.0, engine_id="after" if restarted else "before"))
+    router.announce(Announcement("decode", Address("127.0.0.1", 8200), Address("127.0.0.1", 23200), 60.0,
+                                 refused=refusal, engine_id="d"))
+    assert len(router.unpaired(decode)) == (0 if restarted else 1)
+
+
 @pytest.mark.parametrize("pulls", [True, False])
 def test_a_decode_instance_that_pulls_has_every_prefill_hold_its_kv(pulls: bool) -> None:
     """Its probe answer says it pulls (send_type GET on the decode instance): each prefill request asks for a

@@ -46,3 +46,16 @@ def test_the_snapshot_changes_version_at_each_refusal_and_clearing_and_keeps_the
     peers.accepted("h:1")
     cleared, notes = peers.snapshot()
     assert cleared != again and notes == {}
+
+
+def test_a_note_does_not_answer_for_a_later_start_of_the_refused_instance() -> None:
+    """A refusal is of one start of the peer's instance (`Hello.launch`): asked for another start (the peer
+    restarted since; its next hello decides), there is none; asked for the same, or without one, or when the
+    refused hello said none, there is."""
+    peers = RefusedPeers()
+    peers.refused("h:1", "dtype", "aaaaaaaaaaaaaaaa")
+    assert peers.reason("h:1", "aaaaaaaaaaaaaaaa") == peers.reason("h:1") == "dtype"
+    assert peers.reason("h:1", "bbbbbbbbbbbbbbbb") is None
+    assert peers.snapshot()[1]["h:1"].launch == "aaaaaaaaaaaaaaaa"
+    peers.refused("h:2", "dtype")  # an older peer, which says no start
+    assert peers.reason("h:2", "bbbbbbbbbbbbbbbb") == "dtype"

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the scheduler side imports vLLM's connector base class")
 
-from p2pkv.config import parse_connector_config
+from p2pkv.config import launch_of, parse_connector_config
 from p2pkv.engine.refused import Refusal
 from p2pkv.params import (
     Address,
@@ -223,6 +223,27 @@ def test_parallel_samples_on_the_prefill_side_send_the_transfer_once() -> None:
     assert s.request_finished(samples[1], []) == (False, answer)
     assert s.request_finished(samples[0], [1, 2, 3]) == (True, answer)
     assert s.request_finished(samples[2], []) == (False, answer)
+
+
+def test_the_answer_names_the_prefill_instances_start_and_the_load_passes_it_on() -> None:
+    """The prefill side's answer says which start of its instance holds the KV (`launch_of` vLLM's engine id); the
+    decode side's load carries it to its workers, which then do not fail it on a refusal of an earlier start."""
+    config = parse_connector_config("kv_producer", 21001, "recompute", {"kv_host": "127.0.0.1"}, "vllm-engine-1")
+    assert config.launch == launch_of("vllm-engine-1") and len(config.launch) == 16
+    assert launch_of("vllm-engine-2") != config.launch and launch_of("") == ""
+    prefill = SchedulerSide(config, BS)
+    req = Req("cmpl-p-0-abcd", list(range(300)), PrefillParams("t9", Address("127.0.0.1", 22001)).to_dict())
+    prefill.update_state_after_alloc(req, Blocks([1, 2, 3]), 0)
+    new = SimpleNamespace(req_id=req.request_id, block_ids=([1, 2, 3],), num_computed_tokens=0)
+    prefill.build_connector_meta(step([new], scheduled={req.request_id: 300}))
+    held, answer = prefill.request_finished(req, [1, 2, 3])
+    assert held and answer is not None and answer["prefill_launch"] == config.launch
+    decode = side("kv_consumer")
+    load = Req("cmpl-x-0-t9", list(range(300)), answer)
+    assert decode.get_num_new_matched_tokens(load, 0) == (299, True)
+    decode.update_state_after_alloc(load, Blocks([5, 6, 7]), 299)
+    (spec,) = decode.build_connector_meta(step()).loads
+    assert spec.prefill_launch == config.launch
 
 
 def test_producer_saves_once_when_a_chunked_prompt_completes() -> None:

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("vllm", reason="the worker side's metadata is vLLM's connector metadata class")
 
 from p2pkv.cli.cluster import free_ports
-from p2pkv.config import parse_connector_config
+from p2pkv.config import launch_of, parse_connector_config
 from p2pkv.engine.offers import OfferState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import HEADS_DIFFER, PULL_INSTEAD, StageState
@@ -49,14 +49,14 @@ def halves(stage: int, pp: int) -> range:
 
 def worker(role: str, port: int, rank: int, tp: int, total: int, kv: dict[str, torch.Tensor],
            pp_rank: int = 0, pp_size: int = 2, transport: str = "auto",
-           keys: dict[str, object] | None = None) -> WorkerSide:
+           keys: dict[str, object] | None = None, engine_id: str = "") -> WorkerSide:
     """With gloo pipes asked for (the `piped` mode), the transport is nccl's: pulls by pipe, no export. `keys`: more
-    kv_connector_extra_config."""
+    kv_connector_extra_config; `engine_id`: vLLM's for the instance (its start, `launch`)."""
     extra: dict[str, object] = {"kv_host": "127.0.0.1", "transfer_timeout_s": 10, "metrics_port": 0,
                                 "transport": transport, **(keys or {})}
     if os.environ.get(PIPE_ENV) == "gloo":
         extra["transport"] = "nccl"
-    config = parse_connector_config(role, port, "recompute", extra)
+    config = parse_connector_config(role, port, "recompute", extra, engine_id)
     side = WorkerSide(config, rank, TOKENS, tp, total, pp_rank, pp_size, MODEL_LAYERS, halves)
     side.register_kv_caches(kv)
     return side
@@ -415,6 +415,51 @@ def test_a_load_pushed_by_a_refused_prefill_worker_fails_at_once(sides: list[Wor
     time.sleep(0.2)
     assert decode.get_finished(set()) == (None, None)
     assert decode.take_load_errors() == set()
+
+
+def test_a_load_from_a_prefill_instance_restarted_since_its_refusal_waits_for_its_push(
+        sides: list[WorkerSide]) -> None:
+    """The decode worker refused the prefill worker (float32 blocks against its float64); that prefill instance
+    then restarts on the same port with float64 blocks (vLLM gives it another engine id). Its first push is on
+    the way, and its hello will be accepted: a load that names the new start (`DecodeParams.prefill_launch`) waits
+    for it and lands its bytes, though the refusal is still noted (no hello from the new start yet). The controls:
+    loads that name the refused start, or none, fail at once as before."""
+    p_port, d_port = free_ports(2, run=2)
+    keys: dict[str, object] = {"transfer_timeout_s": 60}
+    d_kv = {name: t.double() for name, t in caches(HEADS, 61).items()}
+    decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, pp_size=1, keys=keys, engine_id="decode-start")
+    before = worker("kv_producer", p_port, 0, 1, HEADS, caches(HEADS, 60), pp_size=1, keys=keys,
+                    engine_id="prefill-start-1")
+    sides += [decode, before]
+    before.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "old", Address("127.0.0.1", d_port), (3, 4))]))
+    before.wait_for_save()
+    out = before.engine.wait_outgoing("old", 10)
+    assert out is not None and out.state is OutState.FAILED and "KV layout mismatch" in out.reason, out
+    before.shutdown()
+    sides.remove(before)
+    prefill_at = Address("127.0.0.1", p_port)
+    old, new = launch_of("prefill-start-1"), launch_of("prefill-start-2")
+    for req, launch in (("refused-start", old), ("unnamed", "")):
+        decode.bind(P2pkvMetadata(loads=[LoadSpec(req, f"t-{req}", 0, (1,), fallback_from=prefill_at,
+                                                  prefill_launch=launch)]))
+        settle(decode, req, sending=False)
+        assert decode.take_load_errors() == {1}
+    p_kv = {name: t.double() for name, t in caches(HEADS, 62).items()}
+    after = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, pp_size=1, keys=keys, engine_id="prefill-start-2")
+    sides.append(after)
+    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "new", 0, (1, 2), fallback_from=prefill_at,
+                                              prefill_launch=new)]))
+    time.sleep(0.2)
+    assert decode.get_finished(set()) == (None, None), "it waits for the push"
+    assert decode.take_load_errors() == set()
+    assert decode.engine.refusal(prefill_at) is not None, "the refusal is still noted: no hello from there yet"
+    after.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "new", Address("127.0.0.1", d_port), (3, 4))]))
+    after.wait_for_save()
+    settle(decode, "d-req", sending=False)
+    assert decode.take_load_errors() == set()
+    assert decode.engine.refusal(prefill_at) is None, "the new start's hello was accepted"
+    for name in d_kv:
+        assert torch.equal(d_kv[name][1:3], p_kv[name][3:5]), name
 
 
 def test_a_get_transfer_is_not_held_for_a_decode_worker_this_worker_refused(sides: list[WorkerSide]) -> None:
