@@ -29,6 +29,11 @@ _LEGACY_ID = re.compile(r"___prefill_addr_(?P<prefill>[^_\s]+)___decode_addr_(?P
                         r"(?:-(?P<index>\d{1,6})(?=-))?")
 
 
+def is_launch(value: object) -> bool:
+    """A start of an instance as it is said (`p2pkv.config.launch_of`): 16 hex digits, or "" (not said)."""
+    return isinstance(value, str) and (not value or bool(_DIGEST.match(value)))
+
+
 def prompt_digest(token_ids: Sequence[int]) -> str:
     """Which prompt a transfer's KV was computed for: XXH3-64 of its token ids (as int64), 16 hex digits."""
     return xxhash.xxh3_64_hexdigest(np.asarray(token_ids, dtype=np.int64).tobytes())
@@ -73,6 +78,9 @@ class PrefillParams:
     inline: bool = False  # PUT: the prefill step waits until its push is sent
     decode_tp: int = 0  # the decode instance's tensor-parallel size, when the proxy knows it (0: not known)
     decode_pp: int = 0  # the decode instance's pipeline-parallel size, when the proxy knows it (0: not known)
+    # which start of the decode instance will pull (`p2pkv.config.launch_of`), when the proxy knows it: a refusal
+    # of an earlier start of it (before a restart) does not keep the blocks from being held for it
+    decode_launch: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {MARKER: PARAMS_VERSION, "transfer_id": self.transfer_id, "do_remote_decode": True}
@@ -82,6 +90,8 @@ class PrefillParams:
             out["decode_tp_size"] = self.decode_tp
         if self.decode_pp:
             out["decode_pp_size"] = self.decode_pp
+        if self.decode_launch:
+            out["decode_launch"] = self.decode_launch
         if self.pull:
             out["send_type"] = "GET"
         elif self.inline:
@@ -167,6 +177,7 @@ class ProbeAnswer:
     engine_id: str = ""
     kv_named: str = ""
     refused: tuple[tuple[str, str, float], ...] = ()
+    launch: str = ""  # this start of the instance (`p2pkv.config.launch_of`)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {MARKER: PARAMS_VERSION, "kv_port": self.kv_port, "kv_host": self.kv_host}
@@ -182,6 +193,8 @@ class ProbeAnswer:
             out["kv_named"] = self.kv_named
         if self.refused:
             out["refused"] = [list(r) for r in self.refused]
+        if self.launch:
+            out["launch"] = self.launch
         return out
 
 
@@ -278,7 +291,7 @@ def parse_transfer_params(raw: Any) -> AnyParams | None:
         decode = raw.get("decode_kv_address")
         return PrefillParams(transfer_id, Address.parse(decode) if isinstance(decode, str) else None,
                              _pull(raw), raw.get("send_type") == "PUT", _size(raw, "decode_tp_size"),
-                             _size(raw, "decode_pp_size"))
+                             _size(raw, "decode_pp_size"), _digest(raw, "decode_launch"))
     if raw.get("load_remote_kv"):
         tokens = raw.get("num_prompt_tokens")
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:

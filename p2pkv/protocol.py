@@ -306,6 +306,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     dp_rank: int = -1  # the data-parallel rank its API server reaches this engine by; -1: none (one engine)
     refused: tuple[PeerRefused, ...] = ()  # the latest refusals of its workers (`p2pkv.proxy.pairs`); a few at most
     pulls: bool = False  # a decode instance that takes its KV by pulls (its send_type GET), whatever the prefill's
+    launch: str = ""  # this start of the instance (`p2pkv.config.launch_of`); "": not said
 
 
 Message = (Hello | HelloReply | BlockRanges | PushBlocks | PushAck | PushAbort | PullRequest | PullReply | Heartbeat

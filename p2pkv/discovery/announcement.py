@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import msgspec
 
 from p2pkv.errors import ConfigError, ProtocolError
-from p2pkv.params import Address
+from p2pkv.params import Address, is_launch
 from p2pkv.protocol import MAGIC, FrameLimits, Heartbeat, decode_datagram
 
 ROLES = ("prefill", "decode", "both")
@@ -37,6 +37,7 @@ class Announcement:
     refused: tuple[tuple[Address, str, float], ...] = ()
     engine_id: str = ""  # another one from the same address: the instance restarted
     pulls: bool = False  # a decode instance that takes its KV by pulls
+    launch: str = ""  # this start of the instance (`p2pkv.config.launch_of`); "": not said
 
 
 def _address(value: object, key: str) -> Address:
@@ -62,6 +63,8 @@ def _typed(raw: bytes, secret: bytes) -> Announcement:
             raise ProtocolError(f"heartbeat {key} {size!r} is out of range")
     if not -1 <= message.dp_rank < 4096:
         raise ProtocolError(f"heartbeat dp_rank {message.dp_rank!r} is out of range")
+    if not is_launch(message.launch):
+        raise ProtocolError(f"heartbeat launch {message.launch[:40]!r}: expected 16 hex digits")
     if len(message.refused) > MAX_REFUSED:
         raise ProtocolError(f"heartbeat names {len(message.refused)} refused peers; {MAX_REFUSED} at most")
     refused = []
@@ -72,7 +75,7 @@ def _typed(raw: bytes, secret: bytes) -> Announcement:
     return Announcement(message.role, _address(message.http_address, "http_address"), kv, message.interval_s,
                         tp_size=message.tp_size, pp_size=message.pp_size,
                         dp_rank=message.dp_rank if message.dp_rank >= 0 else None, refused=tuple(refused),
-                        engine_id=message.engine_id[:64], pulls=message.pulls)
+                        engine_id=message.engine_id[:64], pulls=message.pulls, launch=message.launch)
 
 
 def _legacy(raw: bytes) -> Announcement:

@@ -46,14 +46,14 @@ def refused_in_beat(notes: Mapping[str, Refusal], now: float) -> tuple[PeerRefus
 class HeartbeatSender:
     def __init__(self, proxy: Address | Sequence[Address], role: str, http: Address, kv: Address, interval_s: float,
                  secret: bytes, tp_size: int = 0, pp_size: int = 0, legacy: bool = False,
-                 dp_rank: int | None = None, pulls: bool = False) -> None:
+                 dp_rank: int | None = None, pulls: bool = False, launch: str = "") -> None:
         """`proxy`: one proxy or several (each gets every heartbeat: proxies side by side, for availability).
         `legacy`: announce in the old connector's format, for its proxy (prefill or decode only, unsigned).
         `dp_rank`: the data-parallel rank this engine is reached by through the instance's API server. `pulls`: a
-        decode instance that takes its KV by pulls."""
+        decode instance that takes its KV by pulls. `launch`: this start of the instance."""
         self.proxies = (proxy,) if isinstance(proxy, Address) else tuple(proxy)
         self.message = Heartbeat(role, str(http), str(kv), interval_s, uuid.uuid4().hex, tp_size, pp_size,
-                                 -1 if dp_rank is None else dp_rank, pulls=pulls)
+                                 -1 if dp_rank is None else dp_rank, pulls=pulls, launch=launch)
         self._legacy = msgspec.msgpack.encode({"type": _LEGACY_TYPES[role], "http_address": str(http),
                                                "zmq_address": str(kv)}) if legacy else b""
         self.interval_s = interval_s
@@ -151,4 +151,5 @@ def sender_for(config: ConnectorConfig, tp_size: int = 0, pp_size: int = 0,
     return HeartbeatSender(proxies, _ROLE_NAMES[config.role],
                            Address(kv.host, extra.http_port), kv,
                            extra.heartbeat_interval_s, extra.auth_secret.encode(), tp_size, pp_size,
-                           extra.heartbeat_format is HeartbeatFormat.LEGACY, dp_rank, config.takes_pulls)
+                           extra.heartbeat_format is HeartbeatFormat.LEGACY, dp_rank, config.takes_pulls,
+                           config.launch)

@@ -227,17 +227,19 @@ class TransferEngine:
     # GET mode.
     def offer(self, transfer_id: str, total_blocks: int, source: ViewSource, lease_s: float,
               ranges: RangeSource | None = None, slicer: Slicer | None = None,
-              slice_ranges: SliceRanges | None = None, pulled_by: tuple[Address, ...] = ()) -> None:
+              slice_ranges: SliceRanges | None = None, pulled_by: tuple[Address, ...] = (),
+              pulled_by_launch: str = "") -> None:
         """Hold blocks for a decode engine to pull, until it does or the lease runs out; `ranges`: where they lie
         in the exported cache, for a puller that copies them itself (cuda_ipc); `slicer`: some heads of them, for
         decode ranks of another tensor-parallel size (each pulls its heads; served once all have); `slice_ranges`:
         where such slices lie in our storages (and the first of their layers), for pulls of them by reference or by
         pipe; `pulled_by`: the listeners of the decode ranks that will pull, where known: should this engine refuse
-        one at its hello, the blocks are freed at once (also when it was refused just before this offer)."""
+        one at its hello, the blocks are freed at once (also when it was refused just before this offer, unless
+        that was an earlier start of its instance than `pulled_by_launch`)."""
         named = frozenset(str(peer) for peer in pulled_by)
         self.offers.offer(transfer_id, total_blocks, source, lease_s, ranges, slicer, slice_ranges, named)
         for peer in named:  # a refusal noted since the caller asked, whose release did not see this offer
-            if (reason := self.refused.reason(peer)) is not None:
+            if (reason := self.refused.reason(peer, pulled_by_launch)) is not None:
                 self.offers.refused(peer, reason)
 
     def offer_state(self, transfer_id: str) -> OfferState | None:

@@ -106,17 +106,18 @@ class Router:
                 heard += [state] if (state := pool.find(instance)) is not None else []
             elif pool.remove(instance):
                 log.info("instance %s is no longer a %s instance", instance.name, pool.role)
-        self._heard(heard, a.engine_id, max(1, a.tp_size * a.pp_size), a.refused)
+        self._heard(heard, a.engine_id, max(1, a.tp_size * a.pp_size), a.refused, a.launch)
 
     def probed(self, states: list[InstanceState], probed: Probed) -> None:
         """A static instance without heartbeats answered a probe (`p2pkv.proxy.poll`)."""
         for state in states:
             state.kv_named = probed.named or state.kv_named
-        self._heard(states, probed.engine_id, probed.ranks, probed.refused)
+        self._heard(states, probed.engine_id, probed.ranks, probed.refused, probed.launch)
 
     def _heard(self, states: list[InstanceState], engine_id: str, ranks: int,
-               said: tuple[tuple[Address, str, float], ...]) -> None:
-        """What an instance said of its engine, its ranks and its refusals, for each of its states (one per pool)."""
+               said: tuple[tuple[Address, str, float], ...], launch: str) -> None:
+        """What an instance said of its engine, its ranks, its refusals and its start, for each of its states (one
+        per pool)."""
         now = time.monotonic()
         refused = refusals(said, now, states[0].kv_refused if states else ())
         for new in news(states[0].kv_refused, refused, now) if states else ():  # once, for a "both" instance too
@@ -124,7 +125,7 @@ class Router:
                         "are not paired for %.0f s", states[0].role, states[0].instance.name, new.address,
                         new.reason, new.until - now)
         for state in states:
-            state.heard(engine_id, ranks, refused, now)
+            state.heard(engine_id, ranks, refused, now, launch)
 
     def unpaired(self, decode: InstanceState) -> dict[Instance, str]:
         """The prefill instances that must not prefill for `decode` now, and why (`p2pkv.proxy.pairs`)."""
@@ -278,7 +279,7 @@ class Router:
         for attempt in range(self.config.transfer_retries + 1):
             target = await self._target(decode, headers)
             params = PrefillParams(trace.transfer_id, target.address, pull=target.pulls, decode_tp=target.tp,
-                                   decode_pp=target.pp)
+                                   decode_pp=target.pp, decode_launch=decode.launch)
             unpaired = self.unpaired(decode)
             if unpaired:
                 self.metrics.passed_over.inc(len(unpaired))

@@ -17,7 +17,7 @@ from typing import Any
 
 from p2pkv.discovery.announcement import MAX_REFUSED
 from p2pkv.errors import ConfigError
-from p2pkv.params import Address
+from p2pkv.params import Address, is_launch
 from p2pkv.proxy.instances import Instance
 from p2pkv.proxy.registry import InstanceState
 
@@ -32,6 +32,7 @@ class Probed:
     ranks: int  # tensor- times pipeline-parallel size (1 when not said)
     named: Address | None  # its first worker's address as its workers name it; None: not said
     refused: tuple[tuple[Address, str, float], ...]  # (a refused worker's address, why, seconds since)
+    launch: str = ""  # its start (`p2pkv.config.launch_of`); "": not said
 
 
 def _size(value: object) -> int:
@@ -45,6 +46,9 @@ def read_probe(answer: Mapping[str, Any]) -> Probed:
     engine_id, named, raw = answer.get("engine_id", ""), answer.get("kv_named", ""), answer.get("refused", [])
     if not isinstance(engine_id, str) or not isinstance(named, str):
         raise ValueError("engine_id and kv_named: expected strings")
+    launch = answer.get("launch", "")
+    if not is_launch(launch):
+        raise ValueError(f"launch: expected 16 hex digits, got {launch!r:.40}")
     if not isinstance(raw, list) or len(raw) > MAX_REFUSED:
         raise ValueError(f"refused: expected a list of at most {MAX_REFUSED} entries")
     refused = []
@@ -62,7 +66,7 @@ def read_probe(answer: Mapping[str, Any]) -> Probed:
     except ConfigError as exc:
         raise ValueError(f"kv_named: {exc}") from None
     ranks = _size(answer.get("tp_size")) * _size(answer.get("pp_size"))
-    return Probed(engine_id[:64], ranks, address, tuple(refused))
+    return Probed(engine_id[:64], ranks, address, tuple(refused), launch)
 
 
 class StaticPoller:

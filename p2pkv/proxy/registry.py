@@ -42,24 +42,25 @@ class InstanceState:
     engine_id: str = ""  # as its heartbeats name it: another one says it restarted
     up_since: float = 0.0  # monotonic: when the proxy heard it restarted; 0 if it has not
     kv_named: Address | None = None  # its first worker's address as its workers name it, where a probe said it
+    launch: str = ""  # its start as its heartbeats (or probes) say it (`p2pkv.config.launch_of`); "": not said
 
     def side(self) -> Side:
         return Side(f"{self.role} instance {self.instance.name}", self.kv_named or self.instance.kv, self.ranks,
                     self.kv_refused, self.up_since)
 
-    def heard(self, engine_id: str, ranks: int, refused: tuple[Refused, ...], now: float) -> None:
-        """What a heartbeat said of its parallel size, its refusals, and the engine id it runs as now."""
+    def heard(self, engine_id: str, ranks: int, refused: tuple[Refused, ...], now: float, launch: str = "") -> None:
+        """What a heartbeat said of its parallel size, its refusals, the engine id it runs as now and its start."""
         if engine_id and self.engine_id and engine_id != self.engine_id:
             log.info("%s instance %s restarted (engine %s)", self.role, self.instance.name, engine_id)
             self.up_since = now
         self.engine_id = engine_id or self.engine_id
-        self.ranks, self.kv_refused = ranks, refused
+        self.ranks, self.kv_refused, self.launch = ranks, refused, launch
 
     def describe(self) -> dict[str, object]:
         return {"role": self.role, "address": str(self.instance.http), "dp_rank": self.instance.dp_rank,
                 "kv_address": str(self.instance.kv) if self.instance.kv else None,
                 "last_heartbeat": self.last_heartbeat, "in_flight": self.in_flight, "failures": self.failures,
-                "source": "heartbeat" if self.discovered else "static",
+                "source": "heartbeat" if self.discovered else "static", "launch": self.launch or None,
                 "shunned_s": round(max(0.0, self.shunned_until - time.monotonic()), 1),
                 "refused": [{"address": str(r.address), "reason": r.reason,
                              "paired_again_in_s": round(max(0.0, r.until - time.monotonic()), 1)}

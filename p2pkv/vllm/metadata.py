@@ -27,6 +27,7 @@ class SaveSpec:
     # none of its pulls would be accepted.
     pulled_by: Address | None = None
     pullers: int = 0
+    puller_launch: str = ""  # which start of that instance will pull (its refusals before that start do not count)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class _Producer:
     preempted: bool = False  # preempted after a save: its next save holds the transfer again, in its new blocks
     pulled_by: Address | None = None  # GET: the decode instance that will pull (rank 0), when the proxy said
     pullers: int = 0  # its ranks
+    puller_launch: str = ""  # GET: which start of that instance will pull, when the proxy said
 
 
 @dataclass
@@ -176,7 +177,8 @@ class SchedulerSide:
             producer = _Producer(params.transfer_id, None if pull else params.decode_kv, num_prompt, inline,
                                  prompt_digest(request.prompt_token_ids or ()),
                                  pulled_by=params.decode_kv if pull else None,
-                                 pullers=(params.decode_tp or self._tp_size) * (params.decode_pp or self._pp_size))
+                                 pullers=(params.decode_tp or self._tp_size) * (params.decode_pp or self._pp_size),
+                                 puller_launch=params.decode_launch if pull else "")
             self._producers[req_id] = producer
             self._producing[params.transfer_id] = (producer, time.monotonic())
             return
@@ -292,7 +294,8 @@ class SchedulerSide:
                 meta.saves.append(SaveSpec(req_id, producer.transfer_id, None, blocks, again=True))
             else:
                 meta.saves.append(SaveSpec(req_id, producer.transfer_id, producer.peer, blocks, producer.inline,
-                                           pulled_by=producer.pulled_by, pullers=producer.pullers))
+                                           pulled_by=producer.pulled_by, pullers=producer.pullers,
+                                           puller_launch=producer.puller_launch))
         return meta
 
     def _forget_claims(self, now: float) -> None:
@@ -317,7 +320,8 @@ class SchedulerSide:
             return False, ProbeAnswer(self._config.kv_port, "" if host in ("0.0.0.0", "::") else host,
                                       self._tp_size, self._pp_size, self._config.takes_pulls, self._engine_id,
                                       str(self._own_address),
-                                      tuple((p.address, p.reason, p.age_s) for p in said)).to_dict()
+                                      tuple((p.address, p.reason, p.age_s) for p in said),
+                                      self._config.launch).to_dict()
         self._consumed.discard(req_id)
         self._prompts.pop(req_id, None)
         self._waiting.drop(req_id)

@@ -241,12 +241,12 @@ class WorkerSide:
 
         self.engine.offer(tid, len(ids), self.blocks.source(tid, ids), self._config.extra.lease_s,
                           self.blocks.ranges(tid, ids), lambda wanted, layers: piece(wanted, layers).source(tid, ids),
-                          slice_ranges, _pullers(spec))
+                          slice_ranges, _pullers(spec), spec.puller_launch)
 
     def _refused_puller(self, spec: SaveSpec) -> tuple[Address, str] | None:
         """A rank of the decode instance that will pull `spec` (GET) that this worker refused at its hello, and why."""
         for peer in _pullers(spec):
-            reason = self.engine.refusal(peer)
+            reason = self.engine.refusal(peer, spec.puller_launch)
             if reason is not None:
                 return peer, reason
         return None

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from p2pkv.cli.cluster import free_port
-from p2pkv.config import parse_connector_config
+from p2pkv.config import launch_of, parse_connector_config
 from p2pkv.discovery import HeartbeatSender, parse_announcement
 from p2pkv.discovery.announcement import MAX_ANNOUNCEMENT_BYTES
 from p2pkv.discovery.heartbeat import MAX_REASON_BYTES, MAX_REFUSAL_AGE_S, MAX_REFUSED, sender_for
@@ -48,6 +48,9 @@ def test_both_formats_parse() -> None:
     assert new.tp_size == 0  # not said
     sized = parse_announcement(encode_datagram(Heartbeat("decode", "h:4", "h:5", 1.0, "e", 4, 2), b""), b"")
     assert (sized.tp_size, sized.pp_size) == (4, 2)
+    assert sized.launch == ""  # not said
+    started = Heartbeat("decode", "h:4", "h:5", 1.0, "e", launch="0123456789abcdef")
+    assert parse_announcement(encode_datagram(started, b""), b"").launch == "0123456789abcdef"
 
 
 @pytest.mark.parametrize("raw, secret, error", [
@@ -71,6 +74,7 @@ def test_both_formats_parse() -> None:
      "refusal age"),
     (encode_datagram(Heartbeat("decode", "h:1", "", 1.0, refused=(PeerRefused("nohost", "x", 1.0),)), b""), b"",
      "refused address"),
+    (encode_datagram(Heartbeat("decode", "h:1", "", 1.0, launch="not-hex-digits!!"), b""), b"", "launch"),
     (encode_datagram(PushAbort("t", "r"), b""), b"", "expected a heartbeat"),
     (encode_frame(Heartbeat("decode", "h:1", "", 1.0), 10, b""), b"", "payload of 10 bytes"),
     (b"P2KV" + bytes(10_000), b"", "too large"),
@@ -254,7 +258,10 @@ def test_sender_from_connector_config() -> None:
     assert sender is not None
     assert (sender.message.role, sender.message.http_address, sender.message.kv_address, sender.interval_s) == (
         "decode", "127.0.0.1:8100", "127.0.0.1:14579", 1.5)
-    assert not sender.message.pulls
+    assert not sender.message.pulls and sender.message.launch == ""  # no engine id given
+    started = sender_for(parse_connector_config("kv_consumer", 14579, "recompute", {
+        "proxy_ip": "127.0.0.1", "proxy_port": 30001, "http_port": 8100}, "vllm-engine"))
+    assert started is not None and parse_announcement(started.beat(), b"").launch == launch_of("vllm-engine")
     for role, pulls in (("kv_consumer", True), ("kv_producer", False)):
         got = sender_for(parse_connector_config(role, 14579, "recompute", {
             "proxy_ip": "127.0.0.1", "proxy_port": 30001, "http_port": 8100, "send_type": "GET"}))
@@ -402,3 +409,22 @@ def test_instances_that_refused_each_other_are_not_paired_until_the_refusal_is_o
         time.sleep(0.5)
         ask(2)
         assert len(p1_seen) > before, "refusals from before its restart no longer count"
+
+
+def test_the_decode_instances_start_goes_to_the_prefill_instance_with_each_request() -> None:
+    """A decode instance's heartbeats say its start (`launch`); the proxy lists it and names it in each prefill
+    request for that decode instance (`decode_launch`), so that a prefill worker that refused an earlier start of it
+    still holds the KV for it (GET). A restart's heartbeats name the new start, and the next request carries it."""
+    p_seen: list[dict[str, Any]] = []
+    p_kv, d_kv = Address("127.0.0.1", 7400), Address("127.0.0.1", 7500)
+    with serve(stub_prefill(p_seen)) as p, serve(stub_decode([])) as d, discovering_proxy() as (proxy, send, _):
+        for launch in ("0123456789abcdef", "fedcba9876543210"):
+            send(encode_datagram(Heartbeat("prefill", p, str(p_kv), 3.0, "p"), b""))
+            send(encode_datagram(Heartbeat("decode", d, str(d_kv), 3.0, f"d-{launch}", 1, 1, pulls=True,
+                                           launch=launch), b""))
+            wait_for(lambda: [i["launch"] for i in listed(proxy) if i["role"] == "decode"] == [launch])  # noqa: B023
+            resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert resp.status_code == 200, resp.text
+            params = p_seen[-1]["body"]["kv_transfer_params"]
+            assert params["decode_launch"] == launch and params["send_type"] == "GET", params
+        assert [i["launch"] for i in listed(proxy) if i["role"] == "prefill"] == [None]  # its heartbeats said none

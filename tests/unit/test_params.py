@@ -24,6 +24,9 @@ def test_prefill_and_decode_params_round_trip() -> None:
     assert parse_transfer_params(ProbeParams().to_dict()) == ProbeParams()
     sized = PrefillParams("abc123", None, decode_tp=2, decode_pp=4)
     assert parse_transfer_params(sized.to_dict()) == sized
+    pulled_by = PrefillParams("abc123", Address("h", 1), pull=True, decode_launch="fedcba9876543210")
+    assert pulled_by.to_dict()["decode_launch"] == "fedcba9876543210"
+    assert parse_transfer_params(pulled_by.to_dict()) == pulled_by and "decode_launch" not in sized.to_dict()
     sized_back = DecodeParams("abc123", 300, None, prefill_tp=4, prefill_pp=2)
     assert parse_transfer_params(sized_back.to_dict()) == sized_back
     digested = DecodeParams("abc123", 3, None, prompt=prompt_digest([5, 6, 7]))
@@ -71,6 +74,7 @@ def test_foreign_params_are_not_ours() -> None:
         {"p2pkv": 1, "transfer_id": "x"},
         {"p2pkv": 1, "transfer_id": "x", "do_remote_decode": True, "decode_kv_address": "nohost"},
         {"p2pkv": 1, "transfer_id": "x", "do_remote_decode": True, "decode_pp_size": -1},
+        {"p2pkv": 1, "transfer_id": "x", "do_remote_decode": True, "decode_launch": "0123"},
         {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prefill_pp_size": "2"},
         {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prompt_digest": 7},
         {"p2pkv": 1, "transfer_id": "x", "load_remote_kv": True, "num_prompt_tokens": 3, "prompt_digest": "XYZ"},

@@ -238,6 +238,13 @@ def test_the_answer_names_the_prefill_instances_start_and_the_load_passes_it_on(
     prefill.build_connector_meta(step([new], scheduled={req.request_id: 300}))
     held, answer = prefill.request_finished(req, [1, 2, 3])
     assert held and answer is not None and answer["prefill_launch"] == config.launch
+    # GET: the decode instance's start, as the proxy names it, goes with the save to the workers.
+    pulled = Req("cmpl-p-1-abcd", list(range(300)), PrefillParams(
+        "t10", Address("127.0.0.1", 22001), pull=True, decode_launch=launch_of("decode-engine")).to_dict())
+    prefill.update_state_after_alloc(pulled, Blocks([4, 5, 6]), 0)
+    new = SimpleNamespace(req_id=pulled.request_id, block_ids=([4, 5, 6],), num_computed_tokens=0)
+    (save,) = prefill.build_connector_meta(step([new], scheduled={pulled.request_id: 300})).saves
+    assert save.pulled_by == Address("127.0.0.1", 22001) and save.puller_launch == launch_of("decode-engine")
     decode = side("kv_consumer")
     load = Req("cmpl-x-0-t9", list(range(300)), answer)
     assert decode.get_num_new_matched_tokens(load, 0) == (299, True)
@@ -342,12 +349,13 @@ def test_a_probe_answer_says_what_a_heartbeat_says_the_engine_and_the_refusals()
     now = time.monotonic()
     notes = {"10.0.0.2:21001": Refusal("KV layout mismatch: model.weights: ours a, peer b", now - 5.0),
              "10.0.0.3:21001": Refusal("block_size: ours 16, peer 32", now - 1.0)}
-    s = SchedulerSide(parse_connector_config("kv_consumer", 21001, "recompute", {"kv_host": "10.0.0.1"}), BS,
-                      engine_id="e1", refused=lambda: notes)
+    s = SchedulerSide(parse_connector_config("kv_consumer", 21001, "recompute", {"kv_host": "10.0.0.1"}, "vllm-e"),
+                      BS, engine_id="e1", refused=lambda: notes)
     req = Req("probe", [0], {"p2pkv": 1, "probe": True})
     s.get_num_new_matched_tokens(req, 0)
     answer = s.request_finished(req, [])[1]
     assert answer is not None and answer["engine_id"] == "e1" and answer["kv_named"] == "10.0.0.1:21001"
+    assert answer["launch"] == launch_of("vllm-e")
     assert [entry[:2] for entry in answer["refused"]] == [
         ["10.0.0.3:21001", "block_size: ours 16, peer 32"],
         ["10.0.0.2:21001", "KV layout mismatch: model.weights: ours a, peer b"]]
@@ -647,6 +655,7 @@ def test_requests_named_by_an_old_proxy_move_their_kv(send_type: str) -> None:
         (tid, None if pull else Address("10.0.0.2", 22001), (1, 2, 3))]
     # Held for a pull, the transfer names the decode instance that will pull it (its one rank, as ours).
     assert [(sv.pulled_by, sv.pullers) for sv in saves] == [(Address("10.0.0.2", 22001) if pull else None, 1)]
+    assert [sv.puller_launch for sv in saves] == [""]  # the old proxy says no start
     delay, answer = producer.request_finished(req, [1, 2, 3])
     assert delay is True and parse_transfer_params(answer).transfer_id == tid  # type: ignore[union-attr]
 

@@ -495,6 +495,51 @@ def test_a_get_transfer_is_not_held_for_a_decode_worker_this_worker_refused(side
     assert prefill.get_finished({"p-req3"})[0] is None
 
 
+def test_a_get_transfer_is_held_for_a_decode_instance_restarted_since_its_refusal(sides: list[WorkerSide]) -> None:
+    """GET: the prefill worker refused the decode worker's pull (float64 blocks against its float32); the decode
+    instance then restarts on the same port with float32 blocks (another engine id). A save whose decode instance
+    the proxy names by its new start (`PrefillParams.decode_launch`) is held for it, though the refusal is still
+    noted (no hello from the new start yet), and its pull lands the bytes. The controls: saves naming the refused
+    start, or none, are not held."""
+    p_port, d_port = free_ports(2, run=2)
+    keys: dict[str, object] = {"transfer_timeout_s": 60, "lease_s": 60}
+    p_kv = caches(HEADS, 70)
+    prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, pp_size=1, keys=keys, engine_id="prefill-start")
+    before = worker("kv_consumer", d_port, 0, 1, HEADS, {name: t.double() for name, t in caches(HEADS, 71).items()},
+                    pp_size=1, keys=keys, engine_id="decode-start-1")
+    sides += [prefill, before]
+    prefill_at, decode_at = Address("127.0.0.1", p_port), Address("127.0.0.1", d_port)
+
+    def save(req: str, tid: str, launch: str) -> None:
+        prefill.bind(P2pkvMetadata(saves=[SaveSpec(req, tid, None, (3, 4), pulled_by=decode_at, pullers=1,
+                                                   puller_launch=launch)]))
+        prefill.wait_for_save()
+
+    save("p-req", "g1", launch_of("decode-start-1"))
+    before.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "g1", 0, (1, 2), pull_from=prefill_at)]))
+    settle(before, "d-req", sending=False)
+    assert before.take_load_errors() == {1, 2}
+    before.shutdown()
+    sides.remove(before)
+    assert prefill.get_finished({"p-req"})[0] == {"p-req"}
+    for req, launch in (("refused-start", launch_of("decode-start-1")), ("unnamed", "")):
+        save(req, f"g-{req}", launch)
+        assert prefill.engine.offer_state(f"g-{req}") is None, "not held: the refused start, or none named"
+        assert prefill.get_finished({req})[0] == {req}
+    d_kv = caches(HEADS, 72)
+    after = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, pp_size=1, keys=keys, engine_id="decode-start-2")
+    sides.append(after)
+    save("p-req2", "g2", launch_of("decode-start-2"))
+    assert prefill.engine.offer_state("g2") is OfferState.OFFERED, "held for the new start"
+    assert prefill.engine.refusal(decode_at) is not None, "the refusal is still noted: no hello from there yet"
+    after.bind(P2pkvMetadata(loads=[LoadSpec("d-req2", "g2", 0, (1, 2), pull_from=prefill_at)]))
+    settle(after, "d-req2", sending=False)
+    assert after.take_load_errors() == set()
+    assert prefill.engine.refusal(decode_at) is None, "the new start's hello was accepted"
+    for name in d_kv:
+        assert torch.equal(d_kv[name][1:3], p_kv[name][3:5]), name
+
+
 @pytest.mark.parametrize("discarded", [True, False])
 def test_a_discarded_push_is_freed_when_it_arrives_and_never_reported(sides: list[WorkerSide],
                                                                       discarded: bool) -> None:
