@@ -173,7 +173,7 @@ def test_a_prefill_instance_restarted_with_matching_settings_is_paired_again_and
     restarted = Process("prefill0-restarted", [*argv, "--hf-overrides", OVERRIDE],
                         Path(mismatched["log_dir"]) / "prefill0-restarted.log", env,
                         f"http://{prefill['http']}/health", 1)
-    failed, loaded = metric(decode["metrics"], FAILED_LOADS), metric(decode["metrics"], "p2pkv_bytes_loaded_total")
+    failed = metric(decode["metrics"], FAILED_LOADS)
     try:
         restarted.start()
         deadline = time.monotonic() + 300
@@ -187,12 +187,14 @@ def test_a_prefill_instance_restarted_with_matching_settings_is_paired_again_and
         assert [r["address"] for i in _listed(proxy) if i["role"] == "decode" for r in i["refused"]] == [
             prefill["kv"]], "the decode instance still names the old refusal"
         _load_before_the_first_hello(mismatched, prefill, decode, oracle)
+        loaded, passed_over = metric(decode["metrics"], "p2pkv_bytes_loaded_total"), metric(proxy, PASSED_OVER)
         for i in range(2):
             body = {"model": model, "prompt": prompt(f"restarted-{i}", 200 + 50 * i), "max_tokens": 16,
                     "temperature": 0, "ignore_eos": True, "logprobs": 1}
             answers_like(mismatched["proxy"], body, mismatched["colocated"], oracle.url(), "the settings change it")
         assert metric(decode["metrics"], FAILED_LOADS) == failed, "no load failed on the old refusal"
-        assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") > loaded, "the KV moved"
+        assert metric(proxy, PASSED_OVER) == passed_over, "the pair was used: the refusal predates the restart"
+        assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") > loaded, "the KV moved through the proxy"
         # The new one's hello was accepted: the decode instance no longer names the refusal.
         while any(i["refused"] for i in _listed(proxy)):
             assert time.monotonic() < deadline + 30, "the refusal is still named"
