@@ -86,6 +86,14 @@ def _data_parallel(vllm_config: VllmConfig) -> tuple[int, int | None]:
     return local, local if pc.data_parallel_hybrid_lb else index
 
 
+def _start_of(vllm_config: VllmConfig) -> str:
+    """What tells this start of the instance from its others, the same in its scheduler and its workers: the engine
+    id of its KV transfer and the instance id, each drawn afresh at every start by vLLM unless set."""
+    engine_id = str(getattr(vllm_config.kv_transfer_config, "engine_id", "") or "")
+    instance_id = str(getattr(vllm_config, "instance_id", "") or "")
+    return f"{engine_id}/{instance_id}" if engine_id or instance_id else ""
+
+
 def _total_kv_heads(vllm_config: VllmConfig) -> int:
     """KV heads over all tensor-parallel ranks; MLA's latent is one head that every rank holds."""
     model = vllm_config.model_config
@@ -103,7 +111,7 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
         _route_logs()
         tc = vllm_config.kv_transfer_config
         config = parse_connector_config(tc.kv_role, tc.kv_port, getattr(tc, "kv_load_failure_policy", "fail"),
-                                        tc.kv_connector_extra_config, str(getattr(tc, "engine_id", "") or ""))
+                                        tc.kv_connector_extra_config, _start_of(vllm_config))
         block_size = vllm_config.cache_config.block_size
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)

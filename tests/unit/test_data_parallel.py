@@ -20,7 +20,7 @@ from p2pkv.params import Address
 from p2pkv.protocol import Heartbeat, encode_datagram
 from p2pkv.proxy.instances import DP_RANK_HEADER, Instance
 from p2pkv.proxy.registry import Policy, Pool
-from p2pkv.vllm.connector import _data_parallel
+from p2pkv.vllm.connector import _data_parallel, _start_of
 from tests.helpers.servers import serve
 from tests.helpers.stubs import stub_decode, stub_prefill
 from tests.unit.test_discovery import discovering_proxy, listed, wait_for
@@ -186,3 +186,16 @@ def test_server_wide_endpoints_are_asked_of_one_engine_per_server() -> None:
             for sender in senders:
                 sender.close()
     assert lookups == ["resp_missing", "resp_missing"]  # once for each request, not once per engine
+
+
+def test_a_start_of_an_instance_is_told_by_vllms_engine_and_instance_ids() -> None:
+    """Each is drawn afresh at every start unless set: with either set on the command line, the other still tells
+    two starts apart; with both set, they are one start as far as peers can tell; with neither, none is said."""
+
+    def config(engine_id: str | None, instance_id: str) -> Any:
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(engine_id=engine_id), instance_id=instance_id)
+
+    starts = {_start_of(config(e, i)) for e, i in (("e1", "ab12c"), ("e1", "ff00d"), ("e2", "ab12c"))}
+    assert len(starts) == 3
+    assert _start_of(config("e1", "ab12c")) == _start_of(config("e1", "ab12c"))
+    assert _start_of(config(None, "")) == "" and _start_of(config("", "ab12c")) != ""
