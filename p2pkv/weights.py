@@ -22,13 +22,13 @@ SAMPLE_BYTES = 256
 MIN_SAMPLES = 64
 BYTES_PER_SAMPLE = 32 << 20
 _INDEX = "model.safetensors.index.json"
-_FALLBACK_SUFFIXES = (".bin", ".pt", ".pth")
+_FALLBACK_SUFFIXES = (".bin", ".pt", ".pth", ".gguf")
 
 
 def weight_files(directory: Path) -> list[Path]:
     """The files that hold a model's weights, sorted by name: those its safetensors index names, else every
-    `*.safetensors` file at its top level, else every `*.bin`, `*.pt` and `*.pth` file (files another format
-    leaves beside the ones loaded, say a `consolidated.safetensors` no index names, are not counted)."""
+    `*.safetensors` file at its top level, else every `*.bin`, `*.pt`, `*.pth` and `*.gguf` file (files another
+    format leaves beside the ones loaded, say a `consolidated.safetensors` no index names, are not counted)."""
     index = directory / _INDEX
     if index.is_file():
         try:
@@ -55,9 +55,11 @@ def sample_offsets(size: int) -> list[int]:
     return [round(i * step) for i in range(count)]
 
 
-def fingerprint(directory: str | Path) -> str:
-    """16 hex digits for the weights in `directory`; "" where it holds no weight files."""
-    files = weight_files(Path(directory))
+def fingerprint(location: str | Path) -> str:
+    """16 hex digits for the weights in the directory `location`, or in the one file it names (a GGUF model is
+    loaded from its file); "" where it holds no weight files."""
+    path = Path(location)
+    files = [path] if path.is_file() else weight_files(path)
     if not files:
         return ""
     digest = hashlib.blake2b(digest_size=8)

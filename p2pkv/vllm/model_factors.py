@@ -48,23 +48,24 @@ def model_factors(vllm_config: VllmConfig) -> str:
 
 
 def weights_factor(vllm_config: VllmConfig) -> str:
-    """`weights=<fingerprint>` of the files the model was loaded from: its directory, or its snapshot in the
-    Hugging Face cache (looked up without the network); "" where neither holds weight files (another loader, say):
+    """`weights=<fingerprint>` of the files the model was loaded from: its directory (or its one file, a GGUF
+    model's), or its snapshot in the Hugging Face cache (looked up without the network); "" where neither holds
+    weight files (another loader, say):
     not known, and not compared with a peer's. vLLM's `dummy` load format (seeded random weights) is `weights=dummy`."""
     model, load = vllm_config.model_config, getattr(vllm_config, "load_config", None)
     if str(getattr(load, "load_format", "")) == "dummy":  # seeded random weights, whatever the files hold
         return "weights=dummy"
     started = time.monotonic()
-    directory = _weights_directory(str(model.model), getattr(model, "revision", None),
-                                   getattr(load, "download_dir", None))
-    found = fingerprint(directory) if directory is not None else ""
+    location = _weights_location(str(model.model), getattr(model, "revision", None),
+                                 getattr(load, "download_dir", None))
+    found = fingerprint(location) if location is not None else ""
     log.info("weights of %s: %s (%.2f s)", model.model, f"fingerprint {found}" if found
              else "no weight files found, not compared with peers", time.monotonic() - started)
     return f"weights={found}" if found else ""
 
 
-def _weights_directory(name: str, revision: str | None, cache_dir: str | None) -> Path | None:
-    if os.path.isdir(name):
+def _weights_location(name: str, revision: str | None, cache_dir: str | None) -> Path | None:
+    if os.path.isdir(name) or os.path.isfile(name):
         return Path(name)
     try:
         from huggingface_hub import snapshot_download

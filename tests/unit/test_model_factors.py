@@ -47,6 +47,10 @@ def test_the_weights_factor_is_the_fingerprint_of_the_files_the_model_was_loaded
     loaded = SimpleNamespace(model_config=SimpleNamespace(model=str(model), revision=None),
                              load_config=SimpleNamespace(download_dir=None))
     assert weights_factor(loaded) == f"weights={fingerprint(model)}"
+    # A model loaded from its one file (GGUF): that file.
+    one_file = SimpleNamespace(model_config=SimpleNamespace(model=str(model / "model.safetensors"), revision=None),
+                               load_config=SimpleNamespace(download_dir=None))
+    assert weights_factor(one_file) == f"weights={fingerprint(model)}"
     # vLLM's dummy load format fills the weights with seeded random values, whatever the files hold.
     dummy = SimpleNamespace(model_config=loaded.model_config,
                             load_config=SimpleNamespace(download_dir=None, load_format="dummy"))

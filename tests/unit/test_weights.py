@@ -69,3 +69,15 @@ def test_samples_cover_a_file_from_start_to_end_more_of_them_in_a_larger_file() 
     assert len(offsets) == 100 and offsets[0] == 0 and offsets[-1] == size - SAMPLE_BYTES
     assert offsets == sorted(set(offsets))
     assert len(sample_offsets(5 * BYTES_PER_SAMPLE)) == MIN_SAMPLES
+
+
+def test_a_model_in_one_file_is_fingerprinted_from_that_file(models: dict[str, Path], tmp_path: Path) -> None:
+    """A GGUF model is loaded from its one file (`--model model.gguf`): that file is fingerprinted as the one weight
+    file of a directory would be, and a directory of GGUF files counts them."""
+    for key in ("a", "b"):
+        one = tmp_path / key
+        one.mkdir()
+        shutil.copy(models[key] / "model.safetensors", one / "model-Q8_0.gguf")
+        assert fingerprint(one / "model-Q8_0.gguf") == fingerprint(models[key]) == fingerprint(one)
+        assert weight_files(one) == [one / "model-Q8_0.gguf"]
+    assert fingerprint(tmp_path / "a" / "model-Q8_0.gguf") != fingerprint(tmp_path / "b" / "model-Q8_0.gguf")
