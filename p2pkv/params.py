@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import xxhash
@@ -29,8 +29,8 @@ _LEGACY_ID = re.compile(r"___prefill_addr_(?P<prefill>[^_\s]+)___decode_addr_(?P
                         r"(?:-(?P<index>\d{1,6})(?=-))?")
 
 
-def is_launch(value: object) -> bool:
-    """A start of an instance as it is said (`p2pkv.config.launch_of`): 16 hex digits, or "" (not said)."""
+def hex16_or_empty(value: object) -> TypeGuard[str]:
+    """16 hex digits (a prompt's digest, or a start of an instance: `p2pkv.config.launch_of`), or "" (not said)."""
     return isinstance(value, str) and (not value or bool(_DIGEST.match(value)))
 
 
@@ -261,7 +261,7 @@ def _size(raw: dict[str, Any], key: str) -> int:
 def _digest(raw: dict[str, Any], key: str) -> str:
     """16 hex digits, or "" when not said."""
     value = raw.get(key, "")
-    if not isinstance(value, str) or (value and not _DIGEST.match(value)):
+    if not hex16_or_empty(value):
         raise ConfigError(f"kv_transfer_params.{key}: expected 16 hex digits, got {value!r}")
     return value
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import msgspec
 
 from p2pkv.errors import ConfigError, ProtocolError
-from p2pkv.params import Address, is_launch
+from p2pkv.params import Address, hex16_or_empty
 from p2pkv.protocol import MAGIC, FrameLimits, Heartbeat, decode_datagram
 
 ROLES = ("prefill", "decode", "both")
@@ -63,7 +63,7 @@ def _typed(raw: bytes, secret: bytes) -> Announcement:
             raise ProtocolError(f"heartbeat {key} {size!r} is out of range")
     if not -1 <= message.dp_rank < 4096:
         raise ProtocolError(f"heartbeat dp_rank {message.dp_rank!r} is out of range")
-    if not is_launch(message.launch):
+    if not hex16_or_empty(message.launch):
         raise ProtocolError(f"heartbeat launch {message.launch[:40]!r}: expected 16 hex digits")
     if len(message.refused) > MAX_REFUSED:
         raise ProtocolError(f"heartbeat names {len(message.refused)} refused peers; {MAX_REFUSED} at most")

@@ -17,7 +17,7 @@ from typing import Any
 
 from p2pkv.discovery.announcement import MAX_REFUSED
 from p2pkv.errors import ConfigError
-from p2pkv.params import Address, is_launch
+from p2pkv.params import Address, hex16_or_empty
 from p2pkv.proxy.instances import Instance
 from p2pkv.proxy.registry import InstanceState
 
@@ -47,7 +47,7 @@ def read_probe(answer: Mapping[str, Any]) -> Probed:
     if not isinstance(engine_id, str) or not isinstance(named, str):
         raise ValueError("engine_id and kv_named: expected strings")
     launch = answer.get("launch", "")
-    if not is_launch(launch):
+    if not hex16_or_empty(launch):
         raise ValueError(f"launch: expected 16 hex digits, got {launch!r:.40}")
     if not isinstance(raw, list) or len(raw) > MAX_REFUSED:
         raise ValueError(f"refused: expected a list of at most {MAX_REFUSED} entries")

@@ -50,8 +50,8 @@ def model_factors(vllm_config: VllmConfig) -> str:
 def weights_factor(vllm_config: VllmConfig) -> str:
     """`weights=<fingerprint>` of the files the model was loaded from: its directory (or its one file, a GGUF
     model's), or its snapshot in the Hugging Face cache (looked up without the network); "" where neither holds
-    weight files (another loader, say):
-    not known, and not compared with a peer's. vLLM's `dummy` load format (seeded random weights) is `weights=dummy`."""
+    weight files (another loader, say): not known, and not compared with a peer's. vLLM's `dummy` load format
+    (seeded random weights) is `weights=dummy`."""
     model, load = vllm_config.model_config, getattr(vllm_config, "load_config", None)
     if str(getattr(load, "load_format", "")) == "dummy":  # seeded random weights, whatever the files hold
         return "weights=dummy"
