@@ -88,7 +88,8 @@ def _data_parallel(vllm_config: VllmConfig) -> tuple[int, int | None]:
 
 def _start_of(vllm_config: VllmConfig) -> str:
     """What tells this start of the instance from its others, the same in its scheduler and its workers: the engine
-    id of its KV transfer and the instance id, each drawn afresh at every start by vLLM unless set."""
+    id of its KV transfer (drawn afresh at every start unless set) and the instance id (vLLM sets it from the clock
+    whenever it builds its config, so it differs at each start even where given)."""
     engine_id = str(getattr(vllm_config.kv_transfer_config, "engine_id", "") or "")
     instance_id = str(getattr(vllm_config, "instance_id", "") or "")
     return f"{engine_id}/{instance_id}" if engine_id or instance_id else ""

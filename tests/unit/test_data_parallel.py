@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from p2pkv.cli.cluster import InstanceSpec, vllm_argv
-from p2pkv.config import parse_connector_config
+from p2pkv.config import launch_of, parse_connector_config
 from p2pkv.discovery import HeartbeatSender, parse_announcement
 from p2pkv.discovery.heartbeat import sender_for
 from p2pkv.errors import ConfigError, ProtocolError
@@ -189,8 +189,8 @@ def test_server_wide_endpoints_are_asked_of_one_engine_per_server() -> None:
 
 
 def test_a_start_of_an_instance_is_told_by_vllms_engine_and_instance_ids() -> None:
-    """Each is drawn afresh at every start unless set: with either set on the command line, the other still tells
-    two starts apart; with both set, they are one start as far as peers can tell; with neither, none is said."""
+    """Either id tells two starts apart where the other is the same; the same pair is the same start as far as peers
+    can tell; with neither, none is said. (vLLM 0.32 never keeps an instance id: see the next test.)"""
 
     def config(engine_id: str | None, instance_id: str) -> Any:
         return SimpleNamespace(kv_transfer_config=SimpleNamespace(engine_id=engine_id), instance_id=instance_id)
@@ -199,3 +199,21 @@ def test_a_start_of_an_instance_is_told_by_vllms_engine_and_instance_ids() -> No
     assert len(starts) == 3
     assert _start_of(config("e1", "ab12c")) == _start_of(config("e1", "ab12c"))
     assert _start_of(config(None, "")) == "" and _start_of(config("", "ab12c")) != ""
+
+
+def test_two_starts_with_the_same_engine_id_have_launches_of_their_own() -> None:
+    """vLLM's own config, as each start builds it: `instance_id` comes from the clock even where it is given, so an
+    instance whose `kv_transfer_config` sets `engine_id` still differs from its earlier start; and the workers get
+    the scheduler's config pickled, so they name the same launch as it."""
+    import pickle
+
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    def start() -> Any:
+        transfer = KVTransferConfig(kv_connector="P2pNcclConnector", kv_connector_module_path="p2pkv.vllm",
+                                    kv_role="kv_both", engine_id="fixed-engine")
+        return VllmConfig(kv_transfer_config=transfer, instance_id="fixed-instance")
+
+    first, second = start(), start()
+    assert launch_of(_start_of(first)) != launch_of(_start_of(second))
+    assert launch_of(_start_of(pickle.loads(pickle.dumps(first)))) == launch_of(_start_of(first))
