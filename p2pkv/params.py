@@ -173,10 +173,12 @@ class ProbeAnswer:
     pulls: bool = False  # it takes its KV by pulls (send_type GET on the decode instance)
     # What a heartbeat says too, for a proxy that lists the instance statically and asks (`p2pkv.proxy.poll`): the
     # id of its engine (another one: it restarted), the address its first worker names itself by to peers (which
-    # their refusals name), and the workers of other instances its workers refused: (address, why, seconds since).
+    # their refusals name), and the workers of other instances its workers refused: (address, why, seconds since,
+    # the start of their instance that was refused or ""). The starts go under a key of their own
+    # (`refused_launches`, one for each refusal), so a proxy that reads three fields a refusal reads these answers.
     engine_id: str = ""
     kv_named: str = ""
-    refused: tuple[tuple[str, str, float], ...] = ()
+    refused: tuple[tuple[str, str, float, str], ...] = ()
     launch: str = ""  # this start of the instance (`p2pkv.config.launch_of`)
 
     def to_dict(self) -> dict[str, Any]:
@@ -192,7 +194,9 @@ class ProbeAnswer:
         if self.kv_named:
             out["kv_named"] = self.kv_named
         if self.refused:
-            out["refused"] = [list(r) for r in self.refused]
+            out["refused"] = [[address, reason, age] for address, reason, age, _ in self.refused]
+        if any(launch for *_, launch in self.refused):
+            out["refused_launches"] = [launch for *_, launch in self.refused]
         if self.launch:
             out["launch"] = self.launch
         return out

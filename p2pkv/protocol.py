@@ -285,11 +285,13 @@ class BlockRanges(msgspec.Struct, tag="ranges", frozen=True):
 
 class PeerRefused(msgspec.Struct, frozen=True, array_like=True):
     """In a heartbeat: a worker of another instance that a worker of this one refused at its hello (the address
-    it names for its own listener), why, and how many seconds ago it was last refused."""
+    it names for its own listener), why, how many seconds ago it was last refused, and the start of its instance
+    that was refused (its hello's `launch`; "": not said). A reader of three fields ignores the fourth."""
 
     address: str
     reason: str
     age_s: float
+    launch: str = ""
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):

@@ -33,8 +33,9 @@ class Announcement:
     tp_size: int = 0  # 0: not said
     pp_size: int = 0  # 0: not said
     dp_rank: int | None = None  # the data-parallel rank behind `http` (X-data-parallel-rank); None: the only one
-    # Workers of other instances its workers refused at their hello: (their listener, why, seconds since).
-    refused: tuple[tuple[Address, str, float], ...] = ()
+    # Workers of other instances its workers refused at their hello: (their listener, why, seconds since, the
+    # start of their instance that was refused or "").
+    refused: tuple[tuple[Address, str, float, str], ...] = ()
     engine_id: str = ""  # another one from the same address: the instance restarted
     pulls: bool = False  # a decode instance that takes its KV by pulls
     launch: str = ""  # this start of the instance (`p2pkv.config.launch_of`); "": not said
@@ -71,7 +72,9 @@ def _typed(raw: bytes, secret: bytes) -> Announcement:
     for peer in message.refused:
         if not 0 <= peer.age_s <= 1e9:  # also NaN
             raise ProtocolError(f"heartbeat refusal age {peer.age_s!r} s is out of range")
-        refused.append((_address(peer.address, "refused address"), peer.reason, peer.age_s))
+        if not hex16_or_empty(peer.launch):
+            raise ProtocolError(f"heartbeat refusal launch {peer.launch[:40]!r}: expected 16 hex digits")
+        refused.append((_address(peer.address, "refused address"), peer.reason, peer.age_s, peer.launch))
     return Announcement(message.role, _address(message.http_address, "http_address"), kv, message.interval_s,
                         tp_size=message.tp_size, pp_size=message.pp_size,
                         dp_rank=message.dp_rank if message.dp_rank >= 0 else None, refused=tuple(refused),

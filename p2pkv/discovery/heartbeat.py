@@ -40,7 +40,7 @@ def refused_in_beat(notes: Mapping[str, Refusal], now: float) -> tuple[PeerRefus
     recent = [(address, note) for address, note in notes.items() if now - note.at <= MAX_REFUSAL_AGE_S]
     latest = sorted(recent, key=lambda item: item[1].at, reverse=True)[:MAX_REFUSED]
     return tuple(PeerRefused(address, note.reason.encode()[:MAX_REASON_BYTES].decode(errors="ignore"),
-                             round(max(0.0, now - note.at), 1)) for address, note in latest)
+                             round(max(0.0, now - note.at), 1), note.launch) for address, note in latest)
 
 
 class HeartbeatSender:

@@ -122,8 +122,9 @@ class Receiver:
             reason = "KV layout mismatch: " + "; ".join(diffs)
             # Logged once a peer: it tries again at every push, and is refused alike (still counted each time).
             news = self.refused.refused(hello.kv_address, reason, hello.launch)
-            log.log(logging.ERROR if news else logging.DEBUG, "refusing peer %s (engine %s, listening on %s): %s",
-                    conn.peer, hello.engine_id, hello.kv_address or "?", reason)
+            log.log(logging.ERROR if news else logging.DEBUG,
+                    "refusing peer %s (engine %s, start %s, listening on %s): %s", conn.peer, hello.engine_id,
+                    hello.launch or "?", hello.kv_address or "?", reason)
             self._metrics.refused_peers.inc()
             if hello.kv_address:  # GET: what it was to pull will not reach it, nor be pulled by another
                 self._offers.refused(hello.kv_address, reason)

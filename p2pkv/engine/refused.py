@@ -30,7 +30,7 @@ class RefusedPeers:
 
     def refused(self, address: str, reason: str, launch: str = "") -> bool:
         """Note a refusal (of the start `launch` of the peer's instance); whether it is news (the peer was not noted
-        as refused for this reason), for the log."""
+        as refused for this reason, or another start of it was), for the log."""
         if not address:
             return True
         with self._lock:
@@ -39,7 +39,7 @@ class RefusedPeers:
             self._version += 1
             while len(self._notes) > _MAX_NOTED:
                 del self._notes[next(iter(self._notes))]
-        return before is None or before.reason != reason
+        return before is None or before.reason != reason or before.launch != launch
 
     def accepted(self, address: str) -> None:
         if not address:

@@ -32,7 +32,7 @@ from p2pkv.proxy.discard import Discarder, discard_of
 from p2pkv.proxy.discovery import DiscoveryListener, start
 from p2pkv.proxy.instances import Instance, ProxyConfig
 from p2pkv.proxy.metrics import ProxyMetrics
-from p2pkv.proxy.pairs import news, refusals, why_not_paired
+from p2pkv.proxy.pairs import Said, news, refusals, why_not_paired
 from p2pkv.proxy.passthrough import add_passthrough_routes, forward_headers, holder
 from p2pkv.proxy.poll import Probed, StaticPoller
 from p2pkv.proxy.prefill import MESSAGES, RESPONSES, Prefiller, prefill_body, whole_prompt_on_decode
@@ -115,7 +115,7 @@ class Router:
         self._heard(states, probed.engine_id, probed.ranks, probed.refused, probed.launch)
 
     def _heard(self, states: list[InstanceState], engine_id: str, ranks: int,
-               said: tuple[tuple[Address, str, float], ...], launch: str) -> None:
+               said: tuple[Said, ...], launch: str) -> None:
         """What an instance said of its engine, its ranks, its refusals and its start, for each of its states (one
         per pool)."""
         now = time.monotonic()

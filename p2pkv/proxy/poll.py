@@ -19,6 +19,7 @@ from p2pkv.discovery.announcement import MAX_REFUSED
 from p2pkv.errors import ConfigError
 from p2pkv.params import Address, hex16_or_empty
 from p2pkv.proxy.instances import Instance
+from p2pkv.proxy.pairs import Said
 from p2pkv.proxy.registry import InstanceState
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ class Probed:
     engine_id: str
     ranks: int  # tensor- times pipeline-parallel size (1 when not said)
     named: Address | None  # its first worker's address as its workers name it; None: not said
-    refused: tuple[tuple[Address, str, float], ...]  # (a refused worker's address, why, seconds since)
+    refused: tuple[Said, ...]  # (a refused worker's address, why, seconds since, its instance's start or "")
     launch: str = ""  # its start (`p2pkv.config.launch_of`); "": not said
 
 
@@ -51,14 +52,17 @@ def read_probe(answer: Mapping[str, Any]) -> Probed:
         raise ValueError(f"launch: expected 16 hex digits, got {launch!r:.40}")
     if not isinstance(raw, list) or len(raw) > MAX_REFUSED:
         raise ValueError(f"refused: expected a list of at most {MAX_REFUSED} entries")
+    launches = answer.get("refused_launches", [""] * len(raw))
+    if not (isinstance(launches, list) and len(launches) == len(raw) and all(map(hex16_or_empty, launches))):
+        raise ValueError("refused_launches: expected one launch (16 hex digits, or \"\") for each refusal")
     refused = []
-    for entry in raw:
+    for entry, launch_refused in zip(raw, launches, strict=True):
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
                 and isinstance(entry[1], str) and isinstance(entry[2], (int, float))
                 and not isinstance(entry[2], bool) and math.isfinite(entry[2]) and 0 <= entry[2] <= 1e9):
             raise ValueError(f"refused: expected [address, reason, seconds], got {entry!r}")
         try:
-            refused.append((Address.parse(entry[0]), entry[1][:160], float(entry[2])))
+            refused.append((Address.parse(entry[0]), entry[1][:160], float(entry[2]), launch_refused))
         except ConfigError as exc:
             raise ValueError(f"refused: {exc}") from None
     try:

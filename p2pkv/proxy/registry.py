@@ -46,7 +46,7 @@ class InstanceState:
 
     def side(self) -> Side:
         return Side(f"{self.role} instance {self.instance.name}", self.kv_named or self.instance.kv, self.ranks,
-                    self.kv_refused, self.up_since)
+                    self.kv_refused, self.up_since, self.launch)
 
     def heard(self, engine_id: str, ranks: int, refused: tuple[Refused, ...], now: float, launch: str = "") -> None:
         """What a heartbeat said of its parallel size, its refusals, the engine id it runs as now and its start."""
@@ -62,7 +62,7 @@ class InstanceState:
                 "last_heartbeat": self.last_heartbeat, "in_flight": self.in_flight, "failures": self.failures,
                 "source": "heartbeat" if self.discovered else "static", "launch": self.launch or None,
                 "shunned_s": round(max(0.0, self.shunned_until - time.monotonic()), 1),
-                "refused": [{"address": str(r.address), "reason": r.reason,
+                "refused": [{"address": str(r.address), "reason": r.reason, "launch": r.launch or None,
                              "paired_again_in_s": round(max(0.0, r.until - time.monotonic()), 1)}
                             for r in self.kv_refused]}
 

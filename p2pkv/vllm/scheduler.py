@@ -320,7 +320,7 @@ class SchedulerSide:
             return False, ProbeAnswer(self._config.kv_port, "" if host in ("0.0.0.0", "::") else host,
                                       self._tp_size, self._pp_size, self._config.takes_pulls, self._engine_id,
                                       str(self._own_address),
-                                      tuple((p.address, p.reason, p.age_s) for p in said),
+                                      tuple((p.address, p.reason, p.age_s, p.launch) for p in said),
                                       self._config.launch).to_dict()
         self._consumed.discard(req_id)
         self._prompts.pop(req_id, None)

@@ -82,6 +82,12 @@ def test_requests_through_a_refused_prefill_instance_are_answered_right_without_
     reason = "the prefill worker that pushes it was refused: KV layout mismatch: model.rope_parameters: ours "
     assert text.count(reason) == 1
     assert text.count("refusing peer") == 1, "logged once for the prefill worker"
+    # The start the decode worker refused, as the prefill worker's hello named it, is the start the prefill
+    # instance's scheduler side says in its heartbeats: a later start is told apart from it.
+    listed = _listed(proxy)
+    (start,) = [i["launch"] for i in listed if i["role"] == "prefill"]
+    assert start and [r["launch"] for i in listed if i["role"] == "decode" for r in i["refused"]] == [start]
+    assert f"start {start}, listening on {prefill['kv']}" in text
 
 
 def _wait_for_the_proxy_to_hear_of_the_refusal(proxy: str, prefill: dict[str, Any]) -> None:
@@ -103,13 +109,16 @@ def test_get_transfers_are_not_held_for_a_decode_instance_the_prefill_instance_r
         mismatched: dict[str, Any]) -> None:
     """The proxy's two steps by hand, each transfer held for a pull (GET): the prefill instance refuses the decode
     instance's pull at its hello, so the first load fails at once and the blocks held for it are freed then; the
-    second transfer is not held at all."""
+    second transfer is not held at all. The refusal names the decode instance's start as its heartbeats say it; a
+    third transfer for another start of the decode instance (as after a restart: `decode_launch`, which the proxy
+    passes on from the heartbeats) is held, and freed at its refused hello."""
     prefill, decode = instance_of(mismatched, "kv_producer"), instance_of(mismatched, "kv_consumer")
     log = Path(mismatched["log_dir"]) / "prefill0.log"
     failed = metric(decode["metrics"], FAILED_LOADS)
-    for i in range(2):
+    for i in range(3):
         text = prompt(f"mismatch-get-{i}", 200)
-        params = PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]), pull=True)
+        params = PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]), pull=True,
+                               decode_launch="f0" * 8 if i == 2 else "")
         body = {"model": mismatched["model"], "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
         returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
         assert isinstance(returned, DecodeParams) and returned.pull
@@ -120,9 +129,15 @@ def test_get_transfers_are_not_held_for_a_decode_instance_the_prefill_instance_r
         assert metric(decode["metrics"], FAILED_LOADS) == failed + i + 1
         logged = log.read_text()
         held = logged.count(f"transfer {params.transfer_id}: not held for a pull")
-        assert held == i, "the first is held (nothing known of the decode instance yet), the second is not"
+        assert held == (i == 1), "the first is held (nothing known of the decode instance yet), the second is not"
         freed = logged.count(f"transfer {params.transfer_id}: blocks freed: the decode worker at {decode['kv']}")
-        assert freed == 1 - i, "the first is freed at the refusal, not when its lease runs out"
+        assert freed == (i != 1), "the first is freed at the refusal, not when its lease runs out"
+    proxy, deadline = mismatched["proxy"].removeprefix("http://"), time.monotonic() + 30
+    while not (refused := [r for i in _listed(proxy) if i["role"] == "prefill" for r in i["refused"]]):
+        assert time.monotonic() < deadline, "the prefill instance's heartbeats did not name the refusal"
+        time.sleep(0.2)
+    (start,) = [i["launch"] for i in _listed(proxy) if i["role"] == "decode"]
+    assert start and [(r["address"], r["launch"]) for r in refused] == [(decode["kv"], start)]
 
 
 def test_a_proxy_with_static_lists_learns_of_the_refusal_by_probes_and_passes_the_prefill_instance_over(

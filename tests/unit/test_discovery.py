@@ -346,12 +346,40 @@ def test_a_heartbeat_says_the_latest_refusals_with_their_age_within_the_size_bou
     raw = sender.beat()
     assert len(raw) <= MAX_ANNOUNCEMENT_BYTES
     said = parse_announcement(raw, SECRET).refused
-    assert [str(address) for address, _, _ in said] == [f"host-{i:02d}.cluster.example.internal:{40000 + i}"
-                                                       for i in range(MAX_REFUSED)]  # the latest first
-    assert all(reason == "é" * (MAX_REASON_BYTES // 2) for _, reason, _ in said)  # cut whole characters
-    assert [round(age) for _, _, age in said] == list(range(MAX_REFUSED))
+    assert [str(address) for address, *_ in said] == [f"host-{i:02d}.cluster.example.internal:{40000 + i}"
+                                                      for i in range(MAX_REFUSED)]  # the latest first
+    assert all(reason == "é" * (MAX_REASON_BYTES // 2) for _, reason, *_ in said)  # cut whole characters
+    assert [round(age) for _, _, age, _ in said] == list(range(MAX_REFUSED))
     sender.note_refusals({"gone:1": Refusal("dtype", now - MAX_REFUSAL_AGE_S - 1), "here:1": Refusal("dtype", now)})
-    assert [str(a) for a, _, _ in parse_announcement(sender.beat(), SECRET).refused] == ["here:1"]  # not the old
+    assert [str(a) for a, *_ in parse_announcement(sender.beat(), SECRET).refused] == ["here:1"]  # not the old
+
+
+def test_a_heartbeat_names_the_start_each_refusal_was_of_and_a_malformed_one_is_refused() -> None:
+    """The refused hello's launch goes with each refusal (with 20 refusals of the longest reasons and launches the
+    beat still fits the bound); a proxy's reader of three fields reads the beat; a launch that is not 16 hex digits
+    is refused as any malformed field."""
+    sender = HeartbeatSender(Address("127.0.0.1", 1), "decode", Address("h", 2), Address("h", 3), 1.0, SECRET)
+    now = time.monotonic()
+    sender.note_refusals({f"host-{i:02d}.cluster.example.internal:{40000 + i}": Refusal("é" * 400, now - i,
+                                                                                      f"{i:016x}") for i in range(20)})
+    raw = sender.beat()
+    assert len(raw) <= MAX_ANNOUNCEMENT_BYTES
+    assert [launch for *_, launch in parse_announcement(raw, SECRET).refused] == [f"{i:016x}" for i in range(8)]
+    sender.note_refusals({"here:1": Refusal("dtype", now), "there:1": Refusal("dtype", now - 1, "ab" * 8)})
+    assert [(str(a), launch) for a, *_, launch in parse_announcement(sender.beat(), SECRET).refused] == [
+        ("here:1", ""), ("there:1", "ab" * 8)]
+
+    class ThreeFields(msgspec.Struct, frozen=True, array_like=True):  # PeerRefused as a reader before launches
+        address: str
+        reason: str
+        age_s: float
+
+    beat = Heartbeat("decode", "h:2", "h:3", 1.0, refused=(PeerRefused("there:1", "dtype", 1.0, "ab" * 8),))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(beat.refused[0]), type=ThreeFields).address == "there:1"
+    for bad in ("AB" * 8, "ab" * 7, "ab" * 9, "zz" * 8):
+        malformed = msgspec.structs.replace(beat, refused=(PeerRefused("there:1", "dtype", 1.0, bad),))
+        with pytest.raises(ProtocolError, match="refusal launch"):
+            parse_announcement(encode_datagram(malformed, SECRET), SECRET)
 
 
 def test_instances_that_refused_each_other_are_not_paired_until_the_refusal_is_old() -> None:

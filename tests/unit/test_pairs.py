@@ -12,7 +12,7 @@ DECODE_KV = Address("10.0.0.2", 7300)
 
 
 def side(name: str, kv: Address | None, ranks: int, said: tuple[tuple[Address, str, float], ...] = ()) -> Side:
-    return Side(name, kv, ranks, refusals(said, NOW))
+    return Side(name, kv, ranks, refusals(tuple((*s, "") for s in said), NOW))  # no launches said
 
 
 def test_a_refusal_of_any_worker_of_the_other_instance_unpairs_them_both_ways_until_it_is_old() -> None:
@@ -35,8 +35,9 @@ def test_a_refusal_of_any_worker_of_the_other_instance_unpairs_them_both_ways_un
 
 
 def test_news_are_the_refusals_in_force_not_in_force_before() -> None:
-    old = refusals(((PREFILL_KV, "dtype", 0.0), (DECODE_KV, "dtype", PAIR_RETRY_S + 1)), NOW)
-    new = refusals(((PREFILL_KV, "dtype", 3.0), (DECODE_KV, "dtype", 0.0), (PREFILL_KV.offset(1), "x", 0.0)), NOW)
+    old = refusals(((PREFILL_KV, "dtype", 0.0, ""), (DECODE_KV, "dtype", PAIR_RETRY_S + 1, "")), NOW)
+    new = refusals(((PREFILL_KV, "dtype", 3.0, ""), (DECODE_KV, "dtype", 0.0, ""),
+                    (PREFILL_KV.offset(1), "x", 0.0, "")), NOW)
     assert [r.address for r in news(old, new, NOW)] == [DECODE_KV, PREFILL_KV.offset(1)]
     assert news(new, new, NOW) == []
 
@@ -49,21 +50,33 @@ def test_refusals_from_before_the_refused_instance_restarted_no_longer_count() -
     assert why_not_paired(again, restarted, NOW) is not None
 
 
+def test_a_refusal_of_an_earlier_start_than_the_refused_instance_says_now_no_longer_counts() -> None:
+    """The refusal names the start it refused; the instance says its start now. Another start: paired again, though
+    the proxy saw no restart (`up_since`). The same start, or either not said: passed over as before."""
+    decode = Side("decode instance d", DECODE_KV, 1, refusals(((PREFILL_KV, "dtype", 10.0, "a1" * 8),), NOW))
+    unsaid = Side("decode instance d", DECODE_KV, 1, refusals(((PREFILL_KV, "dtype", 10.0, ""),), NOW))
+    for refusing, launch, paired in ((decode, "b2" * 8, True), (decode, "a1" * 8, False), (decode, "", False),
+                                     (unsaid, "b2" * 8, False)):
+        prefill = Side("prefill instance p", PREFILL_KV, 1, (), launch=launch)
+        assert (why_not_paired(refusing, prefill, NOW) is None) is paired, (launch, refusing.refused[0].launch)
+        assert (why_not_paired(prefill, refusing, NOW) is None) is paired, "either way round"
+
+
 def test_a_pair_refused_again_when_tried_waits_twice_as_long_up_to_the_cap() -> None:
     """Each try of a pair still refused costs a prefill computed for nothing: after 60 s, then 120, 240, 480 at
     most (under the 10 minutes heartbeats name a refusal). The same refusal said again is no new strike."""
-    first = refusals(((PREFILL_KV, "dtype", 0.0),), NOW)
+    first = refusals(((PREFILL_KV, "dtype", 0.0, ""),), NOW)
     assert first[0].until == NOW + PAIR_RETRY_S
-    repeated = refusals(((PREFILL_KV, "dtype", 2.9),), NOW + 3.0, first)  # the next heartbeat, ages rounded
+    repeated = refusals(((PREFILL_KV, "dtype", 2.9, ""),), NOW + 3.0, first)  # the next heartbeat, ages rounded
     assert repeated[0].strikes == 0 and abs(repeated[0].until - first[0].until) < 0.2
     said, at = first, NOW
     for waited in (2 * PAIR_RETRY_S, 4 * PAIR_RETRY_S, MAX_PAIR_RETRY_S, MAX_PAIR_RETRY_S):
         at = said[0].until + 1.0  # tried once the pass-over ran out: refused afresh
-        said = refusals(((PREFILL_KV, "dtype", 0.0),), at, said)
+        said = refusals(((PREFILL_KV, "dtype", 0.0, ""),), at, said)
         assert said[0].until == at + waited
         decode = Side("decode instance d", DECODE_KV, 1, said)
         prefill = Side("prefill instance p", PREFILL_KV, 1, ())
         assert why_not_paired(decode, prefill, at + waited - 1) is not None
         assert why_not_paired(decode, prefill, at + waited + 1) is None
     # A refusal the instance no longer says (an accepted hello cleared it) leaves no strike behind.
-    assert refusals(((PREFILL_KV, "dtype", 0.0),), at + 1000, refusals((), at + 999, said))[0].strikes == 0
+    assert refusals(((PREFILL_KV, "dtype", 0.0, ""),), at + 1000, refusals((), at + 999, said))[0].strikes == 0

@@ -630,7 +630,7 @@ def test_an_instance_dropped_and_back_under_another_engine_id_is_paired_again_at
 
     router = Router(ProxyConfig((), (), discovery_port=1), None, ProxyMetrics())  # type: ignore[arg-type]
     p_http, p_kv = Address("127.0.0.1", 8100), Address("127.0.0.1", 23100)
-    refusal = ((p_kv, "KV layout mismatch: dtype", 1.0),)
+    refusal = ((p_kv, "KV layout mismatch: dtype", 1.0, ""),)  # no launch said: the engine ids tell
     router.announce(Announcement("prefill", p_http, p_kv, 0.01, engine_id="before"))
     router.announce(Announcement("decode", Address("127.0.0.1", 8200), Address("127.0.0.1", 23200), 60.0,
                                  refused=refusal, engine_id="d"))
@@ -642,6 +642,34 @@ def test_an_instance_dropped_and_back_under_another_engine_id_is_paired_again_at
     router.announce(Announcement("decode", Address("127.0.0.1", 8200), Address("127.0.0.1", 23200), 60.0,
                                  refused=refusal, engine_id="d"))
     assert len(router.unpaired(decode)) == (0 if restarted else 1)
+
+
+@pytest.mark.parametrize("now", ["a1" * 8, "b2" * 8, ""])
+def test_a_refusal_of_another_start_than_the_instance_says_now_does_not_pass_the_pair_over(now: str) -> None:
+    """A proxy that never saw the prefill instance before (it started after the prefill instance restarted, so no
+    engine id changed before its eyes) hears the decode instance name a refusal of the prefill worker's start
+    `a1..`. The prefill instance's heartbeats say start `b2..`: the refusal is of an earlier start, and the pair
+    is used. Said `a1..` (the refused start), or no start at all, the pair is passed over. Both ways round: the
+    prefill instance refusing the decode instance's worker (GET) alike."""
+    from p2pkv.discovery import Announcement
+    from p2pkv.params import Address
+    from p2pkv.proxy.app import Router
+    from p2pkv.proxy.metrics import ProxyMetrics
+
+    p_http, p_kv = Address("127.0.0.1", 8100), Address("127.0.0.1", 23100)
+    d_http, d_kv = Address("127.0.0.1", 8200), Address("127.0.0.1", 23200)
+    for refusing in ("decode", "prefill"):
+        router = Router(ProxyConfig((), (), discovery_port=1), None, ProxyMetrics())  # type: ignore[arg-type]
+        refused_kv = p_kv if refusing == "decode" else d_kv
+        said = ((refused_kv, "KV layout mismatch: dtype", 1.0, "a1" * 8),)
+        router.announce(Announcement("prefill", p_http, p_kv, 60.0, engine_id="p", launch=now if refusing == "decode"
+                                     else "c3" * 8, refused=said if refusing == "prefill" else ()))
+        router.announce(Announcement("decode", d_http, d_kv, 60.0, engine_id="d", launch=now if refusing == "prefill"
+                                     else "c3" * 8, refused=said if refusing == "decode" else ()))
+        (decode,) = router.decode.states
+        assert len(router.unpaired(decode)) == (0 if now == "b2" * 8 else 1), refusing
+        (state,) = router.decode.states if refusing == "decode" else router.prefill.states
+        assert [r["launch"] for r in state.describe()["refused"]] == ["a1" * 8]  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("pulls", [True, False])

@@ -128,14 +128,17 @@ def test_probe_answers_are_checked() -> None:
             "refused": [["10.0.0.2:21001", "why", 3]]}
     probed = read_probe(good)
     assert probed.engine_id == "e" and probed.ranks == 4 and probed.named == Address("10.0.0.1", 21001)
-    assert probed.refused == ((Address("10.0.0.2", 21001), "why", 3.0),)
+    assert probed.refused == ((Address("10.0.0.2", 21001), "why", 3.0, ""),)
+    assert read_probe({**good, "refused_launches": ["0123456789abcdef"]}).refused[0][3] == "0123456789abcdef"
     assert read_probe({"kv_port": 1}).refused == () and read_probe({"kv_port": 1}).named is None
     assert read_probe({**good, "launch": "0123456789abcdef"}).launch == "0123456789abcdef"
     assert read_probe(good).launch == ""
     for bad in ({"refused": "x"}, {"refused": [["10.0.0.2:1", "why"]]}, {"refused": [["nohost", "why", 1]]},
                 {"refused": [["10.0.0.2:1", "why", -1]]}, {"refused": [["10.0.0.2:1", "why", float("nan")]]},
                 {"refused": [["10.0.0.2:1", "why", True]]}, {"refused": [["10.0.0.2:1", "w", 1]] * 17},
-                {"engine_id": 5}, {"kv_named": "no port"}, {"launch": 5}, {"launch": "XYZ"}):
+                {"engine_id": 5}, {"kv_named": "no port"}, {"launch": 5}, {"launch": "XYZ"},
+                {**good, "refused_launches": []}, {**good, "refused_launches": ["XYZ"]},
+                {**good, "refused_launches": "0123456789abcdef"}, {**good, "refused_launches": [""] * 2}):
         with pytest.raises(ValueError):
             read_probe(bad)
 

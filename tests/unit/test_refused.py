@@ -18,6 +18,9 @@ def test_a_refusal_is_news_once_a_reason_and_again_after_an_accepted_hello() -> 
     assert peers.reason("10.0.0.1:5000") is None
     assert peers.refused("10.0.0.1:5000", "num_layers")
     assert peers.refused("", "dtype") and peers.reason("") is None  # a peer that names no listener is not noted
+    assert peers.refused("10.0.0.1:6000", "dtype", "a1" * 8)
+    assert not peers.refused("10.0.0.1:6000", "dtype", "a1" * 8)
+    assert peers.refused("10.0.0.1:6000", "dtype", "b2" * 8), "restarted, still refused for the same reason: news"
 
 
 def test_the_oldest_note_goes_first_past_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:

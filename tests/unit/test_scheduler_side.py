@@ -21,6 +21,7 @@ from p2pkv.params import (
     parse_transfer_params,
     prompt_digest,
 )
+from p2pkv.proxy.poll import read_probe
 from p2pkv.vllm.metadata import Discard
 from p2pkv.vllm.scheduler import SchedulerSide
 
@@ -348,7 +349,7 @@ def test_a_probe_answer_says_what_a_heartbeat_says_the_engine_and_the_refusals()
     first, with their age."""
     now = time.monotonic()
     notes = {"10.0.0.2:21001": Refusal("KV layout mismatch: model.weights: ours a, peer b", now - 5.0),
-             "10.0.0.3:21001": Refusal("block_size: ours 16, peer 32", now - 1.0)}
+             "10.0.0.3:21001": Refusal("block_size: ours 16, peer 32", now - 1.0, "ab" * 8)}
     s = SchedulerSide(parse_connector_config("kv_consumer", 21001, "recompute", {"kv_host": "10.0.0.1"}, "vllm-e"),
                       BS, engine_id="e1", refused=lambda: notes)
     req = Req("probe", [0], {"p2pkv": 1, "probe": True})
@@ -360,6 +361,8 @@ def test_a_probe_answer_says_what_a_heartbeat_says_the_engine_and_the_refusals()
         ["10.0.0.3:21001", "block_size: ours 16, peer 32"],
         ["10.0.0.2:21001", "KV layout mismatch: model.weights: ours a, peer b"]]
     assert 0.9 <= answer["refused"][0][2] <= 2.0 and 4.9 <= answer["refused"][1][2] <= 6.0
+    assert answer["refused_launches"] == ["ab" * 8, ""], "the refused starts, under a key of their own"
+    assert [r[3] for r in read_probe(answer).refused] == ["ab" * 8, ""]
 
 
 @pytest.mark.parametrize(("role", "pulls"), [("kv_consumer", True), ("kv_both", True), ("kv_producer", False)])
