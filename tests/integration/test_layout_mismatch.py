@@ -129,9 +129,10 @@ def test_get_transfers_are_not_held_for_a_decode_instance_the_prefill_instance_r
         assert metric(decode["metrics"], FAILED_LOADS) == failed + i + 1
         logged = log.read_text()
         held = logged.count(f"transfer {params.transfer_id}: not held for a pull")
-        assert held == (i == 1), "the first is held (nothing known of the decode instance yet), the second is not"
+        assert held == (i == 1), "held: the first (nothing known of the decode instance yet), the third (another " \
+            "start of it); not the second"
         freed = logged.count(f"transfer {params.transfer_id}: blocks freed: the decode worker at {decode['kv']}")
-        assert freed == (i != 1), "the first is freed at the refusal, not when its lease runs out"
+        assert freed == (i != 1), "those held are freed at the refusal, not when their lease runs out"
     proxy, deadline = mismatched["proxy"].removeprefix("http://"), time.monotonic() + 30
     while not (refused := [r for i in _listed(proxy) if i["role"] == "prefill" for r in i["refused"]]):
         assert time.monotonic() < deadline, "the prefill instance's heartbeats did not name the refusal"
