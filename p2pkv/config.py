@@ -231,7 +231,7 @@ class ConnectorConfig:
     kv_port: int
     failure_policy: LoadFailurePolicy
     extra: ExtraConfig
-    # This start of the instance (`launch_of` vLLM's kv_transfer_config.engine_id, new at every start unless set):
+    # This start of the instance (`launch_of` vLLM's KV transfer engine id and instance id, new at every start):
     # peers tell a restart by it; "": not known
     launch: str = ""
 
@@ -265,13 +265,14 @@ class ConnectorConfig:
         return replace(self, kv_port=self.kv_port + shift, extra=extra)
 
 
-def launch_of(engine_id: str) -> str:
-    """A start of an instance as peers name it: 16 hex digits of vLLM's engine id for its KV transfer (any text)."""
-    return hashlib.blake2b(engine_id.encode(), digest_size=8).hexdigest() if engine_id else ""
+def launch_of(start: str) -> str:
+    """A start of an instance as peers name it: 16 hex digits of what tells the start apart (any text: the connector
+    passes vLLM's KV transfer engine id and instance id); "" for ""."""
+    return hashlib.blake2b(start.encode(), digest_size=8).hexdigest() if start else ""
 
 
 def parse_connector_config(
-    role: str | None, kv_port: int, failure_policy: str, extra: Mapping[str, Any] | None, engine_id: str = ""
+    role: str | None, kv_port: int, failure_policy: str, extra: Mapping[str, Any] | None, start: str = ""
 ) -> ConnectorConfig:
     parsed_role = _as_enum("kv_role", Role)(role)
     port = _as_int("kv_port", 1, 65535)(kv_port)
@@ -280,4 +281,4 @@ def parse_connector_config(
     if parsed.heartbeat_format is HeartbeatFormat.LEGACY and parsed_role is Role.BOTH:
         raise ConfigError("heartbeat_format: legacy heartbeats say P or D; a kv_both instance needs p2pkv's")
     return ConnectorConfig(role=parsed_role, kv_port=port, failure_policy=policy, extra=parsed,
-                           launch=launch_of(engine_id))
+                           launch=launch_of(start))

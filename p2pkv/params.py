@@ -262,7 +262,7 @@ def _size(raw: dict[str, Any], key: str) -> int:
     return value
 
 
-def _digest(raw: dict[str, Any], key: str) -> str:
+def _hex16(raw: dict[str, Any], key: str) -> str:
     """16 hex digits, or "" when not said."""
     value = raw.get(key, "")
     if not hex16_or_empty(value):
@@ -295,7 +295,7 @@ def parse_transfer_params(raw: Any) -> AnyParams | None:
         decode = raw.get("decode_kv_address")
         return PrefillParams(transfer_id, Address.parse(decode) if isinstance(decode, str) else None,
                              _pull(raw), raw.get("send_type") == "PUT", _size(raw, "decode_tp_size"),
-                             _size(raw, "decode_pp_size"), _digest(raw, "decode_launch"))
+                             _size(raw, "decode_pp_size"), _hex16(raw, "decode_launch"))
     if raw.get("load_remote_kv"):
         tokens = raw.get("num_prompt_tokens")
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
@@ -303,8 +303,8 @@ def parse_transfer_params(raw: Any) -> AnyParams | None:
         prefill = raw.get("prefill_kv_address")
         params = DecodeParams(transfer_id, tokens, Address.parse(prefill) if isinstance(prefill, str) else None,
                               bool(raw.get("test_corrupt", False)), _pull(raw), _size(raw, "prefill_tp_size"),
-                              _size(raw, "prefill_pp_size"), _digest(raw, "prompt_digest"), _lease(raw),
-                              _digest(raw, "prefill_launch"))
+                              _size(raw, "prefill_pp_size"), _hex16(raw, "prompt_digest"), _lease(raw),
+                              _hex16(raw, "prefill_launch"))
         if params.pull and params.prefill_kv is None:
             raise ConfigError("kv_transfer_params: send_type GET needs prefill_kv_address")
         return params
