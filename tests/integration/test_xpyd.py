@@ -1,5 +1,6 @@
 """`p2pkv up --prefill 2 --decode 2` on real vLLM: concurrent requests all succeed with output equal to a
-colocated instance, and keep succeeding after one prefill instance is killed mid-run."""
+colocated instance, and keep succeeding after one prefill instance is killed mid-run, then a decode instance; the
+decode instance started again is pushed to over new connections, and no load fails."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
+from p2pkv.cli.cluster import Process
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
 from p2pkv.staging import STAGE_ENV
 from tests.helpers.relay import FlipRelay
@@ -36,6 +39,10 @@ def cluster_2p2d(tiny_model: str, tmp_path_factory: pytest.TempPathFactory,
     with up_with_colocated(tiny_model, work, {"transport": "tcp", "integrity_check": True}, [], up_args,
                            {STAGE_ENV: "1"}, shared=oracle) as (proc, info, coloc):
         info.update(model=tiny_model, colocated=coloc, up=proc)
+        # How each instance was started, and the start each said: for starting one again after it is killed.
+        info["started"] = [(psutil.Process(pid).cmdline(), psutil.Process(pid).environ())
+                           for pid in info["pids"][:len(info["instances"])]]
+        info["launches"] = {i["address"]: i["launch"] for i in _instances(info)}
         yield info
 
 
@@ -132,6 +139,50 @@ def test_2p2d_serves_concurrent_requests_and_survives_a_dead_prefill(cluster_2p2
     _run_batch(cluster_2p2d, [f"z{i}" for i in range(16)])
     assert metric(proxy.removeprefix("http://"), "p2pkv_proxy_reroutes_total") > reroutes
     assert cluster_2p2d["up"].poll() is None, "p2pkv up must keep serving with one decode instance left"
+
+
+def test_a_decode_instance_started_again_is_pushed_to_over_new_connections_and_no_load_fails(
+        cluster_2p2d: dict[str, Any]) -> None:
+    """The decode instance the test before killed (killed here first when run alone) is started again from its
+    command line and environment, as a supervisor would: the same ports, a new start. The prefill instance left had
+    tcp connections to the dead one (the old connector cached its sockets forever, and a restarted peer froze it).
+    The proxy hears the new start from its heartbeats and sends it requests; the prefill instance pushes to it over
+    new connections: every one of its loads succeeds, and the answers are the colocated instance's."""
+    instances = cluster_2p2d["instances"]
+    last = max(i for i, inst in enumerate(instances) if inst["role"] == "kv_consumer")
+    decode = instances[last]
+    try:
+        os.killpg(cluster_2p2d["pids"][last], signal.SIGKILL)  # run alone; else killed already
+    except ProcessLookupError:
+        pass
+    argv, env = cluster_2p2d["started"][last]
+    restarted = Process("decode-restarted", argv, Path(cluster_2p2d["log_dir"]) / "decode-restarted.log", env,
+                        f"http://{decode['http']}/health", 1)
+    deadline = time.monotonic() + 300
+    while restarted.healthy():  # the killed one's server, until it is gone
+        assert time.monotonic() < deadline, "the killed decode instance still answers"
+        time.sleep(0.2)
+    try:
+        restarted.start()
+        while not restarted.healthy():
+            assert restarted.exited() is None, restarted.log_tail()
+            assert time.monotonic() < deadline, "the decode instance started again did not come up"
+            time.sleep(0.5)
+        old = cluster_2p2d["launches"][decode["http"]]
+        while not (said := [i["launch"] for i in _instances(cluster_2p2d) if i["address"] == decode["http"]]) \
+                or said == [old]:
+            assert time.monotonic() < deadline, "the proxy did not hear the new start"
+            time.sleep(0.2)
+        assert said[0] and said[0] != old
+        before = metric(decode["http"], "vllm:e2e_request_latency_seconds_count")
+        _run_batch(cluster_2p2d, [f"r{i}" for i in range(16)])
+        assert metric(decode["http"], "vllm:e2e_request_latency_seconds_count") > before, "the proxy sent it some"
+        assert metric(decode["metrics"], 'p2pkv_bytes_received_total{transport="tcp"}') > 0
+        assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") > 0
+        assert metric(decode["metrics"], 'p2pkv_transfers_total{direction="load",outcome="failed"}') == 0
+        assert cluster_2p2d["up"].poll() is None
+    finally:
+        restarted.stop()
 
 
 def _instances(info: dict[str, Any]) -> list[dict[str, Any]]:
