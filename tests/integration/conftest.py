@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port
+from p2pkv.cli.cluster import Cluster, InstanceSpec, Process, free_port
 from p2pkv.params import Address
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from p2pkv.tinymodel import TinyModelSpec, write_tiny_model
@@ -244,6 +244,53 @@ def described_cluster(model: str, work: Path, extra: dict[str, Any], vllm_args: 
                            ) as (_, info, colocated):
         info.update(model=model, colocated=colocated)
         yield info
+
+
+def listed(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """The instances the cluster's proxy lists (`GET /instances`)."""
+    reply = httpx.get(info["proxy"].replace("/v1", "") + "/instances", timeout=10)
+    found: list[dict[str, Any]] = reply.json()["instances"]
+    return found
+
+
+def record_starts(info: dict[str, Any]) -> None:
+    """How each instance of a `p2pkv up` cluster was started (command line, environment), and the start its
+    heartbeats say: for `started_again`."""
+    info["started"] = [(psutil.Process(pid).cmdline(), psutil.Process(pid).environ())
+                       for pid in info["pids"][:len(info["instances"])]]
+    info["launches"] = {i["address"]: i["launch"] for i in listed(info)}
+
+
+@contextmanager
+def started_again(info: dict[str, Any], index: int, name: str) -> Iterator[Process]:
+    """Instance `index` of the cluster killed (if it still runs) and started again as a supervisor would: its
+    command line and environment (`record_starts`), so the same ports. Yields once it is healthy and the proxy
+    lists it with a new start; stopped at exit."""
+    instance = info["instances"][index]
+    try:
+        os.killpg(info["pids"][index], signal.SIGKILL)  # the API server with its engine and workers
+    except ProcessLookupError:
+        pass  # killed already
+    argv, env = info["started"][index]
+    again = Process(name, argv, Path(info["log_dir"]) / f"{name}.log", env, f"http://{instance['http']}/health", 1)
+    deadline = time.monotonic() + 300
+    while again.healthy():  # the killed one's server, until it is gone
+        assert time.monotonic() < deadline, "the killed instance still answers"
+        time.sleep(0.2)
+    try:
+        again.start()
+        while not again.healthy():
+            assert again.exited() is None, again.log_tail()
+            assert time.monotonic() < deadline, f"{name} did not come up"
+            time.sleep(0.5)
+        old = info["launches"][instance["http"]]
+        while not (said := [i["launch"] for i in listed(info) if i["address"] == instance["http"]]) or said == [old]:
+            assert time.monotonic() < deadline, f"the proxy did not hear the new start of {name}"
+            time.sleep(0.2)
+        assert said[0] and said[0] != old, (said, old)
+        yield again
+    finally:
+        again.stop()
 
 
 def instance_of(info: dict[str, Any], role: str) -> dict[str, Any]:

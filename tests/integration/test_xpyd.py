@@ -13,15 +13,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
-import psutil
 import pytest
 
-from p2pkv.cli.cluster import Process
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
 from p2pkv.staging import STAGE_ENV
 from tests.helpers.relay import FlipRelay
-from tests.integration.conftest import Oracle, complete, metric, up_with_colocated
+from tests.integration.conftest import (
+    Oracle,
+    complete,
+    listed,
+    metric,
+    record_starts,
+    started_again,
+    up_with_colocated,
+)
 from tests.integration.test_disagg import MAX_TOKENS, greedy, ids_and_logprobs, prompt
 
 pytestmark = pytest.mark.vllm
@@ -39,10 +44,7 @@ def cluster_2p2d(tiny_model: str, tmp_path_factory: pytest.TempPathFactory,
     with up_with_colocated(tiny_model, work, {"transport": "tcp", "integrity_check": True}, [], up_args,
                            {STAGE_ENV: "1"}, shared=oracle) as (proc, info, coloc):
         info.update(model=tiny_model, colocated=coloc, up=proc)
-        # How each instance was started, and the start each said: for starting one again after it is killed.
-        info["started"] = [(psutil.Process(pid).cmdline(), psutil.Process(pid).environ())
-                           for pid in info["pids"][:len(info["instances"])]]
-        info["launches"] = {i["address"]: i["launch"] for i in _instances(info)}
+        record_starts(info)
         yield info
 
 
@@ -112,13 +114,13 @@ def test_2p2d_serves_concurrent_requests_and_survives_a_dead_prefill(cluster_2p2
     loaded = sum(metric(d["metrics"], "p2pkv_bytes_loaded_total") for d in decoders)
     assert copied_in == loaded > 0
     assert copied_out >= loaded
-    listed = _instances(cluster_2p2d)
-    assert all(i["in_flight"] == 0 for i in listed)
+    now = listed(cluster_2p2d)
+    assert all(i["in_flight"] == 0 for i in now)
     # `p2pkv up` lists nothing statically: the proxy knows every instance from its heartbeats.
-    assert sorted((i["role"], i["address"], i["source"]) for i in listed) == sorted(
+    assert sorted((i["role"], i["address"], i["source"]) for i in now) == sorted(
         ("prefill" if i["role"] == "kv_producer" else "decode", i["http"], "heartbeat")
         for i in cluster_2p2d["instances"])
-    decode_kv = {i["address"]: i["kv_address"] for i in listed if i["role"] == "decode"}
+    decode_kv = {i["address"]: i["kv_address"] for i in now if i["role"] == "decode"}
     assert decode_kv == {i["http"]: i["kv"] for i in cluster_2p2d["instances"] if i["role"] == "kv_consumer"}
     os.killpg(cluster_2p2d["pids"][0], signal.SIGKILL)  # prefill0 with its engine and worker
     killed = cluster_2p2d["instances"][0]["http"]
@@ -126,10 +128,10 @@ def test_2p2d_serves_concurrent_requests_and_survives_a_dead_prefill(cluster_2p2
     assert cluster_2p2d["up"].poll() is None, "p2pkv up must keep serving with one prefill instance left"
     # Its heartbeats stopped: the proxy drops it after three missed intervals (3 s each).
     deadline = time.monotonic() + 30
-    while killed in {i["address"] for i in _instances(cluster_2p2d)}:
+    while killed in {i["address"] for i in listed(cluster_2p2d)}:
         assert time.monotonic() < deadline, "the killed prefill instance is still listed"
         time.sleep(0.5)
-    assert len(_instances(cluster_2p2d)) == 3
+    assert len(listed(cluster_2p2d)) == 3
     # Then a decode instance dies: requests the proxy sends there are refused and go again as new transfers to the
     # other one (the dead one is picked after it from then on), and all succeed.
     proxy = cluster_2p2d["proxy"].replace("/v1", "")
@@ -151,29 +153,7 @@ def test_a_decode_instance_started_again_is_pushed_to_over_new_connections_and_n
     instances = cluster_2p2d["instances"]
     last = max(i for i, inst in enumerate(instances) if inst["role"] == "kv_consumer")
     decode = instances[last]
-    try:
-        os.killpg(cluster_2p2d["pids"][last], signal.SIGKILL)  # run alone; else killed already
-    except ProcessLookupError:
-        pass
-    argv, env = cluster_2p2d["started"][last]
-    restarted = Process("decode-restarted", argv, Path(cluster_2p2d["log_dir"]) / "decode-restarted.log", env,
-                        f"http://{decode['http']}/health", 1)
-    deadline = time.monotonic() + 300
-    while restarted.healthy():  # the killed one's server, until it is gone
-        assert time.monotonic() < deadline, "the killed decode instance still answers"
-        time.sleep(0.2)
-    try:
-        restarted.start()
-        while not restarted.healthy():
-            assert restarted.exited() is None, restarted.log_tail()
-            assert time.monotonic() < deadline, "the decode instance started again did not come up"
-            time.sleep(0.5)
-        old = cluster_2p2d["launches"][decode["http"]]
-        while not (said := [i["launch"] for i in _instances(cluster_2p2d) if i["address"] == decode["http"]]) \
-                or said == [old]:
-            assert time.monotonic() < deadline, "the proxy did not hear the new start"
-            time.sleep(0.2)
-        assert said[0] and said[0] != old
+    with started_again(cluster_2p2d, last, "decode-restarted"):
         before = metric(decode["http"], "vllm:e2e_request_latency_seconds_count")
         _run_batch(cluster_2p2d, [f"r{i}" for i in range(16)])
         assert metric(decode["http"], "vllm:e2e_request_latency_seconds_count") > before, "the proxy sent it some"
@@ -181,10 +161,4 @@ def test_a_decode_instance_started_again_is_pushed_to_over_new_connections_and_n
         assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") > 0
         assert metric(decode["metrics"], 'p2pkv_transfers_total{direction="load",outcome="failed"}') == 0
         assert cluster_2p2d["up"].poll() is None
-    finally:
-        restarted.stop()
 
-
-def _instances(info: dict[str, Any]) -> list[dict[str, Any]]:
-    listed: list[dict[str, Any]] = httpx.get(info["proxy"].replace("/v1", "") + "/instances").json()["instances"]
-    return listed
