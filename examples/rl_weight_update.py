@@ -6,7 +6,9 @@
    in flight have gone), then the decode instances, whose caches are cleared with the KV staged for them.
 2. `POST /collective_rpc` with vLLM's `reload_weights`: every worker of every instance loads the checkpoint in
    `--weights` (a directory of safetensors every instance can read) in place.
-3. `POST /resume`, also when the reload failed (the cluster then serves on with the weights it has).
+3. `POST /resume`, also when the reload failed (the cluster then serves on with the weights it has; where the
+   reload failed on some instances only, the proxy pairs no prefill and decode instances across that split until
+   a reload reaches them all: run this again once the checkpoint is readable everywhere).
 
 The instances must serve vLLM's dev-mode endpoints (`VLLM_SERVER_DEV_MODE=1`). Exit status 0 only if all three
 steps succeeded on every instance.

@@ -13,7 +13,8 @@ lease ends. Through the proxy:
 - `POST /resume` resumes the decode instances, then the prefill instances;
 - `GET /is_paused` asks them all;
 - `POST /collective_rpc` (vLLM's: a method run on every worker, e.g. `reload_weights` from a checkpoint path) goes
-  to every instance at once, with the client's body unchanged.
+  to every instance at once, with the client's body unchanged. Where it fails on some instances only, the proxy
+  pairs no prefill instance with a decode instance on the other side of that split until an update reaches both.
 Each answers with every instance's answer, and 502 if any instance failed. One request per API server (its
 data-parallel engines pause together). From a pause until the resume, client requests wait at the proxy (at most
 their `request_timeout_s`, then 503), not in a paused instance's queue, where their prefill would time out and go
@@ -23,6 +24,9 @@ to a decode instance alone.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import uuid
 from typing import Any, Protocol
 
 import httpx
@@ -34,6 +38,7 @@ from p2pkv.proxy.passthrough import forward_headers
 from p2pkv.proxy.registry import Pool
 from p2pkv.proxy.upstream import error_response
 
+log = logging.getLogger(__name__)
 CONTROL_TIMEOUT_S = 600.0  # a pause in mode=wait lasts as long as the longest request in flight
 
 
@@ -135,13 +140,45 @@ async def is_paused(router: Controlled, request: Request) -> Response:
 
 
 async def collective_rpc(router: Controlled, request: Request) -> Response:
-    """Every instance runs the method (each its own weights, so all at once). The body is vLLM's to check."""
+    """Every instance runs the method (each its own weights, so all at once). The body is vLLM's to check. Where
+    it failed on some instances only, their weights may now differ from the others': see `took_update`."""
     body, headers = await request.body(), forward_headers(request)
     prefill, decode = await asyncio.gather(
         _send(router, "POST", "prefill", _servers(router.prefill), "/collective_rpc", {}, headers, body),
         _send(router, "POST", "decode", _servers(router.decode), "/collective_rpc", {}, headers, body))
     answers = prefill + decode
+    took_update(router, _method(body), answers)
     return _answer("status", "done" if _ok(answers) else "failed", answers)
+
+
+def took_update(router: Controlled, method: str, answers: list[dict[str, Any]]) -> None:
+    """A method run on every worker may change the weights (`reload_weights` does). The instances where it
+    succeeded are marked as having taken this update, the others keep their mark, and instances of different
+    marks are not paired (`p2pkv.proxy.pairs`): KV computed with other weights would make the decode instance
+    answer as neither model does, without an error. Where it succeeded everywhere, or nowhere, the marks still
+    match. An update through the proxy that reaches them all matches them again."""
+    done = {a["instance"] for a in answers if a["status_code"] == 200}
+    if not done:
+        return
+    mark = f"{method} {uuid.uuid4().hex[:8]}"
+    for pool in (router.prefill, router.decode):
+        for state in pool.states:
+            if str(state.instance.http) in done:
+                state.weights = mark
+    failed = sorted({a["instance"] for a in answers} - done)
+    if failed:
+        log.warning("collective_rpc %s failed on %s and succeeded on %s: their weights may differ, so prefill and "
+                    "decode instances of the two groups are not paired until an update reaches them all",
+                    method, ", ".join(failed), ", ".join(sorted(done)))
+
+
+def _method(body: bytes) -> str:
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return "collective_rpc"
+    method = parsed.get("method") if isinstance(parsed, dict) else None
+    return method[:64] if isinstance(method, str) and method else "collective_rpc"
 
 
 def add_control_routes(app: FastAPI) -> None:

@@ -10,6 +10,10 @@ count. A refusal names the start of the instance it refused (`PeerRefused.launch
 start now are both known and differ, the refusal is of an earlier start. Where either is not said, a restart is told
 by another engine id in the heartbeats (`Side.up_since`).
 
+Nor is a pair paired whose weights differ as far as the proxy knows: a weight update through its `/collective_rpc`
+that one took and the other did not (it failed there, or the instance restarted since, with the weights it was
+started with), until an update reaches both (`p2pkv.proxy.control`).
+
 Instances from static flags that send no heartbeats are asked the same by probes (`p2pkv.proxy.poll`)."""
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class Side:
     refused: tuple[Refused, ...]
     up_since: float = 0.0
     launch: str = ""
+    weights: str = ""  # the last weight update through the proxy it took ("": the weights it started with)
 
     def is_start_refused(self, refused: Refused) -> bool:
         """Whether `refused` is of this start of the instance, as far as the proxy can tell."""
@@ -83,7 +88,11 @@ class Side:
 
 
 def why_not_paired(decode: Side, prefill: Side, now: float) -> str | None:
-    """Why the two must not exchange KV now (one refused a worker of the other); None if nothing says so."""
+    """Why the two must not exchange KV now (one refused a worker of the other, or a weight update through the
+    proxy reached one and not the other: their KV differs); None if nothing says so."""
+    if decode.weights != prefill.weights:
+        return (f"their weights differ: {decode.name} took {decode.weights or 'no update'} and {prefill.name} "
+                f"{prefill.weights or 'no update'} (a weight update through the proxy failed on one of them)")
     for by, other in ((decode, prefill), (prefill, decode)):
         for refused in by.refused:
             if refused.until > now and other.holds(refused.address) and other.is_start_refused(refused):

@@ -43,16 +43,24 @@ class InstanceState:
     up_since: float = 0.0  # monotonic: when the proxy heard it restarted; 0 if it has not
     kv_named: Address | None = None  # its first worker's address as its workers name it, where a probe said it
     launch: str = ""  # its start as its heartbeats (or probes) say it (`p2pkv.config.launch_of`); "": not said
+    weights: str = ""  # the last weight update through the proxy it took (`p2pkv.proxy.control`); "": as started
 
     def side(self) -> Side:
         return Side(f"{self.role} instance {self.instance.name}", self.kv_named or self.instance.kv, self.ranks,
-                    self.kv_refused, self.up_since, self.launch)
+                    self.kv_refused, self.up_since, self.launch, self.weights)
 
     def heard(self, engine_id: str, ranks: int, refused: tuple[Refused, ...], now: float, launch: str = "") -> None:
-        """What a heartbeat said of its parallel size, its refusals, the engine id it runs as now and its start."""
-        if engine_id and self.engine_id and engine_id != self.engine_id:
-            log.info("%s instance %s restarted (engine %s)", self.role, self.instance.name, engine_id)
-            self.up_since = now
+        """What a heartbeat said of its parallel size, its refusals, the engine id it runs as now and its start. A
+        restart (another engine id or start) loaded the weights it was started with: updates before it are gone."""
+        if (engine_id and self.engine_id and engine_id != self.engine_id) or (
+                launch and self.launch and launch != self.launch):
+            log.info("%s instance %s restarted (engine %s, start %s)", self.role, self.instance.name,
+                     engine_id or self.engine_id, launch or self.launch)
+            if self.weights:
+                log.warning("%s instance %s runs the weights it was started with since its restart, not the update "
+                            "%s: not paired with instances that took it until an update reaches them all",
+                            self.role, self.instance.name, self.weights)
+            self.up_since, self.weights = now, ""
         self.engine_id = engine_id or self.engine_id
         self.ranks, self.kv_refused, self.launch = ranks, refused, launch
 
@@ -61,6 +69,7 @@ class InstanceState:
                 "kv_address": str(self.instance.kv) if self.instance.kv else None,
                 "last_heartbeat": self.last_heartbeat, "in_flight": self.in_flight, "failures": self.failures,
                 "source": "heartbeat" if self.discovered else "static", "launch": self.launch or None,
+                "weights": self.weights or None,
                 "shunned_s": round(max(0.0, self.shunned_until - time.monotonic()), 1),
                 "refused": [{"address": str(r.address), "reason": r.reason, "launch": r.launch or None,
                              "paired_again_in_s": round(max(0.0, r.until - time.monotonic()), 1)}
@@ -84,9 +93,11 @@ class Pool:
     policy: Policy
     states: list[InstanceState] = field(default_factory=list)
     _turn: itertools.count[int] = field(default_factory=itertools.count)
-    # The engine ids of dropped instances, by name: a restart takes longer than the missed heartbeats that drop an
-    # instance, and refusals of the old engine must not count against the new one (`InstanceState.up_since`).
-    _gone: dict[str, str] = field(default_factory=dict)
+    # The engine ids, starts and weight updates of dropped instances, by name: a restart takes longer than the
+    # missed heartbeats that drop an instance, and refusals of the old engine must not count against the new one
+    # (`InstanceState.up_since`), nor updates it took (`InstanceState.weights`); one only starved of heartbeats
+    # for a while comes back as it was.
+    _gone: dict[str, tuple[str, str, str]] = field(default_factory=dict)
 
     def prune(self, now: float | None = None) -> list[InstanceState]:
         """Drop discovered instances whose heartbeats are overdue; the dropped ones."""
@@ -96,9 +107,9 @@ class Pool:
             self.states = [s for s in self.states if s not in gone]
             for state in gone:
                 log.warning("%s instance %s missed its heartbeats; dropped", self.role, state.instance.name)
-                if state.engine_id:
+                if state.engine_id or state.launch:
                     self._gone.pop(state.instance.name, None)
-                    self._gone[state.instance.name] = state.engine_id
+                    self._gone[state.instance.name] = (state.engine_id, state.launch, state.weights)
                     while len(self._gone) > GONE_KEPT:
                         del self._gone[next(iter(self._gone))]
         return gone
@@ -123,8 +134,9 @@ class Pool:
         """Record a heartbeat; True when the instance is new to this pool."""
         state = self.find(instance)
         if state is None:
+            engine_id, launch, weights = self._gone.pop(instance.name, ("", "", ""))
             self.states.append(InstanceState(instance, self.role, last_heartbeat=wall, expires_at=expires_at,
-                                             discovered=True, engine_id=self._gone.pop(instance.name, "")))
+                                             discovered=True, engine_id=engine_id, launch=launch, weights=weights))
             return True
         state.last_heartbeat = wall
         if state.discovered:

@@ -1,5 +1,6 @@
 """Pairing: a prefill and a decode instance are not paired while either's heartbeats say one of its workers refused
-a worker of the other (by the listener that worker names), until `PAIR_RETRY_S` after that refusal."""
+a worker of the other (by the listener that worker names), until `PAIR_RETRY_S` after that refusal; nor while a
+weight update through the proxy reached one and not the other."""
 
 from __future__ import annotations
 
@@ -80,3 +81,17 @@ def test_a_pair_refused_again_when_tried_waits_twice_as_long_up_to_the_cap() -> 
         assert why_not_paired(decode, prefill, at + waited + 1) is None
     # A refusal the instance no longer says (an accepted hello cleared it) leaves no strike behind.
     assert refusals(((PREFILL_KV, "dtype", 0.0, ""),), at + 1000, refusals((), at + 999, said))[0].strikes == 0
+
+
+def test_instances_whose_weights_differ_as_the_proxy_knows_them_are_not_paired() -> None:
+    """A weight update through the proxy that one instance took and the other did not (`Side.weights`): passed
+    over both ways, for as long as the marks differ; the same update, or none on either: paired."""
+    for decode_mark, prefill_mark, paired in (("", "", True), ("reload_weights 1a", "reload_weights 1a", True),
+                                              ("reload_weights 1a", "", False), ("", "reload_weights 1a", False),
+                                              ("reload_weights 2b", "reload_weights 1a", False)):
+        decode = Side("decode instance d", DECODE_KV, 1, (), weights=decode_mark)
+        prefill = Side("prefill instance p", PREFILL_KV, 1, (), weights=prefill_mark)
+        why = why_not_paired(decode, prefill, NOW)
+        assert (why is None) is paired, (decode_mark, prefill_mark)
+        assert paired or (why is not None and why.startswith("their weights differ: decode instance d took "
+                                                             f"{decode_mark or 'no update'} and prefill instance p"))

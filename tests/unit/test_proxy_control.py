@@ -18,7 +18,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from p2pkv.cli.cluster import free_port
+from p2pkv.params import Address
 from p2pkv.proxy import Instance, ProxyConfig, create_app
+from p2pkv.proxy.registry import Policy, Pool
 from tests.helpers.servers import serve
 from tests.helpers.stubs import stub_decode, stub_prefill
 
@@ -289,3 +291,77 @@ def test_a_decode_instance_that_fails_to_pause_leaves_no_instance_paused() -> No
     assert sorted((a["role"], a["status_code"]) for a in resp.json()["instances"]) == [("decode", 404),
                                                                                        ("prefill", 200)]
     assert paths(calls) == [("p0", "/reset_prefix_cache"), ("p0", "/pause"), ("d0", "/pause"), ("p0", "/resume")]
+
+
+def test_a_weight_update_that_fails_on_some_instances_unpairs_them_from_the_others_until_one_reaches_all() -> None:
+    """`/collective_rpc` that succeeds on the prefill instance and fails on the decode instance (a checkpoint path
+    one host cannot read): their weights may now differ, and KV of other weights would make the decode instance
+    answer as neither model does. So requests go to the decode instance alone (the prefill instance is passed over)
+    and `/instances` names the update each took, until an update succeeds on both; one that fails everywhere
+    changes nothing."""
+    p_seen: list[dict[str, Any]] = []
+    d_seen: list[dict[str, Any]] = []
+    status = {"p0": 200, "d0": 200}  # each instance's answer to the next collective_rpc
+    apps = []
+    for name, app in (("p0", stub_prefill(p_seen)), ("d0", stub_decode(d_seen))):
+        apps.append(stub_instance(name, [], app=app))
+
+        @app.middleware("http")
+        async def answer_as_set(request: Request, call_next: Any, name: str = name) -> Any:
+            if request.url.path == "/collective_rpc" and status[name] != 200:
+                return JSONResponse({"detail": "no such file"}, status_code=status[name])
+            return await call_next(request)
+
+    with cluster(apps[:1], apps[1:]) as proxy:
+        def update(p0: int, d0: int) -> int:
+            status.update(p0=p0, d0=d0)
+            body = {"method": "reload_weights", "kwargs": {"weights_path": "/ckpt/2"}}
+            return httpx.post(f"http://{proxy}/collective_rpc", json=body, timeout=30).status_code
+
+        def request() -> None:
+            assert httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "hi", "max_tokens": 5},
+                              timeout=30).status_code == 200
+
+        def marks() -> dict[str, Any]:
+            listed = httpx.get(f"http://{proxy}/instances", timeout=10).json()["instances"]
+            return {i["role"]: i["weights"] for i in listed}
+
+        request()
+        assert len(p_seen) == 1 and marks() == {"prefill": None, "decode": None}
+        assert update(500, 500) == 502  # fails everywhere: the marks still match
+        request()
+        assert len(p_seen) == 2 and marks() == {"prefill": None, "decode": None}
+        assert update(200, 400) == 502  # the prefill instance takes it, the decode instance does not
+        taken = marks()
+        assert taken["decode"] is None and str(taken["prefill"]).startswith("reload_weights ")
+        for _ in range(2):
+            request()
+        assert len(p_seen) == 2 and len(d_seen) >= 4, "the prefill instance was passed over; the decode one answered"
+        metrics = httpx.get(f"http://{proxy}/metrics", timeout=10).text
+        assert "p2pkv_proxy_pairs_passed_over_total 2.0" in metrics
+        assert update(200, 200) == 200  # one that reaches both
+        request()
+        assert len(p_seen) == 3, "paired again"
+        again = marks()
+        assert again["prefill"] == again["decode"] != taken["prefill"] and again["decode"] is not None
+
+
+def test_a_restart_forgets_the_updates_an_instance_took_and_a_drop_for_missed_heartbeats_does_not() -> None:
+    pool = Pool("decode", Policy.ROUND_ROBIN)
+    instance = Instance(Address.parse("10.0.0.1:8000"), Address("10.0.0.1", 21000))
+    assert pool.heard_from(instance, 0.0, expires_at=100.0)
+    state = pool.states[0]
+    state.heard("e1", 1, (), 1.0, "a1" * 8)
+    state.weights = "reload_weights 1a"
+    state.heard("e1", 1, (), 2.0, "a1" * 8)
+    assert state.weights == "reload_weights 1a", "the same start"
+    assert pool.prune(now=200.0) == [state] and pool.states == []  # starved of heartbeats for a while
+    assert pool.heard_from(instance, 0.0, expires_at=400.0)
+    back = pool.states[0]
+    back.heard("e1", 1, (), 201.0, "a1" * 8)
+    assert back.weights == "reload_weights 1a" and back.up_since == 0.0, "the same start: as it was"
+    back.heard("e1", 1, (), 202.0, "b2" * 8)  # another start under the same engine id (engine_id set)
+    assert back.weights == "" and back.up_since == 202.0
+    back.weights = "reload_weights 2b"
+    back.heard("e2", 1, (), 203.0, "")  # another engine id, the start not said (an older connector)
+    assert back.weights == "" and back.up_since == 203.0
