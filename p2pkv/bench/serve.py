@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from p2pkv.cli.cluster import Cluster, InstanceSpec, free_ports
+from p2pkv.cli.cluster import Cluster, InstanceSpec, free_ports, wait_for_huge_pages
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,13 @@ def bench_disaggregated(s: ServeSettings, log_dir: Path) -> tuple[dict[str, floa
 
     cluster = Cluster(model=s.model, log_dir=log_dir / "disaggregated")
     p_http, p_kv, p_metrics, d_http, d_kv, proxy_port = free_ports(6)
-    cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv, {"metrics_port": p_metrics}))
-    cluster.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_kv))
+    instances = [cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv, {"metrics_port": p_metrics})),
+                 cluster.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_kv))]
     cluster.add_proxy(proxy_port, [f"127.0.0.1:{p_http}"], [f"127.0.0.1:{d_http}@127.0.0.1:{d_kv}"])
     try:
         cluster.start(progress=lambda line: print(f"[serve] {line}", flush=True))
+        # The colocated instance has no connector: nothing of its own on the host while it is measured.
+        wait_for_huge_pages(instances, progress=lambda line: print(f"[serve] {line}", flush=True))
         metrics = f"http://127.0.0.1:{p_metrics}/metrics"
         before = histogram_sum_count(httpx.get(metrics, timeout=10).text, "p2pkv_transfer_seconds")
         result = run_vllm_bench_serve(f"http://127.0.0.1:{proxy_port}", s.model, s.input_len, s.output_len,

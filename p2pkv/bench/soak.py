@@ -18,12 +18,9 @@ from typing import Any
 
 import httpx
 
-from p2pkv.cli.cluster import Cluster, InstanceSpec, Process, free_ports
+from p2pkv.cli.cluster import Cluster, InstanceSpec, Process, free_ports, wait_for_huge_pages
 
 RSS_GROWTH_LIMIT = 0.05
-HUGE_PAGES_WAIT_S = 300.0
-_ADVISED = "advised for 2 MiB pages"  # p2pkv.memory.huge's log lines: a worker's KV cache handed back ...
-_ENDED = ("now in huge pages", "faulting in huge pages failed")  # ... and faulted in again, or not
 
 
 @dataclass
@@ -54,34 +51,6 @@ class SoakResult:
                 and mismatches == 0
                 and not any(self.kv_usage.values())
                 and all(self.growth(n) < RSS_GROWTH_LIMIT for n in self.rss_mark_mb if n in self.rss_end_mb))
-
-
-def wait_for_huge_pages(procs: list[Process], timeout_s: float = HUGE_PAGES_WAIT_S,
-                        progress: Callable[[str], None] = print) -> bool:
-    """Until each worker whose KV cache was handed back to be faulted in again in 2 MiB pages (`huge_pages`) has
-    faulted it in, as its log says: that runs on a thread of its own while the instance serves (about 20 s for
-    1 GiB on two busy cores), and resident memory noted meanwhile would count the rest of it as growth. False if
-    the time ran out (the run goes on; its memory check may then fail)."""
-    started, said = time.monotonic(), 0.0
-    for proc in procs:
-        while not _faulted_in(proc):
-            waited = time.monotonic() - started
-            if waited >= timeout_s:
-                progress(f"{proc.name}: its KV cache was not faulted in again within {timeout_s:.0f} s; going on")
-                return False
-            if waited >= said + 10:
-                said = waited
-                progress(f"waiting for {proc.name}'s KV cache to be faulted in again in huge pages ({waited:.0f} s)")
-            time.sleep(0.2)
-    return True
-
-
-def _faulted_in(proc: Process) -> bool:
-    try:
-        text = proc.log_path.read_text(errors="replace")
-    except OSError:  # no log yet: nothing said to wait for
-        return True
-    return sum(text.count(line) for line in _ENDED) >= text.count(_ADVISED)
 
 
 def tree_rss_mb(proc: Process) -> dict[str, float]:

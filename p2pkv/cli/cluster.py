@@ -283,3 +283,36 @@ class Cluster:
         """Proxy first, then the instances, each process group terminated then killed after a grace period."""
         for proc in reversed(self.processes):
             proc.stop()
+
+
+HUGE_PAGES_WAIT_S = 300.0
+_ADVISED = "advised for 2 MiB pages"  # p2pkv.memory.huge's log lines: a worker's KV cache handed back ...
+_ENDED = ("now in huge pages", "faulting in huge pages failed")  # ... and faulted in again, or not
+
+
+def wait_for_huge_pages(procs: list[Process], timeout_s: float = HUGE_PAGES_WAIT_S,
+                        progress: Callable[[str], None] = print) -> bool:
+    """Until each worker whose KV cache was handed back to be faulted in again in 2 MiB pages (`huge_pages`) has
+    faulted it in, as its log says: that runs on a thread of its own while the instance serves (about 20 s for
+    1 GiB on two busy cores): resident memory noted meanwhile would count the rest of it as growth, and requests
+    timed meanwhile share the host with it. False if the time ran out (the caller goes on)."""
+    started, said = time.monotonic(), 0.0
+    for proc in procs:
+        while not _faulted_in(proc):
+            waited = time.monotonic() - started
+            if waited >= timeout_s:
+                progress(f"{proc.name}: its KV cache was not faulted in again within {timeout_s:.0f} s; going on")
+                return False
+            if waited >= said + 10:
+                said = waited
+                progress(f"waiting for {proc.name}'s KV cache to be faulted in again in huge pages ({waited:.0f} s)")
+            time.sleep(0.2)
+    return True
+
+
+def _faulted_in(proc: Process) -> bool:
+    try:
+        text = proc.log_path.read_text(errors="replace")
+    except OSError:  # no log yet: nothing said to wait for
+        return True
+    return sum(text.count(line) for line in _ENDED) >= text.count(_ADVISED)
