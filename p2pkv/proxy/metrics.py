@@ -34,7 +34,8 @@ class ProxyMetrics:
                                       "after their decode instance broke off", registry=r)
         self.passed_over = Counter("p2pkv_proxy_pairs_passed_over",
                                    "Prefill instances passed over for a request: they and its decode instance "
-                                   "refused each other's KV workers (another layout or model settings)", registry=r)
+                                   "refused each other's KV workers (another layout or model settings), or a weight "
+                                   "update through the proxy reached one and not the other", registry=r)
         self.fallbacks = Counter("p2pkv_proxy_decode_only_fallbacks",
                                  "Requests sent to a decode instance alone because no prefill succeeded", registry=r)
         self.decode_only = Counter("p2pkv_proxy_decode_only",
@@ -48,4 +49,5 @@ class ProxyMetrics:
                                   ["outcome"], registry=r)
         self.instances = Gauge("p2pkv_proxy_instances", "Known instances by role", ["role"], registry=r)
         self.unpaired = Gauge("p2pkv_proxy_unpaired", "Prefill and decode instance pairs not used now: their KV "
-                              "workers refused each other (another layout or model settings)", registry=r)
+                              "workers refused each other (another layout or model settings), or their weights "
+                              "differ after a weight update through the proxy", registry=r)
