@@ -262,17 +262,18 @@ def record_starts(info: dict[str, Any]) -> None:
 
 
 @contextmanager
-def started_again(info: dict[str, Any], index: int, name: str) -> Iterator[Process]:
+def started_again(info: dict[str, Any], index: int, name: str, added: tuple[str, ...] = ()) -> Iterator[Process]:
     """Instance `index` of the cluster killed (if it still runs) and started again as a supervisor would: its
-    command line and environment (`record_starts`), so the same ports. Yields once it is healthy and the proxy
-    lists it with a new start; stopped at exit."""
+    command line (with the arguments `added`) and environment (`record_starts`), so the same ports. Yields once it
+    is healthy and the proxy lists it with a new start; stopped at exit."""
     instance = info["instances"][index]
     try:
         os.killpg(info["pids"][index], signal.SIGKILL)  # the API server with its engine and workers
     except ProcessLookupError:
         pass  # killed already
     argv, env = info["started"][index]
-    again = Process(name, argv, Path(info["log_dir"]) / f"{name}.log", env, f"http://{instance['http']}/health", 1)
+    again = Process(name, [*argv, *added], Path(info["log_dir"]) / f"{name}.log", env,
+                    f"http://{instance['http']}/health", 1)
     deadline = time.monotonic() + 300
     while again.healthy():  # the killed one's server, until it is gone
         assert time.monotonic() < deadline, "the killed instance still answers"

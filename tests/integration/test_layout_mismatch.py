@@ -11,9 +11,7 @@ again, and its first push loads, though the decode worker still notes the refusa
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,10 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 
-from p2pkv.cli.cluster import Process
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params, prompt_digest
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from tests.helpers.servers import serve
@@ -36,7 +32,10 @@ from tests.integration.conftest import (
     complete,
     described_cluster,
     instance_of,
+    listed,
     metric,
+    record_starts,
+    started_again,
 )
 from tests.integration.test_disagg import prompt
 
@@ -53,6 +52,7 @@ def mismatched(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     up_args = ("--decode-vllm-args", f"--hf-overrides {shlex.quote(OVERRIDE)}")
     with described_cluster(tiny_model, tmp_path_factory.mktemp("mismatch"), {"transfer_timeout_s": DEADLINE_S},
                            [], up_args, ("--hf-overrides", OVERRIDE)) as info:
+        record_starts(info)
         yield info
 
 
@@ -84,9 +84,9 @@ def test_requests_through_a_refused_prefill_instance_are_answered_right_without_
     assert text.count("refusing peer") == 1, "logged once for the prefill worker"
     # The start the decode worker refused, as the prefill worker's hello named it, is the start the prefill
     # instance's scheduler side says in its heartbeats: a later start is told apart from it.
-    listed = _listed(proxy)
-    (start,) = [i["launch"] for i in listed if i["role"] == "prefill"]
-    assert start and [r["launch"] for i in listed if i["role"] == "decode" for r in i["refused"]] == [start]
+    now = listed(mismatched)
+    (start,) = [i["launch"] for i in now if i["role"] == "prefill"]
+    assert start and [r["launch"] for i in now if i["role"] == "decode" for r in i["refused"]] == [start]
     assert f"start {start}, listening on {prefill['kv']}" in text
 
 
@@ -133,11 +133,11 @@ def test_get_transfers_are_not_held_for_a_decode_instance_the_prefill_instance_r
             "start of it); not the second"
         freed = logged.count(f"transfer {params.transfer_id}: blocks freed: the decode worker at {decode['kv']}")
         assert freed == (i != 1), "those held are freed at the refusal, not when their lease runs out"
-    proxy, deadline = mismatched["proxy"].removeprefix("http://"), time.monotonic() + 30
-    while not (refused := [r for i in _listed(proxy) if i["role"] == "prefill" for r in i["refused"]]):
+    deadline = time.monotonic() + 30
+    while not (refused := [r for i in listed(mismatched) if i["role"] == "prefill" for r in i["refused"]]):
         assert time.monotonic() < deadline, "the prefill instance's heartbeats did not name the refusal"
         time.sleep(0.2)
-    (start,) = [i["launch"] for i in _listed(proxy) if i["role"] == "decode"]
+    (start,) = [i["launch"] for i in listed(mismatched) if i["role"] == "decode"]
     assert start and [(r["address"], r["launch"]) for r in refused] == [(decode["kv"], start)]
 
 
@@ -181,26 +181,10 @@ def test_a_prefill_instance_restarted_with_matching_settings_is_paired_again_and
         body = {"model": model, "prompt": prompt("restart-0", 120), "max_tokens": 2}
         assert httpx.post(f"{mismatched['proxy']}/v1/completions", json=body, timeout=DEADLINE_S / 2).is_success
     _wait_for_the_proxy_to_hear_of_the_refusal(proxy, prefill)
-    old = psutil.Process(mismatched["pids"][0])
-    argv, env = old.cmdline(), old.environ()
-    assert "--hf-overrides" not in argv, argv
-    os.killpg(old.pid, signal.SIGKILL)  # the API server with its engine and worker
-    psutil.wait_procs([old], timeout=30)
-    restarted = Process("prefill0-restarted", [*argv, "--hf-overrides", OVERRIDE],
-                        Path(mismatched["log_dir"]) / "prefill0-restarted.log", env,
-                        f"http://{prefill['http']}/health", 1)
+    assert "--hf-overrides" not in mismatched["started"][0][0]
     failed = metric(decode["metrics"], FAILED_LOADS)
-    try:
-        restarted.start()
-        deadline = time.monotonic() + 300
-        while not restarted.healthy():
-            assert restarted.exited() is None, restarted.log_tail()
-            assert time.monotonic() < deadline, "the restarted prefill instance did not come up"
-            time.sleep(0.5)
-        while not any(i["role"] == "prefill" for i in _listed(proxy)):
-            assert time.monotonic() < deadline, "the proxy did not hear from the restarted prefill instance"
-            time.sleep(0.2)
-        assert [r["address"] for i in _listed(proxy) if i["role"] == "decode" for r in i["refused"]] == [
+    with started_again(mismatched, 0, "prefill0-restarted", ("--hf-overrides", OVERRIDE)):
+        assert [r["address"] for i in listed(mismatched) if i["role"] == "decode" for r in i["refused"]] == [
             prefill["kv"]], "the decode instance still names the old refusal"
         _load_before_the_first_hello(mismatched, prefill, decode, oracle)
         loaded, passed_over = metric(decode["metrics"], "p2pkv_bytes_loaded_total"), metric(proxy, PASSED_OVER)
@@ -212,16 +196,10 @@ def test_a_prefill_instance_restarted_with_matching_settings_is_paired_again_and
         assert metric(proxy, PASSED_OVER) == passed_over, "the pair was used: the refusal predates the restart"
         assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") > loaded, "the KV moved through the proxy"
         # The new one's hello was accepted: the decode instance no longer names the refusal.
-        while any(i["refused"] for i in _listed(proxy)):
-            assert time.monotonic() < deadline + 30, "the refusal is still named"
+        deadline = time.monotonic() + 30
+        while any(i["refused"] for i in listed(mismatched)):
+            assert time.monotonic() < deadline, "the refusal is still named"
             time.sleep(0.2)
-    finally:
-        restarted.stop()
-
-
-def _listed(proxy: str) -> list[dict[str, Any]]:
-    listed: list[dict[str, Any]] = httpx.get(f"http://{proxy}/instances", timeout=10).json()["instances"]
-    return listed
 
 
 def _load_before_the_first_hello(info: dict[str, Any], prefill: dict[str, Any], decode: dict[str, Any],
