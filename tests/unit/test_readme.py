@@ -1,0 +1,123 @@
+"""The README's reference parts against the code: the configuration table (every key of `kv_connector_extra_config`
+with its default), the metrics tables (every series a worker and the proxy serve, with its labels), and every option
+of every `p2pkv` command."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import re
+from pathlib import Path
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from p2pkv.cli.main import build_parser
+from p2pkv.config import ExtraConfig
+from p2pkv.engine.metrics import EngineMetrics
+from p2pkv.proxy.metrics import ProxyMetrics
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+_CODE = re.compile(r"`([^`]*)`")
+
+
+def table_after(text: str, heading: str) -> list[list[str]]:
+    """The cells of each body row of the first table after `heading` (a whole line of the README)."""
+    lines = text.splitlines()
+    at = lines.index(heading)
+    rows: list[list[str]] = []
+    for line in lines[at + 1 :]:
+        if line.startswith("#"):
+            break
+        if line.startswith("|"):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif rows:
+            break
+    assert len(rows) > 2, f"no table after {heading!r}"
+    assert set(rows[1][0]) <= set("-: "), f"the table after {heading!r} has no header row"
+    return rows[2:]
+
+
+def _default_as_written(value: object) -> str:
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value == "":
+        return '""'
+    return str(value)
+
+
+def _same_default(written: str, value: object) -> bool:
+    """`written`: the table's default cell; the first code span in it, or "unset" (an empty string or 0)."""
+    spans = _CODE.findall(written)
+    if not spans:
+        return written == "unset" and not value
+    token = spans[0]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return float(token) == float(value)
+        except ValueError:
+            return False
+    return token == _default_as_written(value)
+
+
+def test_the_configuration_table_lists_every_key_once_with_its_default() -> None:
+    rows = table_after(README.read_text(), "## Configuration (`kv_connector_extra_config`)")
+    listed: dict[str, str] = {}
+    for row in rows:
+        for key in _CODE.findall(row[0]):
+            assert key not in listed, f"{key} listed twice"
+            listed[key] = row[1]
+    defaults = {f.name: f.default for f in dataclasses.fields(ExtraConfig)}
+    assert sorted(listed) == sorted(defaults)
+    wrong = {key: (written, defaults[key]) for key, written in listed.items()
+             if not _same_default(written, defaults[key])}
+    assert not wrong, f"defaults in the README differ from the code's: {wrong}"
+
+
+def served(metrics: object) -> dict[str, list[str]]:
+    """Each series a metrics holder registers, as a scrape names it (counters end in `_total`), with its labels."""
+    found: dict[str, list[str]] = {}
+    for value in vars(metrics).values():
+        if isinstance(value, (Counter, Gauge, Histogram)):
+            name = value._name + ("_total" if isinstance(value, Counter) else "")
+            found[name] = list(value._labelnames)
+    return found
+
+
+def documented(heading: str) -> dict[str, list[str]]:
+    rows = table_after(README.read_text(), heading)
+    out: dict[str, list[str]] = {}
+    for row in rows:
+        names = _CODE.findall(row[0])
+        assert len(names) == 1, row
+        out[names[0]] = _CODE.findall(row[1])
+    return out
+
+
+def test_the_metrics_tables_list_every_series_a_worker_and_the_proxy_serve_with_their_labels() -> None:
+    assert documented("### Each worker (`metrics_port`)") == served(EngineMetrics())
+    assert documented("### The proxy (`GET /metrics`)") == served(ProxyMetrics())
+
+
+def options(parser: argparse.ArgumentParser, command: str = "p2pkv") -> dict[str, list[str]]:
+    """Each command's long options (help aside), by command (`p2pkv bench transfer`)."""
+    out: dict[str, list[str]] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out.update(options(sub, f"{command} {name}"))
+        else:
+            out.setdefault(command, []).extend(o for o in action.option_strings
+                                               if o.startswith("--") and o != "--help")
+    return out
+
+
+def test_every_option_of_every_command_is_in_the_readme() -> None:
+    text = README.read_text()
+    by_command = options(build_parser())
+    assert "p2pkv up" in by_command and "p2pkv bench transfer" in by_command
+    missing = [f"{command} {option}" for command, found in by_command.items() for option in found
+               if not re.search(re.escape(option) + r"(?![\w-])", text)]
+    assert not missing, f"options the README never names: {missing}"
