@@ -1,6 +1,7 @@
-"""The README's reference parts against the code: the configuration table (every key of `kv_connector_extra_config`
-with its default), the metrics tables (every series a worker and the proxy serve, with its labels), and every option
-of every `p2pkv` command."""
+"""The docs' reference parts against the code: the README's configuration table (every key of
+`kv_connector_extra_config` with its default), its metrics tables (every series a worker and the proxy serve, with
+its labels) and every option of every `p2pkv` command; `docs/design.md`'s protocol section (its version, and every
+message with its fields in order)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,18 @@ import enum
 import re
 from pathlib import Path
 
+import msgspec
 from prometheus_client import Counter, Gauge, Histogram
 
+from p2pkv import PROTOCOL_VERSION, protocol
 from p2pkv.cli.main import build_parser
 from p2pkv.config import ExtraConfig
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.proxy.metrics import ProxyMetrics
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DESIGN = ROOT / "docs" / "design.md"
 _CODE = re.compile(r"`([^`]*)`")
 
 
@@ -121,3 +126,30 @@ def test_every_option_of_every_command_is_in_the_readme() -> None:
     missing = [f"{command} {option}" for command, found in by_command.items() for option in found
                if not re.search(re.escape(option) + r"(?![\w-])", text)]
     assert not missing, f"options the README never names: {missing}"
+
+
+def protocol_section() -> str:
+    text = DESIGN.read_text()
+    start = text.index("## Protocol (")
+    return text[start : text.index("\n## ", start)]
+
+
+def test_the_design_names_the_protocol_version_the_code_speaks() -> None:
+    heading = protocol_section().splitlines()[0]
+    assert heading == f"## Protocol (version {PROTOCOL_VERSION})"
+
+
+def test_the_design_gives_every_message_with_its_fields_in_order() -> None:
+    """`Name(field, ...)` in the protocol section, for each message struct (the layout digest is described in words)."""
+    section = " ".join(protocol_section().split())
+    structs = {name: kind for name, kind in vars(protocol).items()
+               if isinstance(kind, type) and issubclass(kind, msgspec.Struct) and kind is not msgspec.Struct}
+    given: dict[str, list[str]] = {}
+    for name, args in re.findall(r"(\w+)\(([^()`]*)\)", section):
+        if name in structs:
+            fields = [a.strip() for a in args.split(",") if a.strip()]
+            assert given.setdefault(name, fields) == fields, f"{name} given twice, differently"
+    assert sorted(given) == sorted(set(structs) - {"LayoutDigest"})
+    wrong = {name: (fields, list(structs[name].__struct_fields__)) for name, fields in given.items()
+             if fields != list(structs[name].__struct_fields__)}
+    assert not wrong, f"messages whose fields the design gives otherwise (design, code): {wrong}"
