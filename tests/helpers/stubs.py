@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 
 def stub_prefill(seen: list[dict[str, Any]], fail: bool = False) -> FastAPI:
@@ -216,4 +217,27 @@ def streaming_decode(paths: tuple[str, ...], events: Callable[[str, dict[str, An
 
     for path in paths:
         app.post(path)(complete)
+    return app
+
+
+def failing_relay(target: str, failing: str, answers: list[str]) -> FastAPI:
+    """In front of a real server at `target` (host:port): every request is passed on and its answer passed back,
+    except POSTs to the path `failing`, answered with a 500 as vLLM answers a worker method that raised (say, a
+    checkpoint this host cannot read), without reaching the server. `answers` records each path it failed."""
+    app = FastAPI()
+    client = httpx.AsyncClient(base_url=f"http://{target}", timeout=300)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def relay(path: str, request: Request) -> Response:
+        if request.method == "POST" and f"/{path}" == failing:
+            answers.append(failing)
+            return JSONResponse({"error": {"message": "checkpoint not readable on this host", "code": 500}},
+                                status_code=500)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        resp = await client.request(request.method, f"/{path}", params=dict(request.query_params),
+                                    headers=headers, content=await request.body())
+        passed = {k: v for k, v in resp.headers.items()
+                  if k.lower() not in ("content-length", "content-encoding", "transfer-encoding", "connection")}
+        return Response(resp.content, status_code=resp.status_code, headers=passed)
+
     return app

@@ -15,8 +15,11 @@ import httpx
 import pytest
 
 from p2pkv.params import Address, DecodeParams, DiscardParams, PrefillParams, parse_transfer_params
+from p2pkv.proxy import Instance, ProxyConfig, create_app
 from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, TRANSFER_HEADER
 from p2pkv.tinymodel import TinyModelSpec, tiny_prompt, write_tiny_model
+from tests.helpers.servers import serve
+from tests.helpers.stubs import failing_relay
 from tests.integration.conftest import (
     BLOCK_SIZE,
     TRANSFER_TIMEOUT_S,
@@ -902,6 +905,55 @@ def _update_weights(up_cluster: UpCluster, weights: str) -> None:
     rpc = {"method": "reload_weights", "kwargs": {"weights_path": weights}}
     assert httpx.post(f"{up_cluster.colocated}/collective_rpc", json=rpc, timeout=300).status_code == 200
     assert httpx.post(f"{up_cluster.colocated}/reset_prefix_cache", timeout=30).json()["success"]
+
+
+def test_a_weight_update_that_fails_on_the_decode_instance_only_leaves_the_pair_unused(
+        up_cluster: UpCluster, tmp_path: Path) -> None:
+    """An RL trainer's update through a proxy (`examples/rl_weight_update.py`) whose reload fails on the decode
+    instance only, as where that host cannot read the checkpoint (a relay in front of the decode instance answers
+    the reload with a 500, as vLLM answers a worker method that raised): the prefill instance now runs the new
+    weights, the decode instance the old ones. Loaded into the decode instance, the prefill instance's KV would make
+    it answer as neither model does, without an error. The proxy passes the prefill instance over instead, and the
+    decode instance computes each prompt itself, answering as the old weights do. The prefill instance then gets
+    the old weights back, and the module's cluster answers as before."""
+    new_weights = str(write_tiny_model(tmp_path / "step-2", TinyModelSpec(seed=4321)))
+    model = up_cluster.model
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    failed: list[str] = []
+    with serve(failing_relay(decode["http"], "/collective_rpc", failed)) as relay:
+        config = ProxyConfig(prefill=(Instance.parse(prefill["http"]),),
+                             decode=(Instance.parse(f"{relay}@{decode['kv']}"),), discovery_port=0)
+        with serve(create_app(config)) as proxy:
+            paired = greedy(f"http://{proxy}", model, prompt("split-before", 200))
+            assert paired["usage"]["prompt_tokens_details"]["cached_tokens"] == 199  # the pair is used: KV moved
+            try:
+                run = subprocess.run([sys.executable, str(EXAMPLES / "rl_weight_update.py"), "--proxy",
+                                      f"http://{proxy}", "--weights", new_weights],
+                                     capture_output=True, text=True, timeout=600)
+                assert run.returncode == 1 and failed == ["/collective_rpc"], run.stdout + run.stderr
+                reloaded = run.stdout.split("reload:")[1].split("resume:")[0].splitlines()[1:]
+                assert sorted((line.split()[0], line.split()[2]) for line in reloaded) == [
+                    ("decode", "500"), ("prefill", "200")], run.stdout
+                loaded = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
+                for k in range(2):
+                    text = prompt(f"split-{k}", 200)
+                    answer = greedy(f"http://{proxy}", model, text)
+                    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed there alone
+                    old = ids_and_logprobs(greedy(up_cluster.colocated, model, text))[0]
+                    assert ids_and_logprobs(answer)[0] == old
+                    # The prefill instance does run other weights: its own answer differs.
+                    assert ids_and_logprobs(greedy(f"http://{prefill['http']}", model, text))[0] != old
+                assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") == loaded
+                assert metric(proxy, "p2pkv_proxy_pairs_passed_over_total") == 2
+            finally:
+                rpc = {"method": "reload_weights", "kwargs": {"weights_path": model}}
+                back = httpx.post(f"http://{prefill['http']}/collective_rpc", json=rpc, timeout=300)
+                assert back.status_code == 200, back.text
+                assert httpx.post(f"http://{prefill['http']}/reset_prefix_cache", timeout=30).json()["success"]
+    text = prompt("split-after", 200)
+    answer = greedy(up_cluster.proxy, model, text)
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 199
+    assert ids_and_logprobs(answer)[0] == ids_and_logprobs(greedy(up_cluster.colocated, model, text))[0]
 
 
 def test_after_a_weight_update_through_the_proxy_the_cluster_answers_with_the_new_weights(
