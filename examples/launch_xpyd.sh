@@ -15,8 +15,9 @@
 # prefill instance (p2pkv proxy --transfer-retries, 1). DECODE_SEND_TYPE (optional): GET has the decode instances pull
 # their KV (they say so in their heartbeats, and the proxy asks the prefill instances to hold it for them), where the
 # prefill instances push by default (PUT_ASYNC).
-# On vLLM's CPU build also export VLLM_CPU_KVCACHE_SPACE (GiB of KV per instance, e.g. 1) and
-# ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 (see the README); CUDA_VISIBLE_DEVICES is then ignored.
+# On vLLM's CPU build also export VLLM_CPU_KVCACHE_SPACE (GiB of KV per instance, e.g. 1),
+# ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 and VLLM_USE_AOT_COMPILE=0 (see the README); CUDA_VISIBLE_DEVICES is then
+# ignored. tests/integration/test_examples.py runs launch_1p1d.sh so, with the tiny model.
 # For hosts of their own, run one instance per host with the same command and point proxy_ip at the proxy's host;
 # with GPUs there, install CuPy (pip install cupy-cuda12x, or cupy-cuda13x) so that pulls go through NCCL: the decode
 # side then asks for pulls instead of pushes (pull_over_device, on by default), and PUT_ASYNC transfers go GPU to GPU.
@@ -32,7 +33,8 @@ FAILURE_POLICY="${FAILURE_POLICY:-recompute}"
 LOGS="$(mktemp -d -t p2pkv-xpyd-XXXX)"
 pids=()
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; echo "stopped; logs in $LOGS"; }
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap 'exit 130' INT TERM  # the EXIT trap then stops everything, once
 
 p2pkv proxy --host "$HOST" --port "$PROXY_PORT" --discovery-port "$DISCOVERY_PORT" >"$LOGS/proxy.log" 2>&1 &
 pids+=($!)
