@@ -1,7 +1,8 @@
 """The docs' reference parts against the code: the README's configuration table (every key of
 `kv_connector_extra_config` with its default), its metrics tables (every series a worker and the proxy serve, with
-its labels) and every option of every `p2pkv` command; `docs/design.md`'s protocol section (its version, and every
-message with its fields in order)."""
+its labels) and every option of every `p2pkv` command; the `p2pkv` command lines in the docs and examples (each
+option one the command takes); `docs/design.md`'s protocol section (its version, and every message with its fields
+in order)."""
 
 from __future__ import annotations
 
@@ -126,6 +127,27 @@ def test_every_option_of_every_command_is_in_the_readme() -> None:
     missing = [f"{command} {option}" for command, found in by_command.items() for option in found
                if not re.search(re.escape(option) + r"(?![\w-])", text)]
     assert not missing, f"options the README never names: {missing}"
+
+
+_COMMAND_LINE = re.compile(r"p2pkv (proxy|up|tiny-model|bench \w+)\b([^`\n|]*)")
+_QUOTED = re.compile(r"\"(?:[^\"\\]|\\.)*\"|'[^']*'")
+
+
+def test_every_p2pkv_command_line_in_the_docs_and_examples_uses_options_that_command_has() -> None:
+    """`p2pkv up --decode 2 ...` as the docs write it: each option before a lone `--` (after which the arguments
+    are vLLM's), outside quotes, is one that command takes."""
+    by_command = options(build_parser())
+    wrong = []
+    for path in [README, DESIGN, ROOT / "docs" / "migration.md", ROOT / "docs" / "benchmarks.md",
+                 *sorted((ROOT / "examples").iterdir())]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for command, rest in _COMMAND_LINE.findall(line):
+                own = _QUOTED.sub("", rest).split(" -- ")[0]
+                known = by_command.get(f"p2pkv {command}")
+                assert known is not None, f"{path.name}:{number}: no command p2pkv {command}"
+                wrong += [f"{path.name}:{number}: p2pkv {command} {option}"
+                          for option in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", own) if option not in known]
+    assert not wrong, f"options those commands do not take: {wrong}"
 
 
 def protocol_section() -> str:
