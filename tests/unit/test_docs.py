@@ -1,8 +1,8 @@
 """The docs' reference parts against the code: the README's configuration table (every key of
 `kv_connector_extra_config` with its default), its metrics tables (every series a worker and the proxy serve, with
 its labels) and every option of every `p2pkv` command; the `p2pkv` command lines in the docs and examples (each
-option one the command takes); `docs/design.md`'s protocol section (its version, and every message with its fields
-in order)."""
+option one the command takes); `docs/design.md`'s parts (every module of the package) and its protocol section
+(its version, and every message with its fields in order)."""
 
 from __future__ import annotations
 
@@ -175,3 +175,15 @@ def test_the_design_gives_every_message_with_its_fields_in_order() -> None:
     wrong = {name: (fields, list(structs[name].__struct_fields__)) for name, fields in given.items()
              if fields != list(structs[name].__struct_fields__)}
     assert not wrong, f"messages whose fields the design gives otherwise (design, code): {wrong}"
+
+
+def test_the_design_names_every_module_of_the_package_in_its_parts() -> None:
+    """Each module directly under `p2pkv/` (a package counts as one) has a row in the parts table, or is named in
+    one (`p2pkv.tp`, `p2pkv.stages`, `p2pkv.slices` share a row)."""
+    rows = table_after(DESIGN.read_text(), "## Parts")
+    named = {name for row in rows for name in _CODE.findall(row[0])}
+    package = ROOT / "p2pkv"
+    modules = {f"p2pkv.{p.stem}" for p in package.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    modules |= {f"p2pkv.{p.name}" for p in package.iterdir() if (p / "__init__.py").exists()}
+    assert sorted(modules - named) == []
+    assert sorted(named - modules) == []
