@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -224,8 +225,14 @@ def failing_relay(target: str, failing: str, answers: list[str]) -> FastAPI:
     """In front of a real server at `target` (host:port): every request is passed on and its answer passed back,
     except POSTs to the path `failing`, answered with a 500 as vLLM answers a worker method that raised (say, a
     checkpoint this host cannot read), without reaching the server. `answers` records each path it failed."""
-    app = FastAPI()
     client = httpx.AsyncClient(base_url=f"http://{target}", timeout=300)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    app = FastAPI(lifespan=lifespan)
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def relay(path: str, request: Request) -> Response:
