@@ -18,25 +18,20 @@ import pytest
 
 from p2pkv.cli.cluster import free_ports
 from tests.integration.conftest import Oracle, complete
-from tests.integration.test_disagg import prompt
+from tests.integration.test_disagg import prompt, vllm_series
 
 pytestmark = pytest.mark.vllm
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 READY_S = 300.0
 
 
-def vllm_series(base: str, name: str, **labels: str) -> float:
-    """The sum of a series of an instance's own metrics (vLLM's, on its OpenAI port) over the lines with `labels`."""
-    total = 0.0
-    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_the_1p1d_launch_script_serves_through_the_proxy_with_pulls_and_stops_everything_on_ctrl_c(
         tiny_model: str, tmp_path: Path, oracle: Oracle) -> None:
-    proxy_port, discovery_port, http_base, kv_base = free_ports(4)
+    # Every port the script derives is free: the proxy's and discovery (P, P+1), the instances' OpenAI ports (H,
+    # H+1) and KV ports (K, K+100: the script spaces them by 100).
+    proxy_port, http_base = free_ports(2, run=2)
+    (kv_base,) = free_ports(1, run=101, avoid=(proxy_port, proxy_port + 1, http_base, http_base + 1))
+    discovery_port = proxy_port + 1
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "MODEL": tiny_model, "HOST": "127.0.0.1", "PROXY_PORT": str(proxy_port),
            "DISCOVERY_PORT": str(discovery_port), "BASE_HTTP": str(http_base), "BASE_KV": str(kv_base),
@@ -59,7 +54,7 @@ def test_the_1p1d_launch_script_serves_through_the_proxy_with_pulls_and_stops_ev
         proxy = f"http://127.0.0.1:{proxy_port}"
         listed = httpx.get(f"{proxy}/instances", timeout=10).json()["instances"]
         assert sorted((i["role"], i["source"]) for i in listed) == [("decode", "heartbeat"), ("prefill", "heartbeat")]
-        decode = f"http://{next(i['address'] for i in listed if i['role'] == 'decode')}"
+        decode = next(i["address"] for i in listed if i["role"] == "decode")
         body = {"model": tiny_model, "prompt": prompt("launch-script", 300), "max_tokens": 16, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True}
         answer = complete(proxy, body)
