@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from p2pkv.device_copy import Ready
-from p2pkv.engine.device import RangeSource, Run
+from p2pkv.device_copy import Marker, Ready, done
+from p2pkv.engine.device import Fence, Placed, PlaceSource
 from p2pkv.engine.offers import ViewSource
 from p2pkv.layout import KvBlocks
 from p2pkv.protocol import LayoutDigest
@@ -18,15 +18,22 @@ class BlockAccess(Protocol):
     @property
     def digest(self) -> LayoutDigest: ...
 
-    def push_views(self, transfer_id: str, layer: int,
-                   block_ids: Sequence[int]) -> tuple[tuple[memoryview, ...], Ready | None]:
-        """One layer's bytes to push, and (when they are still being copied) when they may be sent."""
+    def fence(self) -> Fence | None:
+        """Where vLLM's forward has got to, for the copies that must come after it; only on vLLM's thread, in the
+        connector's hooks. None where blocks are read and written in place (nothing is queued)."""
 
-    def source(self, transfer_id: str, block_ids: Sequence[int]) -> ViewSource:
-        """GET: what a pull reads."""
+    def push_views(self, transfer_id: str, layer: int, block_ids: Sequence[int],
+                   after: Fence | None = None) -> tuple[tuple[memoryview, ...], Ready | None]:
+        """One layer's bytes to push, and (when they are still being copied, after `after`) when they may be sent.
+        NoPinnedSpace where no page-locked memory is free for them."""
 
-    def ranges(self, transfer_id: str, block_ids: Sequence[int]) -> RangeSource | None:
-        """GET by reference (cuda_ipc): where the blocks lie in the exported cache; None without an export."""
+    def source(self, transfer_id: str, block_ids: Sequence[int], after: Fence | None = None) -> ViewSource:
+        """GET: what a pull reads (copied out after `after`)."""
+
+    def offered_places(self, transfer_id: str, block_ids: Sequence[int],
+                       after: Fence | None = None) -> PlaceSource | None:
+        """GET by reference (cuda_ipc) or by pipe: where the blocks lie in this worker's storages, once `after` has
+        passed; None where pulls carry bytes only."""
 
     def sink(self, transfer_id: str, block_ids: Sequence[int]) -> ViewSource:
         """Where a pull writes."""
@@ -34,15 +41,19 @@ class BlockAccess(Protocol):
     def device_blocks(self, block_ids: Sequence[int]) -> tuple[int, ...] | None:
         """The blocks a pull by reference may copy into; None where pulls carry bytes only."""
 
-    def runs(self, block_ids: Sequence[int]) -> list[list[Run]] | None:
-        """Per layer, where these blocks (of the heads this access holds) lie in the cache's storages, for a pull
-        of a slice by reference or by pipe to land in; None where pulls carry bytes only."""
+    def places(self, block_ids: Sequence[int]) -> Placed | None:
+        """Where these blocks (of the heads and layers this access holds) lie in the cache's storages, for a pull
+        by reference or by pipe to land in; None where pulls carry bytes only."""
 
     def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:
-        """Pushed bytes (payload order) into the blocks; returns once they are there."""
+        """Bytes (payload order) into the blocks; returns once they are there (off vLLM's hot path)."""
 
-    def land(self, transfer_id: str) -> None:
-        """A completed pull into `sink` made final in the blocks."""
+    def write_all(self, block_ids: Sequence[int], layers: Sequence[memoryview], after: Fence | None) -> Marker:
+        """Pushed bytes, one view per layer, into the blocks, after `after`; the views are read until the marker
+        says done."""
+
+    def land(self, transfer_id: str, after: Fence | None = None) -> Marker:
+        """A completed pull into `sink` made final in the blocks, after `after`; done when the marker says so."""
 
     def release(self, transfer_id: str) -> None:
         """The transfer is over: free what it held (idempotent)."""
@@ -58,8 +69,11 @@ class InPlaceBlocks:
     def digest(self) -> LayoutDigest:
         return self.kv.digest
 
-    def push_views(self, transfer_id: str, layer: int,
-                   block_ids: Sequence[int]) -> tuple[tuple[memoryview, ...], Ready | None]:
+    def fence(self) -> Fence | None:
+        return None
+
+    def push_views(self, transfer_id: str, layer: int, block_ids: Sequence[int],
+                   after: Fence | None = None) -> tuple[tuple[memoryview, ...], Ready | None]:
         return self.kv.block_views(layer, block_ids), None
 
     def _views(self, block_ids: Sequence[int]) -> ViewSource:
@@ -70,10 +84,11 @@ class InPlaceBlocks:
 
         return views
 
-    def source(self, transfer_id: str, block_ids: Sequence[int]) -> ViewSource:
+    def source(self, transfer_id: str, block_ids: Sequence[int], after: Fence | None = None) -> ViewSource:
         return self._views(block_ids)
 
-    def ranges(self, transfer_id: str, block_ids: Sequence[int]) -> RangeSource | None:
+    def offered_places(self, transfer_id: str, block_ids: Sequence[int],
+                       after: Fence | None = None) -> PlaceSource | None:
         return None
 
     def sink(self, transfer_id: str, block_ids: Sequence[int]) -> ViewSource:
@@ -82,14 +97,19 @@ class InPlaceBlocks:
     def device_blocks(self, block_ids: Sequence[int]) -> tuple[int, ...] | None:
         return None
 
-    def runs(self, block_ids: Sequence[int]) -> list[list[Run]] | None:
+    def places(self, block_ids: Sequence[int]) -> Placed | None:
         return None
 
     def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:
         self.kv.write_blocks(layer, block_ids, src)
 
-    def land(self, transfer_id: str) -> None:
-        pass  # the pull wrote into the blocks themselves
+    def write_all(self, block_ids: Sequence[int], layers: Sequence[memoryview], after: Fence | None) -> Marker:
+        for layer, src in enumerate(layers):
+            self.kv.write_blocks(layer, block_ids, src)
+        return done
+
+    def land(self, transfer_id: str, after: Fence | None = None) -> Marker:
+        return done  # the pull wrote into the blocks themselves
 
     def release(self, transfer_id: str) -> None:
         pass

@@ -23,3 +23,8 @@ class TransferError(P2pkvError):
 
 class TransferTimeout(TransferError):
     """A transfer did not finish before its deadline."""
+
+
+class UnsupportedCacheError(P2pkvError):
+    """vLLM handed over a KV cache p2pkv cannot move (a raw buffer, several cache groups, layers of different
+    page sizes). Raised at start-up; the message names the layer and what is unsupported."""

@@ -6,12 +6,20 @@ of one layer is therefore one contiguous run of bytes in most orders (any order 
 the layer), and several runs when a dimension sits outside B (LHBNC, BHLNC: one run per head). Blocks are copied
 whole, as opaque bytes in address order: on CPU their interior is packed by the attention kernel, and both peers
 must agree on the run structure, which is part of the layout digest.
+
+Where an attention backend's kernel block is smaller than vLLM's block (FlashMLA, CUTLASS MLA, FlashInfer with a
+large `--block-size`), vLLM's views count kernel blocks: `manager_blocks` regroups them so that dim 0 is vLLM's
+block id again (`[B, kernel blocks, H, N, C]`), and a block moves with all its kernel blocks.
+
+Device planes move many blocks with one indexing operation: `row_bytes` finds the largest row size every run of a
+set of layers is made of, and `LayerGeometry.rows` lists, with numpy, the rows of some blocks in payload order.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,8 +27,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from p2pkv.errors import IncompatiblePeerError
-from p2pkv.protocol import LayoutDigest
+from p2pkv.errors import IncompatiblePeerError, P2pkvError, UnsupportedCacheError
+from p2pkv.protocol import LayerPlace, LayoutDigest
 
 ByteBlocks = npt.NDArray[np.uint8]
 Run = tuple[int, int]  # (byte offset, byte length)
@@ -71,6 +79,24 @@ def inner_runs(shape: Sequence[int], strides: Sequence[int], element_size: int) 
     return merge_adjacent([(o * element_size, run * element_size) for o in offsets])
 
 
+def heads_axis(t: torch.Tensor) -> int:
+    """Which dimension of a layer's view counts KV heads: `[B, H, N, C]`, or `[B, kernel blocks, H, N, C]` once
+    kernel blocks are regrouped (`manager_blocks`); dim 1 for other shapes."""
+    return t.dim() - 3 if t.dim() >= 4 else 1
+
+
+def manager_blocks(t: torch.Tensor, num_blocks: int, name: str) -> torch.Tensor:
+    """A layer's view with vLLM's block ids on dim 0. vLLM's views count kernel blocks where the backend's are
+    smaller than its own: block b is then kernel blocks `b * r .. b * r + r - 1` (`r` = kernel blocks per block),
+    so dim 0 splits into `[num_blocks, r]` without a copy. `num_blocks` 0: not known, the view is kept as it is."""
+    if num_blocks <= 0 or t.shape[0] == num_blocks:
+        return t
+    if t.dim() != 4 or t.shape[0] % num_blocks:
+        raise UnsupportedCacheError(f"KV layer {name}: {t.shape[0]} blocks in a view of shape {tuple(t.shape)} do "
+                                    f"not split into vLLM's {num_blocks} blocks")
+    return t.unflatten(0, (num_blocks, t.shape[0] // num_blocks))
+
+
 VECTOR_FROM = 64  # blocks from which `ranges` is worked out with numpy (a long transfer's list costs milliseconds)
 
 
@@ -104,11 +130,76 @@ class LayerGeometry:
         last = np.r_[first[1:] - 1, len(starts) - 1]
         return list(zip(starts[first].tolist(), (ends[last] - starts[first]).tolist(), strict=True))
 
+    def rows(self, block_ids: npt.NDArray[np.int64], row: int) -> npt.NDArray[np.int64]:
+        """The rows of `row` bytes these blocks occupy, counted from the storage's start, in payload order (block
+        after block, each block's runs in address order). Every run must be a whole number of rows (`row_bytes`)."""
+        inner = np.concatenate([np.arange(off // row, (off + n) // row, dtype=np.int64) for off, n in self.inner])
+        first = (self.base + block_ids * self.block_stride) // row
+        out: npt.NDArray[np.int64] = (first[:, None] + inner[None, :]).ravel()
+        return out
+
     def signature(self) -> str:
         if len(self.inner) == 1:
             return "dense"
         digest = hashlib.sha256(repr(self.inner).encode()).hexdigest()[:12]
         return f"{len(self.inner)} runs of {self.inner[0][1]} B ({digest})"
+
+
+def row_bytes(geometries: Sequence[LayerGeometry], *more: int) -> int:
+    """The largest row size every block of these layers is made of: it divides each layer's base, block stride,
+    and its runs' offsets and lengths (and `more`, byte counts that must be whole rows too)."""
+    values = [v for g in geometries for v in (g.base, g.block_stride, *(x for run in g.inner for x in run))]
+    return math.gcd(*values, *more) or 1
+
+
+def ids_bytes(block_ids: Sequence[int]) -> bytes:
+    """Block ids as they travel (little-endian int32)."""
+    return np.fromiter(block_ids, dtype="<i4", count=len(block_ids)).tobytes()
+
+
+def ids_array(raw: bytes) -> npt.NDArray[np.int64]:
+    if len(raw) % 4:
+        raise P2pkvError(f"block ids of {len(raw)} bytes: not int32")
+    return np.frombuffer(raw, dtype="<i4").astype(np.int64)
+
+
+def place(geometry: LayerGeometry, storage: int) -> LayerPlace:
+    return LayerPlace(storage, geometry.base, geometry.block_stride, geometry.inner)
+
+
+def geometry_of(p: LayerPlace) -> LayerGeometry:
+    return LayerGeometry(p.base, p.block_stride, tuple((int(a), int(n)) for a, n in p.inner))
+
+
+def placed_row(layers: Sequence[LayerPlace]) -> int:
+    """The largest row size every block of these layers is made of (`row_bytes`)."""
+    return row_bytes([geometry_of(p) for p in layers])
+
+
+def placed_rows(block_ids: bytes, layers: Sequence[LayerPlace], row: int) -> list[tuple[int, npt.NDArray[np.int64]]]:
+    """The rows of `row` bytes the blocks occupy, in payload order: one (storage, rows) per run of consecutive
+    layers in one storage (vLLM's layers share one, so one in all), rows counted from the storage's start."""
+    ids = ids_array(block_ids)
+    out: list[tuple[int, npt.NDArray[np.int64]]] = []
+    shared: dict[tuple[int, tuple[Run, ...]], npt.NDArray[np.int64]] = {}  # layers alike but for their base
+    for storage, group in itertools.groupby(layers, key=lambda p: p.storage):
+        parts = []
+        for p in group:
+            g = geometry_of(p)
+            if g.base % row or g.block_stride % row or any(a % row or n % row for a, n in g.inner):
+                raise P2pkvError(f"layer place {p} is not made of rows of {row} bytes")
+            key = (g.block_stride, g.inner)
+            if key not in shared:
+                shared[key] = LayerGeometry(0, g.block_stride, g.inner).rows(ids, row)
+            parts.append(shared[key] + g.base // row)
+        out.append((storage, parts[0] if len(parts) == 1 else np.concatenate(parts)))
+    return out
+
+
+def placed_ranges(block_ids: bytes, layers: Sequence[LayerPlace]) -> list[tuple[int, int, int]]:
+    """(storage, offset, length) of the blocks' bytes, in payload order (digests, reads across processes)."""
+    ids = ids_array(block_ids).tolist()
+    return [(p.storage, start, n) for p in layers for start, n in geometry_of(p).ranges(ids)]
 
 
 def _storage_bytes(t: torch.Tensor) -> ByteBlocks:
@@ -120,11 +211,13 @@ def _storage_bytes(t: torch.Tensor) -> ByteBlocks:
 
 
 def head_slice(tensors: Sequence[torch.Tensor], heads: tuple[int, int]) -> list[torch.Tensor]:
-    """Views of heads `first .. end` of every block (the layers' dim 1: `[B, H, N, C]`, MLA `[B, 1, N, C]`)."""
+    """Views of heads `first .. end` of every block (`[B, H, N, C]`, MLA `[B, 1, N, C]`; `heads_axis`)."""
     first, end = heads
-    if not 0 <= first < end <= tensors[0].shape[1]:
-        raise IncompatiblePeerError(f"heads {first}..{end} outside the {tensors[0].shape[1]} held here")
-    return [t[:, first:end] for t in tensors]
+    axis = heads_axis(tensors[0])
+    held = tensors[0].shape[axis]
+    if not 0 <= first < end <= held:
+        raise IncompatiblePeerError(f"heads {first}..{end} outside the {held} held here")
+    return [t.narrow(axis, first, end - first) for t in tensors]
 
 
 def describe(tensors: Sequence[torch.Tensor], block_size: int, kernel: str,
@@ -141,10 +234,14 @@ def describe(tensors: Sequence[torch.Tensor], block_size: int, kernel: str,
     if len({g.inner for g in geometry}) != 1:
         raise IncompatiblePeerError("KV layers differ in how their blocks are laid out in memory")
     block_bytes = first[0].numel() * first.element_size()
+    split = first.dim() == 5  # kernel blocks regrouped (`manager_blocks`): [B, kernel blocks, H, N, C]
+    axis = heads_axis(first)
     digest = LayoutDigest(num_layers=len(tensors), block_size=block_size, block_bytes=block_bytes,
-                          dtype=str(first.dtype).removeprefix("torch."), block_shape=tuple(first.shape[1:]),
+                          dtype=str(first.dtype).removeprefix("torch."),
+                          block_shape=tuple(first.shape[2:] if split else first.shape[1:]),
                           kernel=kernel, block_layout=geometry[0].signature(), total_heads=total_heads,
-                          head_layout=LayerGeometry.of(first[:, :1]).signature() if first.dim() > 2 else "dense")
+                          head_layout=LayerGeometry.of(first.narrow(axis, 0, 1)).signature() if first.dim() > 2
+                          else "dense", kernel_blocks=first.shape[1] if split else 1)
     return geometry, digest
 
 

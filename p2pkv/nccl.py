@@ -1,111 +1,178 @@
-"""The NCCL data plane's pipe: one communicator per peer pair, grouped sends and receives on a stream of its own.
+"""The NCCL data plane's communicator, through vLLM's own binding of torch's libnccl
+(`vllm.distributed.device_communicators.pynccl_wrapper.NCCLLibrary`): present wherever vLLM's CUDA build is, where
+CuPy is not.
 
-Bound through `cupy.cuda.nccl`: a maintained binding of the NCCL library, used by the old connector's users' stacks
-already (vLLM's own pynccl wraps the same library with ctypes); PyTorch's `torch.cuda.nccl` has no point-to-point
-calls. The engine uses it through `p2pkv.pipes.NcclPipes` (GET pulls between GPU workers that cannot open each
-other's memory); `scripts/gpu_check.sh` checks it with a one-rank send to itself (NCCL refuses two ranks on one
-GPU), and the tests run the same engine protocol over gloo.
+- The communicator is made without blocking where the library can (`ncclCommInitRankConfig` with `blocking` 0,
+  NCCL 2.14+): its set-up is polled (`ncclCommGetAsyncError`) to a deadline and aborted past it, so a peer that
+  never joins leaves no thread stuck in NCCL. `nccl_num_channels` goes to NCCL through the same config
+  (`minCTAs`/`maxCTAs`), not through the process environment.
+- Each send or receive is one group (`ncclGroupStart`, the call, `ncclGroupEnd`) on the caller's stream; with a
+  non-blocking communicator the group's end is polled to the transfer's deadline too.
+- `abort` (`ncclCommAbort`) stops the communicator's kernels at once: a transfer past its deadline, a peer gone.
 
-- the unique id travels as 128 bytes (`unique_id`), over the control plane; CuPy takes it back as bytes from version
-  14 on, as a tuple of signed chars before (`communicator` passes whichever form the installed CuPy accepts);
-- `exchange` issues every send and receive of a request in one `groupStart`/`groupEnd`, on the pipe's stream after
-  the work queued on the compute stream, and returns a marker (a CUDA event): no host-side stream synchronize;
-- `nccl_num_channels` goes to NCCL as NCCL_MIN_NCHANNELS/NCCL_MAX_NCHANNELS before the communicator is made;
-- `close` destroys the communicator (when the peer leaves or restarts), or aborts it after a failed transfer.
-- `ncclCommInitRank` blocks until the peer joins: the engine runs it on a thread of its own, to a deadline
-  (`p2pkv.engine.pipes.PipeSlot`), and frees a communicator made after it.
+`unique_id` and the ids' bytes travel over the control plane (`PipeOpen.token`).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
-from typing import Any
+import ctypes
+import logging
+import time
+from typing import Any, Protocol
 
-import torch
+from p2pkv.errors import P2pkvError, TransferError, TransferTimeout
 
-from p2pkv.device_copy import Marker, event_marker
-from p2pkv.errors import P2pkvError
-
+log = logging.getLogger(__name__)
 UNIQUE_ID_BYTES = 128
+SUCCESS, IN_PROGRESS = 0, 7  # ncclResult_t
+UINT8 = 1  # ncclDataType_t ncclUint8
+_CONFIG_MAGIC = 0xCAFEBEEF
+_CONFIG_VERSION = 21700  # the fields below are NCCL 2.17's; later libraries read an older config by its version
+_UNDEF_INT = -(2**31)  # NCCL_CONFIG_UNDEF_INT: NCCL's default
+_POLL_S = 0.0005
 
 
-def _nccl() -> Any:
+class NcclConfig(ctypes.Structure):
+    """ncclConfig_t, as NCCL 2.17 declares it."""
+
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("magic", ctypes.c_uint),
+        ("version", ctypes.c_uint),
+        ("blocking", ctypes.c_int),
+        ("cgaClusterSize", ctypes.c_int),
+        ("minCTAs", ctypes.c_int),
+        ("maxCTAs", ctypes.c_int),
+        ("netName", ctypes.c_char_p),
+        ("splitShare", ctypes.c_int),
+    ]
+
+
+def config(channels: int) -> NcclConfig:
+    """A non-blocking communicator's config with `channels` channels (0: NCCL's choice)."""
+    count = channels if channels > 0 else _UNDEF_INT
+    return NcclConfig(ctypes.sizeof(NcclConfig), _CONFIG_MAGIC, _CONFIG_VERSION, 0, _UNDEF_INT, count, count, None,
+                      _UNDEF_INT)
+
+
+class NcclLibrary(Protocol):
+    """What p2pkv calls of vLLM's `NCCLLibrary` (the same signatures); `lib` is the loaded ctypes library."""
+
+    lib: Any
+
+    def ncclGetErrorString(self, result: int) -> str: ...
+    def ncclGetUniqueId(self) -> Any: ...
+    def unique_id_from_bytes(self, data: bytes) -> Any: ...
+    def ncclCommInitRank(self, world_size: int, unique_id: Any, rank: int) -> Any: ...
+    def ncclSend(self, sendbuff: Any, count: int, datatype: int, dest: int, comm: Any, stream: Any) -> None: ...
+    def ncclRecv(self, recvbuff: Any, count: int, datatype: int, src: int, comm: Any, stream: Any) -> None: ...
+    def ncclGroupStart(self) -> None: ...
+    def ncclGroupEnd(self) -> None: ...
+    def ncclCommAbort(self, comm: Any) -> None: ...
+    def ncclCommDestroy(self, comm: Any) -> None: ...
+
+
+def load_library() -> NcclLibrary:
+    """vLLM's binding of the NCCL library torch loads; P2pkvError where there is none (no CUDA build of vLLM)."""
     try:
-        from cupy.cuda import nccl  # type: ignore[import-not-found]
+        from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
     except ImportError as exc:
-        raise P2pkvError(f"the nccl transport needs CuPy with NCCL (cupy-cuda12x or cupy-cuda13x): {exc}") from None
-    return nccl
-
-
-def to_bytes(uid: Sequence[int]) -> bytes:
-    """NCCL's unique id (cupy gives it as 128 signed chars) as bytes for the control plane."""
-    if len(uid) != UNIQUE_ID_BYTES:
-        raise P2pkvError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(uid)}")
-    return bytes(c & 0xFF for c in uid)
-
-
-def from_bytes(raw: bytes) -> tuple[int, ...]:
-    """The id back in cupy's form (signed chars)."""
-    if len(raw) != UNIQUE_ID_BYTES:
-        raise P2pkvError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(raw)}")
-    return tuple(b - 256 if b > 127 else b for b in raw)
-
-
-def unique_id() -> bytes:
-    return to_bytes(_nccl().get_unique_id())
-
-
-def communicator(nccl: Any, nranks: int, uid: bytes, rank: int) -> Any:
-    """`ncclCommInitRank` through CuPy, which takes the id as bytes from CuPy 14 on (and `get_unique_id` returns
-    bytes), as a tuple of signed chars before. A wrong form is refused with TypeError before NCCL is called."""
+        raise P2pkvError(f"the nccl transport needs vLLM's NCCL binding (a CUDA build of vLLM): {exc}") from None
     try:
-        return nccl.NcclCommunicator(nranks, uid, rank)
-    except TypeError:
-        return nccl.NcclCommunicator(nranks, from_bytes(uid), rank)
+        library: NcclLibrary = NCCLLibrary()
+    except Exception as exc:  # no libnccl where vLLM looks for it
+        raise P2pkvError(f"the NCCL library could not be loaded: {exc}") from None
+    return library
 
 
-class NcclPipe:
-    def __init__(self, nranks: int, uid: bytes, rank: int, device: torch.device, channels: int) -> None:
-        nccl = _nccl()
-        for key in ("NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS"):
-            os.environ[key] = str(channels)  # read by NCCL when the communicator is made
-        self._device = device
-        with torch.cuda.device(device):
-            self._comm = communicator(nccl, nranks, uid, rank)
-            self._stream = torch.cuda.Stream(device)
+def unique_id(lib: NcclLibrary) -> bytes:
+    uid = lib.ncclGetUniqueId()  # kept while its bytes are read
+    return bytes(ctypes.string_at(ctypes.addressof(uid), UNIQUE_ID_BYTES))
+
+
+class Communicator:
+    """One NCCL communicator of `nranks`, this process's rank `rank`. Made in the constructor, which returns once
+    every rank has joined or raises at `deadline` (having aborted what it began)."""
+
+    def __init__(self, lib: NcclLibrary, nranks: int, uid: bytes, rank: int, channels: int, deadline: float) -> None:
+        if len(uid) != UNIQUE_ID_BYTES:
+            raise P2pkvError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(uid)}")
+        self._lib = lib
         self._closed = False
+        init = getattr(lib.lib, "ncclCommInitRankConfig", None)
+        self._poll = getattr(lib.lib, "ncclCommGetAsyncError", None)
+        if init is None or self._poll is None:
+            log.warning("this NCCL has no ncclCommInitRankConfig: nccl_num_channels is not applied, and making a "
+                        "communicator waits for the peer without a deadline")
+            self._poll = None
+            self.comm = lib.ncclCommInitRank(nranks, lib.unique_id_from_bytes(uid), rank)
+            return
+        commid = lib.unique_id_from_bytes(uid)
+        # vLLM's binding leaves these two out: declared here, on the same library.
+        init.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, type(commid), ctypes.c_int,
+                         ctypes.POINTER(NcclConfig)]
+        init.restype = ctypes.c_int
+        self._poll.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+        self._poll.restype = ctypes.c_int
+        self.comm = ctypes.c_void_p()
+        settings = config(channels)
+        result = init(ctypes.byref(self.comm), nranks, commid, rank, ctypes.byref(settings))
+        self._settle(result, deadline, "making the communicator")
 
-    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> Marker:
-        """Send and receive contiguous byte tensors (each with its peer rank) in one grouped call."""
-        nccl = _nccl()
-        for t, _ in (*sends, *recvs):
-            if t.dtype != torch.uint8 or not t.is_contiguous() or t.device != self._device:
-                raise P2pkvError("NCCL pieces must be contiguous uint8 tensors on the pipe's device")
-        self._stream.wait_stream(torch.cuda.current_stream(self._device))
-        stream = self._stream.cuda_stream
-        # The engine's threads call this, and a thread's current device is GPU 0 until it is set: the calls are
-        # made on the communicator's device, as its creation was.
-        with torch.cuda.device(self._device):
-            nccl.groupStart()
-            try:
-                for t, peer in sends:
-                    self._comm.send(t.data_ptr(), t.numel(), nccl.NCCL_UINT8, peer, stream)
-                for t, peer in recvs:
-                    self._comm.recv(t.data_ptr(), t.numel(), nccl.NCCL_UINT8, peer, stream)
-            finally:
-                nccl.groupEnd()
-        for t, _ in (*sends, *recvs):
-            t.record_stream(self._stream)  # the caching allocator keeps their memory until the stream is past
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        return event_marker(event, self._device)
+    def _settle(self, result: int, deadline: float, what: str) -> None:
+        """A call's result; where it is still in progress (a non-blocking communicator), poll to the deadline and
+        abort past it."""
+        while result == IN_PROGRESS:
+            if time.monotonic() > deadline:
+                self.close(abort=True)
+                raise TransferTimeout(f"NCCL: {what} missed its deadline")
+            time.sleep(_POLL_S)
+            state = ctypes.c_int(SUCCESS)
+            assert self._poll is not None
+            self._poll(self.comm, ctypes.byref(state))
+            result = state.value
+        if result != SUCCESS:
+            self.close(abort=True)
+            raise TransferError(f"NCCL: {what} failed: {self._lib.ncclGetErrorString(result)}")
+
+    def _group(self, post: Any, deadline: float, what: str) -> None:
+        self._lib.ncclGroupStart()
+        try:
+            post()
+        finally:
+            end = getattr(self._lib.lib, "ncclGroupEnd", None)
+            if self._poll is not None and end is not None:
+                result = end()
+            else:
+                self._lib.ncclGroupEnd()
+                result = SUCCESS
+        self._settle(result, deadline, what)
+
+    def send(self, address: int, nbytes: int, peer: int, stream: int, deadline: float) -> None:
+        """Post a send of `nbytes` at `address` on `stream` (a CUDA stream's handle)."""
+        self._group(lambda: self._lib.ncclSend(address, nbytes, UINT8, peer, self.comm, stream), deadline,
+                    "a send")
+
+    def recv(self, address: int, nbytes: int, peer: int, stream: int, deadline: float) -> None:
+        self._group(lambda: self._lib.ncclRecv(address, nbytes, UINT8, peer, self.comm, stream), deadline,
+                    "a receive")
+
+    def exchange(self, send: int, recv: int, nbytes: int, peer: int, stream: int, deadline: float) -> None:
+        """A send and a receive of `nbytes` in one group (the GPU check's one-rank communicator sends to itself)."""
+
+        def post() -> None:
+            self._lib.ncclSend(send, nbytes, UINT8, peer, self.comm, stream)
+            self._lib.ncclRecv(recv, nbytes, UINT8, peer, self.comm, stream)
+
+        self._group(post, deadline, "a send and a receive")
 
     def close(self, abort: bool = False) -> None:
-        """`abort` where operations may still be pending (a transfer failed part-way): destroy would wait for them."""
-        if not self._closed:
-            self._closed = True
-            if abort:
-                self._comm.abort()
-            else:
-                self._comm.destroy()
+        """Idempotent. `abort`: operations may be pending or the peer gone; the communicator's kernels stop at
+        once (destroying would wait for them)."""
+        if self._closed:
+            return
+        self._closed = True
+        if abort:
+            self._lib.ncclCommAbort(self.comm)
+        else:
+            self._lib.ncclCommDestroy(self.comm)

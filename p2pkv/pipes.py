@@ -1,72 +1,131 @@
-"""Pipes (the engine's `Pipe`): a communicator shared with one peer, moving pieces of one worker's cache straight
+"""Pipes (the engine's `Pipe`): a communicator shared with one peer, moving blocks of one worker's cache straight
 into the other's, with no host copy and no socket in the data path.
 
-- `NcclPipes` makes them over NCCL (`p2pkv.nccl.NcclPipe`) for a cache on a GPU: the nccl transport.
+A pull by pipe moves the blocks in payload order, in chunks of at most `CHUNK_BYTES`: the sender gathers a chunk's
+rows into device scratch (one gather per storage it spans) and sends it; the receiver receives a chunk into
+scratch and scatters its rows. Both sides cut the payload at the same byte offsets (whole blocks of one layer), so
+their chunks match whatever the two caches' layouts; the number of operations grows with the bytes (one gather and
+one send per chunk), not with the blocks.
+
+- `NcclPipes` makes them over NCCL (`p2pkv.nccl`, vLLM's binding of torch's libnccl) for a cache on a GPU: the
+  nccl transport. The gathers, sends, receives and scatters of a pipe run on the pipe's own stream, after the fence
+  the caller names.
 - `GlooPipes` makes them over torch's gloo process group for a cache in host memory. It is the stand-in that lets
-  the tests run the engine's pipe protocol (set-up off the request path, paired pieces, confirmation, teardown)
-  between real processes on machines without a GPU; selected with `P2PKV_PIPE=gloo`. It is not meant for serving:
-  shm or tcp move host memory faster, and its rendezvous store is not authenticated.
+  the tests run the engine's pipe protocol (set-up off the request path, chunks, confirmation, teardown) between
+  real processes on machines without a GPU; selected with `P2PKV_PIPE=gloo`. It is not meant for serving: shm or
+  tcp move host memory faster, and its rendezvous store is not authenticated.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import importlib.util
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from p2pkv.device_copy import Marker, settle
-from p2pkv.engine.device import Piece, Pipe, Run
+from p2pkv.device_copy import WORDS, Marker, all_done, as_rows, event_marker, settle, word_bytes
+from p2pkv.engine.device import Fence, Pipe, Placed
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, TransferError, TransferTimeout
-from p2pkv.staging import DeviceKv
+from p2pkv.staging import DeviceKv, RowPiece
 
 log = logging.getLogger(__name__)
 PIPE_ENV = "P2PKV_PIPE"
-Pieces = Sequence[tuple[torch.Tensor, int]]  # contiguous uint8 tensors, each with the peer rank
+CHUNK_BYTES = 64 << 20  # device scratch per chunk (at most 256 MiB, NCCL's comfortable message size)
 
 
 class Channel(Protocol):
-    def exchange(self, sends: Pieces, recvs: Pieces) -> Marker:
-        """Post the sends and receives as one group; the marker says when all are done."""
+    """Contiguous bytes to and from the one peer of a two-rank communicator."""
+
+    def on_stream(self) -> contextlib.AbstractContextManager[object | None]:
+        """The stream (None: the host) that the channel's operations, and the copies around them, are issued on."""
+
+    def send(self, t: torch.Tensor, deadline: float) -> None:
+        """Post a send of `t`, after what was issued before it on the channel's stream."""
+
+    def recv(self, t: torch.Tensor, deadline: float) -> None:
+        """Post a receive into `t`: what is issued after it on the channel's stream sees the bytes (a host
+        channel returns once they are there)."""
+
+    def mark(self) -> Marker:
+        """A marker for every operation posted so far."""
 
     def close(self, abort: bool = False) -> None:
         """Free the communicator; `abort`: operations may still be pending (a transfer failed part-way)."""
 
 
-class ChannelPipe:
-    """Pieces of this worker's cache sent to or received from the one peer of a two-rank channel."""
+def _chunks(pieces: list[RowPiece], chunk: int) -> Iterator[list[tuple[RowPiece, int, int]]]:
+    """The payload cut at every `chunk` bytes: per chunk, the (piece, first row, end row) spans it is made of."""
+    spans: list[tuple[RowPiece, int, int]] = []
+    room = chunk
+    for piece in pieces:
+        at = 0
+        while at < len(piece.rows):
+            n = min(len(piece.rows) - at, room // piece.row)
+            spans.append((piece, at, at + n))
+            at += n
+            room -= n * piece.row
+            if room == 0:
+                yield spans
+                spans, room = [], chunk
+    if spans:
+        yield spans
 
-    def __init__(self, kv: DeviceKv, channel: Channel, transport: str, peer_rank: int) -> None:
+
+class ChannelPipe:
+    """Blocks of this worker's cache sent to or received from the one peer of a two-rank channel."""
+
+    def __init__(self, kv: DeviceKv, channel: Channel, transport: str) -> None:
         self._kv = kv
         self._channel = channel
         self.transport = transport
-        self._peer = peer_rank
         self._failed = False
         self._closed = False
 
-    def _views(self, pieces: Sequence[Piece]) -> list[tuple[torch.Tensor, int]]:
-        views = []
-        for layer, offset, n in pieces:
-            storage = self._kv.storages[layer]
-            if offset < 0 or n <= 0 or offset + n > storage.numel():
-                raise P2pkvError(f"piece {offset}+{n} lies outside layer {layer}'s {storage.numel()} bytes")
-            views.append((storage[offset : offset + n], self._peer))
-        return views
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
-    def exchange(self, sends: Sequence[Piece], recvs: Sequence[Piece], deadline: float) -> None:
-        """Both directions in one group (the GPU check's one-rank pipe sends to itself this way)."""
+    def send(self, placed: Placed, deadline: float) -> None:
+        self._move(placed, deadline, None, sending=True)
+
+    def recv(self, placed: Placed, deadline: float, after: Fence | None = None) -> None:
+        self._move(placed, deadline, after, sending=False)
+
+    def _move(self, placed: Placed, deadline: float, after: Fence | None, sending: bool) -> None:
         if self._closed or self._failed:
             raise TransferError(f"the {self.transport} pipe is closed")
+        unit = placed.nbytes // max(1, placed.num_blocks * len(placed.layers))  # one layer of one block
+        chunk = max(unit, CHUNK_BYTES // max(1, unit) * unit)
+        ops = self._kv.ops
         try:
-            marker = self._channel.exchange(self._views(sends), self._views(recvs))
+            pieces = self._kv.pieces(placed)
+            with self._channel.on_stream() as stream, ops.issue([after] if after is not None else [], stream):
+                indices = {id(p): ops.index(p.rows) for p in pieces if len(p.rows)}
+                for spans in _chunks(pieces, chunk):
+                    nbytes = sum((end - first) * piece.row for piece, first, end in spans)
+                    scratch = ops.empty(nbytes)
+                    if not sending:
+                        self._channel.recv(scratch, deadline)
+                    at = 0
+                    for piece, first, end in spans:
+                        cache = self._kv.flat[piece.storage]
+                        part = scratch[at : at + (end - first) * piece.row]
+                        word = word_bytes(piece.row, cache.data_ptr(), part.data_ptr())
+                        rows, mine = as_rows(cache, piece.row, word), part.view(-1, piece.row).view(WORDS[word])
+                        index = indices[id(piece)][first:end]
+                        ops.gather(mine, rows, index) if sending else ops.scatter(rows, index, mine)
+                        at += part.numel()
+                    if sending:
+                        self._channel.send(scratch, deadline)
+                marker = all_done([ops.mark(), self._channel.mark()])
             done = settle([marker], deadline, self._kv.copy_timeout_s)
         except P2pkvError:
             self._failed = True
@@ -78,16 +137,6 @@ class ChannelPipe:
             self._failed = True
             raise TransferTimeout(f"the {self.transport} pipe missed the transfer's deadline")
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def send(self, pieces: Sequence[Piece], deadline: float) -> None:
-        self.exchange(pieces, (), deadline)
-
-    def recv(self, pieces: Sequence[Piece], deadline: float) -> None:
-        self.exchange((), pieces, deadline)
-
     def close(self, abort: bool = False) -> None:
         if not self._closed:
             self._closed = True
@@ -95,44 +144,81 @@ class ChannelPipe:
 
 
 class _Maker:
-    """What both makers share: the cache's runs and the pipe around a channel."""
+    """What both makers share: where blocks lie in the cache, and the pipe around a channel."""
 
     kind = ""
 
     def __init__(self, kv: DeviceKv) -> None:
         self.kv = kv
 
-    def runs(self, layer: int, block_ids: Sequence[int]) -> list[Run]:
-        return self.kv.geometry[layer].ranges(block_ids)
+    def places(self, block_ids: Sequence[int]) -> Placed:
+        return self.kv.places(range(self.kv.num_layers), block_ids)
 
-    def bytes_digest(self, pieces: Sequence[Piece]) -> int | None:
-        return self.kv.bytes_digest(pieces)
+    def bytes_digest(self, placed: Placed) -> int | None:
+        return self.kv.bytes_digest(placed)
 
-    def _pipe(self, channel: Channel, rank: int) -> ChannelPipe:
-        return ChannelPipe(self.kv, channel, self.kind, 1 - rank)
+    def _pipe(self, channel: Channel) -> ChannelPipe:
+        return ChannelPipe(self.kv, channel, self.kind)
+
+
+class NcclChannel:
+    """An NCCL communicator of two ranks and the stream its operations run on."""
+
+    def __init__(self, comm: Any, peer: int, device: torch.device) -> None:
+        from p2pkv.nccl import Communicator
+
+        self._comm: Communicator = comm
+        self._peer = peer
+        self._device = device
+        with torch.cuda.device(device):
+            self._stream = torch.cuda.Stream(device)
+
+    @contextlib.contextmanager
+    def on_stream(self) -> Iterator[object | None]:
+        with torch.cuda.device(self._device):  # engine threads' current device is GPU 0 until it is set
+            yield self._stream
+
+    def send(self, t: torch.Tensor, deadline: float) -> None:
+        self._comm.send(t.data_ptr(), t.numel(), self._peer, self._stream.cuda_stream, deadline)
+
+    def recv(self, t: torch.Tensor, deadline: float) -> None:
+        self._comm.recv(t.data_ptr(), t.numel(), self._peer, self._stream.cuda_stream, deadline)
+
+    def mark(self) -> Marker:
+        with torch.cuda.device(self._device):
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return event_marker(event, self._device)
+
+    def close(self, abort: bool = False) -> None:
+        self._comm.close(abort=abort)
 
 
 class NcclPipes(_Maker):
     kind = "nccl"
 
-    def __init__(self, kv: DeviceKv, channels: int) -> None:
+    def __init__(self, kv: DeviceKv, channels: int, lib: Any) -> None:
+        """`lib`: vLLM's NCCL binding (`p2pkv.nccl.load_library`)."""
         super().__init__(kv)
         self._channels = channels
-        self._device = kv.storages[0].device
+        self._lib = lib
+        self._device = kv.flat[0].device
 
-    def _open(self, uid: bytes, rank: int) -> Pipe:
-        from p2pkv.nccl import NcclPipe  # CuPy is imported only where NCCL is used
+    def _open(self, uid: bytes, rank: int, deadline: float) -> Pipe:
+        from p2pkv.nccl import Communicator
 
-        return self._pipe(NcclPipe(2, uid, rank, self._device, self._channels), rank)
+        with torch.cuda.device(self._device):
+            comm = Communicator(self._lib, 2, uid, rank, self._channels, deadline)
+        return self._pipe(NcclChannel(comm, 1 - rank, self._device))
 
     def create(self) -> tuple[bytes, Callable[[float], Pipe]]:
         from p2pkv.nccl import unique_id
 
-        uid = unique_id()
-        return uid, lambda _deadline: self._open(uid, 0)  # the slot holds the deadline: init cannot be bounded
+        uid = unique_id(self._lib)
+        return uid, lambda deadline: self._open(uid, 0, deadline)
 
     def join(self, token: bytes, deadline: float) -> Pipe:
-        return self._open(token, 1)
+        return self._open(token, 1, deadline)
 
 
 def _remaining(deadline: float) -> datetime.timedelta:
@@ -140,28 +226,48 @@ def _remaining(deadline: float) -> datetime.timedelta:
 
 
 class GlooChannel:
-    """Gloo's send and receive complete only inside `wait()`: each exchange is awaited on a thread of its own,
-    bounded by the channel's timeout, and the marker reads its outcome."""
+    """Gloo's sends complete only inside `wait()`: they are awaited on a thread, and the marker reads the outcome.
+    A receive is waited for where it is posted (a host channel: the scatter after it reads the bytes at once)."""
 
-    def __init__(self, group: Any, store: Any, timeout_s: float) -> None:
+    def __init__(self, group: Any, store: Any, peer: int, timeout_s: float) -> None:
         self._group = group
         self._store = store  # rank 0's store serves the rendezvous: kept for the channel's life
+        self._peer = peer
         self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._tag = 0
+        self._sent: list[tuple[Any, torch.Tensor]] = []
 
-    def exchange(self, sends: Pieces, recvs: Pieces) -> Marker:
-        works = [self._group.send([t], peer, tag) for tag, (t, peer) in enumerate(sends)]
-        works += [self._group.recv([t], peer, tag) for tag, (t, peer) in enumerate(recvs)]
+    @contextlib.contextmanager
+    def on_stream(self) -> Iterator[object | None]:
+        yield None
+
+    def send(self, t: torch.Tensor, deadline: float) -> None:
+        self._sent.append((self._group.send([t], self._peer, self._tag), t))
+        self._tag += 1
+
+    def recv(self, t: torch.Tensor, deadline: float) -> None:
+        work = self._group.recv([t], self._peer, self._tag)
+        self._tag += 1
+        try:
+            work.wait(_remaining(deadline))
+        except RuntimeError as exc:  # the peer went away, or the deadline passed
+            raise TransferError(f"gloo: {exc}") from None
+
+    def mark(self) -> Marker:
+        sent, self._sent = self._sent, []
         finished = threading.Event()
         errors: list[str] = []
 
         def wait_all() -> None:
             try:
-                for w in works:
-                    w.wait(self._timeout)
+                for work, _ in sent:
+                    work.wait(self._timeout)
             except RuntimeError as exc:  # the peer went away, or the timeout passed
                 errors.append(str(exc))
             finished.set()
 
+        if not sent:
+            return lambda: True
         engine_thread(wait_all, "p2pkv-gloo-wait").start()
 
         def done() -> bool:
@@ -183,13 +289,12 @@ class GlooPipes(_Maker):
         self._host = host
 
     def create(self) -> tuple[bytes, Callable[[float], ChannelPipe]]:
-        store = dist.TCPStore(self._host, 0, 2, True, wait_for_workers=False,
-                                           timeout=datetime.timedelta(seconds=60))
+        store = dist.TCPStore(self._host, 0, 2, True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
         token = f"{self._host}|{store.port}".encode()
 
         def setup(deadline: float) -> ChannelPipe:
             group = dist.ProcessGroupGloo(store, 0, 2, _remaining(deadline))
-            return self._pipe(GlooChannel(group, store, self.kv.copy_timeout_s), 0)
+            return self._pipe(GlooChannel(group, store, 1, self.kv.copy_timeout_s))
 
         return token, setup
 
@@ -199,15 +304,20 @@ class GlooPipes(_Maker):
             raise P2pkvError(f"a gloo pipe token is host|port, got {token!r}")
         store = dist.TCPStore(host, int(port), 2, False, timeout=_remaining(deadline))
         group = dist.ProcessGroupGloo(store, 1, 2, _remaining(deadline))
-        return self._pipe(GlooChannel(group, store, self.kv.copy_timeout_s), 1)
+        return self._pipe(GlooChannel(group, store, 0, self.kv.copy_timeout_s))
 
 
 def make_pipes(kv: DeviceKv, host: str, channels: int) -> NcclPipes | GlooPipes | None:
-    """The pipe maker this worker can use, if any: gloo when asked for (tests), NCCL for a GPU cache with CuPy."""
+    """The pipe maker this worker can use, if any: gloo when asked for (tests), NCCL for a GPU cache where vLLM's
+    NCCL binding loads."""
     if os.environ.get(PIPE_ENV) == "gloo":
         return GlooPipes(kv, host)
-    if kv.on_gpu and importlib.util.find_spec("cupy") is not None:
-        return NcclPipes(kv, channels)
-    if kv.on_gpu:
-        log.info("CuPy is not installed: GPU KV moves between hosts through host memory, not NCCL")
-    return None
+    if not kv.on_gpu:
+        return None
+    from p2pkv.nccl import load_library
+
+    try:
+        return NcclPipes(kv, channels, load_library())
+    except P2pkvError as exc:
+        log.warning("%s: GPU KV moves between hosts through host memory, not NCCL", exc)
+        return None

@@ -44,6 +44,9 @@ class LayoutDigest(msgspec.Struct, frozen=True):
     # What the KV's values depend on beyond its shape (architecture, positional encoding, quantization): sorted
     # `key=value` pairs joined by ';' (`p2pkv.vllm.model_factors`); "": not known, not compared
     model: str = ""
+    # Kernel blocks per vLLM block (a backend whose kernel blocks are smaller); `block_shape` is then a kernel
+    # block's and `block_bytes` the whole block's.
+    kernel_blocks: int = 1
 
     @property
     def layers(self) -> range:
@@ -74,7 +77,7 @@ class LayoutDigest(msgspec.Struct, frozen=True):
         return self.slices_with(other) or self.layers_with(other)
 
     def differences(self, other: LayoutDigest) -> list[str]:
-        names: tuple[str, ...] = ("block_size", "dtype", "kernel")
+        names: tuple[str, ...] = ("block_size", "kernel_blocks", "dtype", "kernel")
         if self.total_layers and other.total_layers:
             names = ("total_layers", *names)
         if not self.layers_with(other):
@@ -119,10 +122,11 @@ class CmaOffer(msgspec.Struct, frozen=True):
 class DeviceExport(msgspec.Struct, frozen=True):
     """The KV cache of a process, opened by a peer on its host to pull blocks device to device (cuda_ipc).
 
-    `kind` "cuda": `handles[i]` is layer i's storage as `torch.UntypedStorage._share_cuda_()` gives it (device,
-    IPC handle, size, offset, ref-counter handle and offset, event handle, event sync flag). `kind` "host" (the
-    stand-in that runs without a GPU): `handles[i]` is `(address, size)` of a CPU storage, read with
-    process_vm_readv. `device` names the GPU (its UUID) or is empty."""
+    `kind` "cuda": `handles[i]` is storage i (the layers' storages, each once: vLLM allocates one for all) as
+    `torch.UntypedStorage._share_cuda_()` gives it (device, IPC handle, size, offset, ref-counter handle and offset,
+    event handle, event sync flag). `kind` "host" (the stand-in that runs without a GPU): `handles[i]` is
+    `(address, size)` of a CPU storage, read with process_vm_readv. `device` names the GPU (its UUID) or is
+    empty."""
 
     kind: str
     boot_id: str
@@ -246,15 +250,15 @@ class RenewLeases(msgspec.Struct, tag="renew", frozen=True):
 
 class PullRequest(msgspec.Struct, tag="pull", frozen=True):
     """GET mode: the decode side asks for blocks `first_block .. first_block+num_blocks` of an offered transfer;
-    `by_reference`: it would rather copy them itself from the exported cache (cuda_ipc); `pipe_runs`: it would
-    rather receive them through the connection's pipe, into these (offset, length) runs of its storages, per
-    layer (of those asked for, with `layers`; of the heads asked for, with `heads`) (nccl)."""
+    `by_reference`: it would rather copy them itself from the exported cache (cuda_ipc); `by_pipe`: it would
+    rather receive them through the connection's pipe (nccl), in payload order (of the layers asked for, with
+    `layers`; of the heads asked for, with `heads`)."""
 
     transfer_id: str
     first_block: int
     num_blocks: int
     by_reference: bool = False
-    pipe_runs: list[list[tuple[int, int]]] = msgspec.field(default_factory=list)
+    by_pipe: bool = False
     heads: tuple[int, int] | None = None  # only these heads (the offerer's numbering) of each block; empty: none
     layers: tuple[int, int] | None = None  # only these layers (the model's numbering); None: every layer held
     pullers: int = 1  # how many pulls of this transfer the offerer gets (one per decode rank that needs it)
@@ -263,8 +267,8 @@ class PullRequest(msgspec.Struct, tag="pull", frozen=True):
 
 class PullReply(msgspec.Struct, tag="pull_reply", frozen=True):
     """Answer to a pull; when accepted, PushBlocks frames with the bytes follow on the same connection, or, with
-    `by_reference` or `by_pipe`, one BlockRanges frame, answered by PayloadCopied once the puller has copied or
-    received them (by pipe, both sides then post the same pieces: `pair_ranges` of the two sides' runs)."""
+    `by_reference` or `by_pipe`, one BlockPlaces frame, answered by PayloadCopied once the puller has copied or
+    received them (by pipe, both sides then move the bytes in payload order, in the same chunks)."""
 
     transfer_id: str
     accepted: bool
@@ -273,13 +277,26 @@ class PullReply(msgspec.Struct, tag="pull_reply", frozen=True):
     by_pipe: bool = False
 
 
-class BlockRanges(msgspec.Struct, tag="ranges", frozen=True):
-    """cuda_ipc (and nccl): where the pulled blocks lie, per layer: (byte offset, length) in that layer's exported
-    storage, in payload order. `digest` (integrity_check, a cache in host memory): the XXH3-64 of those bytes, layer
-    after layer, taken just before this frame went; the puller digests them where they landed."""
+class LayerPlace(msgspec.Struct, frozen=True, array_like=True):
+    """Where one layer's blocks lie in a cache: in storage `storage` (of those the cache exports), block b's runs
+    start at `base + b * block_stride + offset`, each (offset, length) of `inner`."""
+
+    storage: int
+    base: int
+    block_stride: int
+    inner: tuple[tuple[int, int], ...]
+
+
+class BlockPlaces(msgspec.Struct, tag="places", frozen=True):
+    """cuda_ipc (and nccl): the pulled blocks (`block_ids`, little-endian int32) and, per layer in payload order,
+    where they lie in the offerer's exported storages: a few hundred bytes whatever the number of blocks, from which
+    either side lists the blocks' rows with numpy. `digest` (integrity_check, a cache in host memory): the XXH3-64
+    of those bytes, layer after layer, taken just before this frame went; the puller digests them where they
+    landed."""
 
     transfer_id: str
-    layers: list[list[tuple[int, int]]]
+    block_ids: bytes
+    layers: list[LayerPlace]
     digest: int | None = None
 
 
@@ -311,7 +328,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     launch: str = ""  # this start of the instance (`p2pkv.config.launch_of`); "": not said
 
 
-Message = (Hello | HelloReply | BlockRanges | PushBlocks | PushAck | PushAbort | PullRequest | PullReply | Heartbeat
+Message = (Hello | HelloReply | BlockPlaces | PushBlocks | PushAck | PushAbort | PullRequest | PullReply | Heartbeat
            | CmaStatus | PayloadCopied | PipeOpen | PullInstead | RenewLeases)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

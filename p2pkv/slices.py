@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from p2pkv.blocks import BlockAccess, InPlaceBlocks
 from p2pkv.errors import IncompatiblePeerError
-from p2pkv.layout import KvBlocks, head_slice
+from p2pkv.layout import KvBlocks, head_slice, heads_axis
 from p2pkv.staging import DeviceKv, TransferBuffers
 
 if TYPE_CHECKING:
@@ -41,7 +41,8 @@ class HeadSlices:
         layers = layers or every
         if not 0 <= layers[0] < layers[1] <= every[1]:
             raise IncompatiblePeerError(f"layers {layers[0]}..{layers[1]} outside the {every[1]} held here")
-        if self._whole is not None and heads == (0, self._tensors[0].shape[1]) and layers == every:
+        held = self._tensors[0].shape[heads_axis(self._tensors[0])]
+        if self._whole is not None and heads == (0, held) and layers == every:
             return self._whole
         with self._lock:
             made = self._made.get((heads, layers))
@@ -54,7 +55,7 @@ class HeadSlices:
         device = self._device
         if device is None:
             return InPlaceBlocks(KvBlocks.from_tensors(views, self._block_size, self._kernel))
-        kv = DeviceKv(views, self._block_size, self._kernel, device.copy_timeout_s)
+        kv = DeviceKv(views, self._block_size, self._kernel, device.copy_timeout_s, parent=device)
         kv.pool, kv.metrics = device.pool, device.metrics
         return TransferBuffers(kv)
 

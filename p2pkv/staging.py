@@ -1,69 +1,82 @@
 """KV caches the engine cannot address in place (a GPU's): their blocks move through host buffers.
 
 The engine sends from and receives into host memory. For a KV cache on a GPU each transfer gets one host buffer
-(from the host pool, which is pinned where CUDA is; its own memory when the pool is full), holding the transfer's
-blocks layer after layer in payload order:
+(from the host pool, pinned where CUDA is), holding the transfer's blocks layer after layer in payload order:
 
-- sending, `push_views`: a device-to-host copy of one layer's blocks is queued on a copy stream, after the work
-  already queued on the compute stream (the forward that wrote them). The engine sends the bytes once the copy is
-  done (`ready`), so layer L is on the wire while layer L+1 is still being copied;
-- GET, `source`: the layers not copied yet are copied; the puller is served from the buffer;
-- receiving: a pull lands in the transfer's buffer (`sink`) and is copied into the blocks when it is complete
-  (`land`); pushed bytes are copied from the staging store into the blocks (`DeviceKv.write_blocks`).
+- sending, `push_views`: the copy of one layer's blocks to the host is issued on the side stream after the fence
+  vLLM's thread recorded when the layer was written; the engine sends the bytes once the copy is done (`ready`);
+- GET, `source`: the layers not copied yet are copied, all at once, after the fence recorded when the blocks were
+  offered; the puller is served from the buffer;
+- receiving: a pull lands in the transfer's buffer (`sink`) and is copied into the blocks by `land`; pushed bytes
+  are copied from the staging store (`write_all`). Both return a marker and never wait: the request is reported
+  loaded once the marker says the copies are done.
+
+Every copy is batched (`DeviceKv.plan`): the blocks of a set of layers sharing one storage are rows of a `[rows,
+row bytes]` view of it, moved by one gather or scatter (in chunks of at most `SCRATCH_BYTES` of device scratch),
+with indices built by numpy. Where the rows are one run, a plain copy.
 
 With `P2PKV_STAGE_KV=1` a KV cache in host memory takes this path too, so its logic runs in CI without a GPU.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar, cast
 
 import numpy as np
-import numpy.typing as npt
 import torch
 
 from p2pkv.device_copy import (
-    Copier,
-    CudaCopier,
-    HostCopier,
+    WORDS,
+    DeviceOps,
     Marker,
+    NoPinnedSpace,
     Ready,
-    done,
-    gather_rows,
-    scatter_rows,
+    Rows,
+    all_done,
+    as_rows,
+    ops_for,
     settle,
     wait_marker,
+    word_bytes,
 )
-from p2pkv.engine.device import Piece, RangeSource
+from p2pkv.engine.device import Fence, Placed, PlaceSource
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import ViewSource
 from p2pkv.errors import P2pkvError
 from p2pkv.integrity import digest
-from p2pkv.layout import LayerGeometry, describe
+from p2pkv.layout import LayerGeometry, describe, ids_bytes, place, placed_ranges, placed_row, placed_rows, row_bytes
 from p2pkv.memory import HostPool
 from p2pkv.memory.pool import PoolBuffer
 from p2pkv.protocol import LayoutDigest
 
 log = logging.getLogger(__name__)
 STAGE_ENV = "P2PKV_STAGE_KV"
+SCRATCH_BYTES = 64 << 20  # device scratch per gather or scatter: a whole request at once could be a GiB
 _T = TypeVar("_T")
 
 
 class HostBuffer:
-    """Host memory for one transfer: a block of the host pool, or its own memory when the pool has none free."""
+    """Host memory for one transfer: a block of the host pool, or its own (pageable) memory."""
 
-    def __init__(self, nbytes: int, pool: HostPool | None, pin: bool) -> None:
+    def __init__(self, nbytes: int, pool: HostPool | None, pinned_only: bool = False) -> None:
+        """`pinned_only`: NoPinnedSpace rather than pageable memory when the pool has none free (on the forward's
+        path, where a copy into pageable memory would wait for the forward, and pinning more may not happen)."""
         self._pool = pool
         self._block: PoolBuffer | None = pool.allocate(nbytes) if pool is not None else None
         if self._block is not None:
             self.tensor = torch.frombuffer(self._block.view, dtype=torch.uint8)
+        elif pinned_only:
+            raise NoPinnedSpace(f"no pinned host memory free for {nbytes} bytes (mem_pool_size_gb)")
         else:
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         self.view = memoryview(self.tensor.numpy()).cast("B")
 
     @property
@@ -76,29 +89,61 @@ class HostBuffer:
             self._block = None
 
 
+@dataclass(frozen=True)
+class RowPiece:
+    """Rows of `row` bytes of one storage (`DeviceKv.flat[storage]`, counted from byte `start`), in payload
+    order: the blocks of one or more consecutive layers that share the storage. `one_run`: they follow one another
+    (a plain copy moves them)."""
+
+    storage: int
+    start: int
+    row: int
+    rows: Rows
+    one_run: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.rows) * self.row
+
+
+def one_run(rows: Rows) -> bool:
+    return len(rows) > 0 and int(rows[-1]) - int(rows[0]) == len(rows) - 1 and bool(np.all(np.diff(rows) == 1))
+
+
 class DeviceKv:
-    """Every layer's blocks, reached through host copies. `copy_out`/`copy_in` queue the copies and return a marker;
-    `write_blocks` waits for its copy."""
+    """Every layer's blocks, reached through host copies (or, cuda_ipc and pipes, cache to cache), through a
+    `DeviceOps`. Layers that share a storage (vLLM 0.29+ allocates one for all) are moved together."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], block_size: int, kernel: str, copy_timeout_s: float,
-                 total_heads: int = 0) -> None:
+                 total_heads: int = 0, ops: DeviceOps | None = None, parent: DeviceKv | None = None) -> None:
+        """`parent`: the whole cache these views (some heads of some layers) are of: its storages, numbered as it
+        numbers them (and exports them), and its device layer."""
         self.geometry: list[LayerGeometry]
         self.geometry, self.digest = describe(tensors, block_size, kernel, total_heads)
         device = tensors[0].device
-        self.storages = [torch.empty(0, dtype=torch.uint8, device=device).set_(t.untyped_storage())
-                          for t in tensors]
+        self.flat: list[torch.Tensor] = parent.flat if parent is not None else []  # distinct storages, flat bytes
+        self.storage_of: list[int] = []  # each layer's storage, an index into `flat`
+        known = {t.data_ptr(): i for i, t in enumerate(self.flat)}
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in known:
+                if parent is not None:
+                    raise P2pkvError("a slice of a cache lies outside the cache's storages")
+                known[storage.data_ptr()] = len(self.flat)
+                self.flat.append(torch.empty(0, dtype=torch.uint8, device=device).set_(storage))
+            self.storage_of.append(known[storage.data_ptr()])
+        ops = ops if ops is not None or parent is None else parent.ops
+        self.storages = [self.flat[i] for i in self.storage_of]  # per layer
         self.on_gpu = device.type == "cuda"
-        self._copier: Copier = CudaCopier(device) if self.on_gpu else HostCopier()
+        self.ops: DeviceOps = ops if ops is not None else ops_for(device)
         self.copy_timeout_s = copy_timeout_s
         self.pool: HostPool | None = None
         self.metrics: EngineMetrics | None = None
-        # Dense blocks scattered over the cache: gathered on the device and moved with one copy, where that beats
-        # one copy per run of blocks (on a GPU each copy has a fixed launch cost; on the host it does not pay).
-        self._dense = self.geometry[0].inner == ((0, self.digest.block_bytes),)
-        self.gather_min_runs: int | None = 4 if self.on_gpu and self._dense else None
         self._host_views: list[memoryview] | None = None  # the storages' bytes, for digests (a host cache)
-        # What one transfer's block ids give (the ids to gather, on the device too; each geometry's ranges), kept
-        # while the same tuple of ids comes layer after layer: worked out once per transfer, not once per layer.
+        self._row_views: dict[tuple[int, int, int, int], torch.Tensor] = {}  # (storage, start, row, word) -> rows
+        self._rows_of: dict[LayerGeometry, int] = {}  # a layer's row size
+        # One transfer's layers come one after another with its one tuple of block ids: what those ids give (the
+        # rows of each geometry, their indices on the device) is worked out once per transfer, not per layer.
         self._memo: tuple[tuple[int, ...], dict[object, object]] | None = None
 
     @property
@@ -109,38 +154,18 @@ class DeviceKv:
     def num_layers(self) -> int:
         return self.digest.num_layers
 
-    def mark_compute(self) -> Marker:
-        """When the work queued so far on the compute stream (the forward that wrote the blocks) is done."""
-        return self._copier.mark_compute()
+    def fence(self) -> Fence:
+        """Where vLLM's forward has got to (only on vLLM's thread, in the connector's hooks)."""
+        return self.ops.fence()
 
-    def buffer(self, num_blocks: int) -> HostBuffer:
-        """A host buffer for `num_blocks` blocks of every layer (pinned memory is allocated with this cache's device
-        current: the engine's threads call this, and theirs is GPU 0 until it is set)."""
+    def buffer(self, num_blocks: int, pinned_only: bool = False) -> HostBuffer:
+        """A host buffer for `num_blocks` blocks of every layer."""
         nbytes = max(1, self.num_layers * num_blocks * self.block_bytes)
-        if not self.on_gpu:
-            return HostBuffer(nbytes, self.pool, False)
-        with torch.cuda.device(self.storages[0].device):
-            return HostBuffer(nbytes, self.pool, True)
-
-    def blocks_2d(self, layer: int) -> torch.Tensor:
-        """A dense layer as [blocks, block_bytes] rows (rows may be strided)."""
-        g, storage, bb = self.geometry[layer], self.storages[layer], self.digest.block_bytes
-        rows = (storage.numel() - g.base - bb) // g.block_stride + 1
-        return storage.as_strided((rows, bb), (g.block_stride, 1), g.base)
-
-    def _gather_ids(self, block_ids: Sequence[int]) -> npt.NDArray[np.int64] | None:
-        """The block ids as an array where they are gathered on the device: a dense layer whose blocks make at
-        least `gather_min_runs` runs (counted from the ids: a long transfer's ranges cost milliseconds to list)."""
-        if not self._dense or self.gather_min_runs is None or len(block_ids) < self.gather_min_runs:
-            return None
-        ids = np.fromiter(block_ids, dtype=np.int64, count=len(block_ids))
-        g = self.geometry[0]
-        runs = len(ids) if g.block_stride != self.block_bytes else 1 + int(np.count_nonzero(np.diff(ids) != 1))
-        return ids if runs >= self.gather_min_runs else None
+        return HostBuffer(nbytes, self.pool, pinned_only and self.ops.pins_host)
 
     def _per_ids(self, block_ids: Sequence[int], key: object, make: Callable[[], _T]) -> _T:
-        """`make()`, remembered for these ids while the same tuple of them is asked about (a transfer's layers come
-        one after another with its one tuple); lists, which may change, are worked out every time."""
+        """`make()`, remembered while the same tuple of ids is asked about; lists, which may change, are worked
+        out every time."""
         if type(block_ids) is not tuple:
             return make()
         memo = self._memo  # taken once: another thread may start another transfer's memo meanwhile
@@ -150,75 +175,189 @@ class DeviceKv:
             memo[1][key] = make()
         return cast(_T, memo[1][key])
 
-    def _move(self, layer: int, block_ids: Sequence[int], host: torch.Tensor, to_host: bool) -> Marker:
-        """Queue the copies between the blocks and `host` (payload order), in either direction."""
-        cache = self.storages[layer]
-        gather = self._per_ids(block_ids, "gather", lambda: self._gather_ids(block_ids))
-        at = 0
-        with self._copier.after_compute():
-            if gather is not None:
-                # Made on the copy stream and used only there: it may be freed whenever the memo lets it go.
-                ids = self._per_ids(block_ids, cache.device, lambda: torch.from_numpy(gather).to(cache.device,
-                                                                                                  non_blocking=True))
-                rows = host[: len(block_ids) * self.block_bytes].view(len(block_ids), -1)
-                if to_host:  # the gathered rows are made on the copy stream: freed only after the copy
-                    rows.copy_(gather_rows(self.blocks_2d(layer), ids), non_blocking=True)
-                else:
-                    scatter_rows(self.blocks_2d(layer), ids, rows.to(cache.device, non_blocking=True))
-                at = rows.numel()
-            else:
-                geometry = self.geometry[layer]
-                for start, n in self._per_ids(block_ids, geometry, lambda: geometry.ranges(block_ids)):
-                    there, here = host[at : at + n], cache[start : start + n]
-                    (there if to_host else here).copy_(here if to_host else there, non_blocking=True)
-                    at += n
-            marker = self._copier.mark()
+    def plan(self, layers: Sequence[int], block_ids: Sequence[int]) -> list[RowPiece]:
+        """The rows these blocks of these layers occupy, in payload order (layer after layer), one piece per run of
+        consecutive layers that share a storage."""
+        if len(layers) == 1:  # a layer pushed as the forward computes it: its rows are its transfer's, shifted
+            layer = layers[0]
+            g = self.geometry[layer]
+            row = self._row_of(g)
+            rows, run = self._rows(g, block_ids, row)
+            return [RowPiece(self.storage_of[layer], g.base, row, rows, run)]
+        pieces = []
+        for storage, group in itertools.groupby(layers, key=lambda layer: self.storage_of[layer]):
+            geometries = [self.geometry[layer] for layer in group]
+            row = row_bytes(geometries)
+            start = min(g.base for g in geometries) // row * row
+            parts = [self._rows(g, block_ids, row)[0] + (g.base - start) // row for g in geometries]
+            rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            pieces.append(RowPiece(storage, start, row, rows, one_run(rows)))
+        return pieces
+
+    def _row_of(self, g: LayerGeometry) -> int:
+        row = self._rows_of.get(g)
+        if row is None:
+            row = self._rows_of[g] = row_bytes([g])
+        return row
+
+    def places(self, layers: Sequence[int], block_ids: Sequence[int]) -> Placed:
+        """Where these blocks of these layers lie in the storages (`flat`), as they travel."""
+        return Placed(ids_bytes(block_ids), [place(self.geometry[layer], self.storage_of[layer]) for layer in layers])
+
+    def pieces(self, placed: Placed) -> list[RowPiece]:
+        """The rows of blocks placed in this cache's storages, in payload order."""
+        row = placed_row(placed.layers)
+        return [RowPiece(storage, 0, row, rows, one_run(rows))
+                for storage, rows in placed_rows(placed.block_ids, placed.layers, row)]
+
+    def _rows(self, g: LayerGeometry, block_ids: Sequence[int], row: int) -> tuple[Rows, bool]:
+        """A layer's rows counted from its base, and whether they are one run: worked out once per transfer for the
+        layers that lie alike but for their base."""
+
+        def make() -> tuple[Rows, bool]:
+            ids = np.fromiter(block_ids, dtype=np.int64, count=len(block_ids))
+            rows = LayerGeometry(0, g.block_stride, g.inner).rows(ids, row)
+            return rows, one_run(rows)
+
+        return self._per_ids(block_ids, (g.block_stride, g.inner, row), make)
+
+    def _index(self, block_ids: Sequence[int], piece: RowPiece) -> torch.Tensor:
+        """A piece's rows on the device, uploaded once per transfer for the layers that share one list of rows."""
+        rows, index = self._per_ids(block_ids, ("index", id(piece.rows)), lambda: (piece.rows,
+                                                                                  self.ops.index(piece.rows)))
+        return index if rows is piece.rows else self.ops.index(piece.rows)
+
+    def count(self, nbytes: int, to_host: bool) -> None:
         if self.metrics is not None:
-            self.metrics.of(self.metrics.device_copy_bytes, "to_host" if to_host else "to_device").inc(at)
+            self.metrics.of(self.metrics.device_copy_bytes, "to_host" if to_host else "to_device").inc(nbytes)
+
+    def rows_view(self, storage: int, start: int, row: int, word: int) -> torch.Tensor:
+        """A storage from byte `start` as [rows, row bytes] in words of `word` bytes (made once)."""
+        key = (storage, start, row, word)
+        view = self._row_views.get(key)
+        if view is None:
+            view = self._row_views[key] = as_rows(self.flat[storage][start:], row, word)
+        return view
+
+    def move(self, block_ids: Sequence[int], piece: RowPiece, host: torch.Tensor, to_host: bool) -> None:
+        """Issue the copies of one piece between the cache and `host` (its bytes in payload order): one plain copy
+        where its rows are one run; else one gather (to the host) or scatter (from it) per chunk of scratch."""
+        row = piece.row
+        word = word_bytes(row, host.data_ptr(), self.flat[piece.storage].data_ptr() + piece.start)
+        rows = self.rows_view(piece.storage, piece.start, row, word)
+        dtype = WORDS[word]
+        there = host.view(dtype).view(-1, row // word)
+        ops = self.ops
+        if piece.one_run:
+            first = int(piece.rows[0])
+            mine = rows[first : first + len(piece.rows)]
+            ops.copy(there, mine) if to_host else ops.copy(mine, there)
+            return
+        index = self._index(block_ids, piece)
+        if not ops.pins_host:  # a cache in host memory: the host buffer is rows like the cache's, no scratch
+            ops.gather(there, rows, index) if to_host else ops.scatter(rows, index, there)
+            return
+        total = len(piece.rows)
+        per_chunk = max(1, SCRATCH_BYTES // row)
+        for at in range(0, total, per_chunk):
+            n = min(per_chunk, total - at)
+            scratch = ops.empty(n * row // word, dtype).view(n, -1)
+            part, near = (index, there) if n == total else (index[at : at + n], there[at : at + n])
+            if to_host:
+                ops.gather(scratch, rows, part)
+                ops.copy(near, scratch)
+            else:
+                ops.copy(scratch, near)
+                ops.scatter(rows, part, scratch)
+
+    def _transfer(self, layers: Sequence[int], block_ids: Sequence[int], host: torch.Tensor,
+                  after: Sequence[Fence], to_host: bool) -> Marker:
+        expected = len(layers) * len(block_ids) * self.block_bytes
+        if host.numel() != expected:
+            raise ValueError(f"{host.numel()} bytes for {len(block_ids)} blocks of {len(layers)} layers of "
+                             f"{self.block_bytes}")
+        at = 0
+        with self.ops.issue(after):
+            pieces = self.plan(layers, block_ids)
+            for piece in pieces:
+                self.move(block_ids, piece, host if len(pieces) == 1 else host[at : at + piece.nbytes], to_host)
+                at += piece.nbytes
+            marker = self.ops.mark()
+        self.count(at, to_host)
         return marker
 
-    def copy_out(self, layer: int, block_ids: Sequence[int], dst: torch.Tensor) -> Marker:
-        """Queue the copy of the blocks into host memory `dst`, in payload order."""
-        return self._move(layer, block_ids, dst, to_host=True)
+    def copy_out(self, layers: Sequence[int], block_ids: Sequence[int], dst: torch.Tensor,
+                 after: Sequence[Fence] = ()) -> Marker:
+        """Issue the copy of these blocks of these layers into host bytes `dst` (payload order), after `after`."""
+        return self._transfer(layers, block_ids, dst, after, to_host=True)
 
-    def copy_in(self, layer: int, block_ids: Sequence[int], src: torch.Tensor) -> Marker:
-        """Queue the copy of host bytes `src` (payload order) into the blocks."""
-        if src.numel() != len(block_ids) * self.block_bytes:
-            raise ValueError(f"{src.numel()} bytes for {len(block_ids)} blocks of {self.block_bytes}")
-        return self._move(layer, block_ids, src, to_host=False)
+    def copy_in(self, layers: Sequence[int], block_ids: Sequence[int], src: torch.Tensor,
+                after: Sequence[Fence] = ()) -> Marker:
+        """Issue the copy of host bytes `src` (payload order) into these blocks of these layers, after `after`."""
+        return self._transfer(layers, block_ids, src, after, to_host=False)
 
-    def copy_pairs(self, moves: Sequence[tuple[int, torch.Tensor, Sequence[tuple[int, int, int]]]]) -> Marker:
-        """Queue copies, per (our layer, `src`, pieces), from `src` (a flat byte tensor on a device this one can
-        reach) into that layer's storage: (source offset, destination offset, length) each piece. One switch to the
-        copy stream and one marker for them all (each costs tens of microseconds of host time on a GPU)."""
-        with self._copier.after_compute():
-            for layer, src, pairs in moves:
-                dst = self.storages[layer]
-                for s_at, d_at, n in pairs:
-                    dst[d_at : d_at + n].copy_(src[s_at : s_at + n], non_blocking=True)
-            return self._copier.mark()
+    def copy_from(self, sources: Sequence[torch.Tensor], theirs: Placed, ours: Placed,
+                  after: Sequence[Fence] = ()) -> Marker:
+        """Issue the copy of blocks of another cache (`sources`: its storages, flat bytes on this device; a peer's,
+        opened here) into ours, after `after`: one gather from their storage and one scatter into ours per chunk of
+        scratch and pair of storages, whatever the number of blocks."""
+        row = math.gcd(placed_row(theirs.layers), placed_row(ours.layers))
+        segments = _segments(placed_rows(theirs.block_ids, theirs.layers, row),
+                             placed_rows(ours.block_ids, ours.layers, row))
+        ops = self.ops
+        with ops.issue(after):
+            for s_t, rows_t, s_o, rows_o in segments:
+                src, dst = sources[s_t], self.flat[s_o]
+                word = word_bytes(row, src.data_ptr(), dst.data_ptr())
+                src_view, dst_view = as_rows(src, row, word), as_rows(dst, row, word)
+                src_index, dst_index = ops.index(rows_t), ops.index(rows_o)
+                per_chunk = max(1, SCRATCH_BYTES // row)
+                for at in range(0, len(rows_t), per_chunk):
+                    n = min(per_chunk, len(rows_t) - at)
+                    scratch = ops.empty(n * row // word, WORDS[word]).view(n, -1)
+                    ops.gather(scratch, src_view, src_index[at : at + n])
+                    ops.scatter(dst_view, dst_index[at : at + n], scratch)
+            return ops.mark()
 
     def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:
-        """Copy whole blocks from host bytes (payload order) into the given blocks; returns once they are there."""
-        marker = self.copy_in(layer, block_ids, _host_tensor(src))
+        """Copy whole blocks from host bytes (payload order) into the given blocks; returns once they are there
+        (off vLLM's hot path only: the fault injection of the tests, the benchmarks)."""
+        marker = self.copy_in([layer], block_ids, host_tensor(src))
         if not settle([marker], time.monotonic() + self.copy_timeout_s, self.copy_timeout_s):
             raise P2pkvError(f"copying {len(block_ids)} blocks to the device took over {self.copy_timeout_s} s")
 
-    def bytes_digest(self, pieces: Sequence[Piece]) -> int | None:
-        """integrity_check: the digest of these pieces of the cache, one after another; None for a cache on a GPU
+    def bytes_digest(self, placed: Placed) -> int | None:
+        """integrity_check: the digest of these blocks of the cache, layer after layer; None for a cache on a GPU
         (its bytes are not digested)."""
         if self.on_gpu:
             return None
         if self._host_views is None:
-            self._host_views = [memoryview(s.numpy()) for s in self.storages]
+            self._host_views = [memoryview(s.numpy()) for s in self.flat]
         views = self._host_views
-        for layer, offset, n in pieces:
-            if not (0 <= layer < len(views) and 0 <= offset and n >= 0 and offset + n <= views[layer].nbytes):
-                raise P2pkvError(f"piece {offset}+{n} lies outside layer {layer} of this cache")
-        return digest(views[layer][offset : offset + n] for layer, offset, n in pieces)
+        pieces = placed_ranges(placed.block_ids, placed.layers)
+        for storage, offset, n in pieces:
+            if not (0 <= storage < len(views) and 0 <= offset and n >= 0 and offset + n <= views[storage].nbytes):
+                raise P2pkvError(f"piece {offset}+{n} lies outside storage {storage} of this cache")
+        return digest(views[storage][offset : offset + n] for storage, offset, n in pieces)
 
 
-def _host_tensor(src: memoryview) -> torch.Tensor:
+def _segments(theirs: list[tuple[int, Rows]], ours: list[tuple[int, Rows]]) -> list[tuple[int, Rows, int, Rows]]:
+    """Two sides' rows (one list per storage, in payload order) cut where either side changes storage."""
+    out = []
+    i = j = at_i = at_j = 0
+    while i < len(theirs) and j < len(ours):
+        (s_t, rows_t), (s_o, rows_o) = theirs[i], ours[j]
+        n = min(len(rows_t) - at_i, len(rows_o) - at_j)
+        out.append((s_t, rows_t[at_i : at_i + n], s_o, rows_o[at_j : at_j + n]))
+        at_i, at_j = at_i + n, at_j + n
+        if at_i == len(rows_t):
+            i, at_i = i + 1, 0
+        if at_j == len(rows_o):
+            j, at_j = j + 1, 0
+    return out
+
+
+def host_tensor(src: memoryview) -> torch.Tensor:
     """A uint8 tensor over host bytes, without a copy; read-only bytes are only ever read here."""
     if not len(src):
         return torch.empty(0, dtype=torch.uint8)
@@ -230,24 +369,27 @@ def _host_tensor(src: memoryview) -> torch.Tensor:
 
 
 class _Staged:
-    """One transfer: its blocks, its host buffer (made on first use), and the copies queued into it."""
+    """One transfer: its blocks, its host buffer (made on first use), and the copies issued into or out of it."""
 
     def __init__(self, kv: DeviceKv, block_ids: Sequence[int]) -> None:
         self.kv = kv
         self.block_ids = tuple(block_ids)
         self.layer_bytes = len(block_ids) * kv.block_bytes
         self.markers: dict[int, Marker] = {}  # layer -> its copy to the host buffer
-        self.compute: Marker = done  # the forward that wrote the blocks (GET: recorded when they are offered)
+        self.landing: Marker | None = None  # the copy into the blocks (`land`)
+        self.after: Fence | None = None  # the forward that wrote the blocks (GET: recorded when they are offered)
         self._buffer: HostBuffer | None = None
 
-    @property
-    def buffer(self) -> HostBuffer:
+    def buffer(self, pinned_only: bool = False) -> HostBuffer:
         if self._buffer is None:
-            self._buffer = self.kv.buffer(len(self.block_ids))
+            self._buffer = self.kv.buffer(len(self.block_ids), pinned_only)
         return self._buffer
 
-    def layer(self, layer: int) -> torch.Tensor:
-        return self.buffer.tensor[layer * self.layer_bytes : (layer + 1) * self.layer_bytes]
+    def layers(self, first: int, end: int) -> torch.Tensor:
+        return self.buffer().tensor[first * self.layer_bytes : end * self.layer_bytes]
+
+    def copies(self) -> list[Marker]:
+        return [*self.markers.values(), *([self.landing] if self.landing is not None else [])]
 
     def release(self) -> None:
         if self._buffer is not None:
@@ -269,14 +411,29 @@ class TransferBuffers:
     def digest(self) -> LayoutDigest:
         return self.kv.digest
 
-    def runs(self, block_ids: Sequence[int]) -> list[list[tuple[int, int]]] | None:
-        return [geometry.ranges(block_ids) for geometry in self.kv.geometry]
+    def fence(self) -> Fence:
+        return self.kv.fence()
+
+    def places(self, block_ids: Sequence[int]) -> Placed | None:
+        return self.kv.places(range(self.kv.num_layers), block_ids)
 
     def device_blocks(self, block_ids: Sequence[int]) -> tuple[int, ...] | None:
         return tuple(block_ids)
 
     def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:
         self.kv.write_blocks(layer, block_ids, src)
+
+    def write_all(self, block_ids: Sequence[int], layers: Sequence[memoryview], after: Fence | None) -> Marker:
+        """Pushed bytes, one view per layer (payload order), into the blocks; the copies are issued after `after`
+        and not waited for: the caller keeps the views until the marker says done."""
+        ids = tuple(block_ids)
+        with self.kv.ops.issue([after] if after is not None else []):
+            for layer, view in enumerate(layers):
+                (piece,) = self.kv.plan([layer], ids)
+                self.kv.move(ids, piece, host_tensor(view), to_host=False)
+            marker = self.kv.ops.mark()
+        self.kv.count(sum(v.nbytes for v in layers), to_host=False)
+        return marker
 
     def _get(self, transfer_id: str, block_ids: Sequence[int]) -> _Staged:
         with self._lock:
@@ -289,50 +446,69 @@ class TransferBuffers:
         if not wait_marker(marker, time.monotonic() + self.kv.copy_timeout_s):
             raise P2pkvError(f"{what} took over {self.kv.copy_timeout_s} s")
 
-    def push_views(self, transfer_id: str, layer: int, block_ids: Sequence[int]) -> tuple[tuple[memoryview, ...],
-                                                                                         Ready]:
-        """Queue the copy of one layer's blocks; the bytes to send, and when they may be sent."""
+    def push_views(self, transfer_id: str, layer: int, block_ids: Sequence[int],
+                   after: Fence | None = None) -> tuple[tuple[memoryview, ...], Ready]:
+        """Issue the copy of one layer's blocks (after `after`, the fence vLLM's thread recorded once the layer was
+        written); the bytes to send, and when they may be sent. Called on the forward's path: NoPinnedSpace where
+        the pool has no pinned memory free for the transfer."""
         staged = self._get(transfer_id, block_ids)
-        marker = self.kv.copy_out(layer, staged.block_ids, staged.layer(layer))
+        buffer = staged.buffer(pinned_only=True)
+        marker = self.kv.copy_out([layer], staged.block_ids, staged.layers(layer, layer + 1),
+                                  [after] if after is not None else [])
         with self._lock:
             staged.markers[layer] = marker
         start = layer * staged.layer_bytes
-        return (staged.buffer.view[start : start + staged.layer_bytes],), lambda deadline: wait_marker(marker,
-                                                                                                       deadline)
+        return (buffer.view[start : start + staged.layer_bytes],), lambda deadline: wait_marker(marker, deadline)
 
-    def source(self, transfer_id: str, block_ids: Sequence[int]) -> ViewSource:
-        """GET: the blocks as bytes, from the host buffer. Layers not pushed already are copied there when first
-        asked for (on the serving thread, after the forward recorded now); a pull by reference copies nothing."""
+    def source(self, transfer_id: str, block_ids: Sequence[int], after: Fence | None = None) -> ViewSource:
+        """GET: the blocks as bytes, from the host buffer. The layers not pushed already are copied there, all at
+        once, when first asked for (on the serving thread, after `after`: the fence recorded when the blocks were
+        offered); a pull by reference copies nothing."""
         staged = self._get(transfer_id, block_ids)
-        staged.compute = self.kv.mark_compute()
+        staged.after = after
         bb = self.kv.block_bytes
 
         def views(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
             with self._lock:
                 marker = staged.markers.get(layer)
-            if marker is None:
-                self._wait(staged.compute, "the forward pass")
-                marker = self.kv.copy_out(layer, staged.block_ids, staged.layer(layer))
-                with self._lock:
-                    staged.markers[layer] = marker
+                missing = [at for at in range(self.kv.num_layers) if at not in staged.markers] if marker is None \
+                    else []
+            if missing:
+                marker = self._copy_layers(staged, missing)
+            assert marker is not None
             self._wait(marker, f"copying layer {layer} to the host")
             start = layer * staged.layer_bytes + first * bb
-            return (staged.buffer.view[start : start + count * bb],)
+            return (staged.buffer().view[start : start + count * bb],)
 
         return views
 
-    def ranges(self, transfer_id: str, block_ids: Sequence[int]) -> RangeSource:
-        """GET by reference (cuda_ipc): where the blocks lie in this worker's cache, once the forward that wrote
-        them (recorded now) has finished."""
+    def _copy_layers(self, staged: _Staged, layers: list[int]) -> Marker:
+        """Issue the copies of these layers into the transfer's buffer: one batch per run of consecutive layers."""
+        markers = []
+        after = [staged.after] if staged.after is not None else []
+        for _, run in itertools.groupby(enumerate(layers), key=lambda x: x[1] - x[0]):
+            span = [layer for _, layer in run]
+            markers.append(self.kv.copy_out(span, staged.block_ids, staged.layers(span[0], span[-1] + 1), after))
+        marker = all_done(markers)
+        with self._lock:
+            for layer in layers:
+                staged.markers.setdefault(layer, marker)
+            return staged.markers[layers[0]]
+
+    def offered_places(self, transfer_id: str, block_ids: Sequence[int], after: Fence | None = None) -> PlaceSource:
+        """GET by reference or by pipe: where the blocks lie in this worker's storages, once the forward that wrote
+        them (`after`) has finished (the serving thread waits for it: the puller's copies are not ordered after
+        anything on this device)."""
         staged = self._get(transfer_id, block_ids)
-        staged.compute = compute = self.kv.mark_compute()
+        staged.after = after
         ids = staged.block_ids
 
-        def ranges(layer: int, first: int, count: int) -> list[tuple[int, int]]:
-            self._wait(compute, "the forward pass")
-            return self.kv.geometry[layer].ranges(ids[first : first + count])
+        def places(first: int, count: int) -> Placed:
+            if after is not None:
+                self._wait(lambda: self.kv.ops.passed(after), "the forward pass")
+            return self.kv.places(range(self.kv.num_layers), ids[first : first + count])
 
-        return ranges
+        return places
 
     def sink(self, transfer_id: str, block_ids: Sequence[int]) -> ViewSource:
         """A pull's destination: the transfer's host buffer (made when first written), copied into the blocks by
@@ -342,33 +518,30 @@ class TransferBuffers:
 
         def views(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
             start = layer * staged.layer_bytes + first * bb
-            return (staged.buffer.view[start : start + count * bb],)
+            return (staged.buffer().view[start : start + count * bb],)
 
         return views
 
-    def land(self, transfer_id: str) -> None:
-        """Copy a completed pull from the transfer's buffer into its blocks, then free the buffer."""
+    def land(self, transfer_id: str, after: Fence | None = None) -> Marker:
+        """Issue the copy of a completed pull from the transfer's buffer into its blocks (every layer at once),
+        after `after`; the marker says when it is done. `release` frees the buffer once it is."""
         with self._lock:
             staged = self._staged.get(transfer_id)
         if staged is None:
             raise P2pkvError(f"transfer {transfer_id}: no host buffer to land from")
-        try:
-            markers = [self.kv.copy_in(layer, staged.block_ids, staged.layer(layer))
-                       for layer in range(self.kv.num_layers)]
-            if not settle(markers, time.monotonic() + self.kv.copy_timeout_s, self.kv.copy_timeout_s):
-                raise P2pkvError(f"copying transfer {transfer_id} to the device took over {self.kv.copy_timeout_s} s")
-        finally:
-            self.release(transfer_id)
+        staged.landing = self.kv.copy_in(range(self.kv.num_layers), staged.block_ids,
+                                         staged.layers(0, self.kv.num_layers), [after] if after is not None else [])
+        return staged.landing
 
     def release(self, transfer_id: str) -> None:
-        """Free the transfer's buffer (idempotent). Copies still queued into it are waited for first."""
+        """Free the transfer's buffer (idempotent). Copies still running into or out of it are waited for first:
+        callers on vLLM's thread release only once the markers they hold say done."""
         with self._lock:
             staged = self._staged.pop(transfer_id, None)
-            markers = list(staged.markers.values()) if staged is not None else []
         if staged is None:
             return
         deadline = time.monotonic() + self.kv.copy_timeout_s
-        if not all(wait_marker(m, deadline) for m in markers):
+        if not all(wait_marker(m, deadline) for m in staged.copies()):
             log.error("transfer %s: a device copy is still running; its host buffer is leaked", transfer_id)
             return
         staged.release()

@@ -80,7 +80,9 @@ def round_trip(device: str, layers: int = 4, blocks: int = 64) -> str:
         result = receiver.wait_pull("get", 30)
         if result is None or result.state is not PullState.DONE:
             raise AssertionError(f"pull: {result}")
-        in_buffers.land("get")
+        if not wait_marker(in_buffers.land("get"), time.monotonic() + 30):
+            raise AssertionError("pull: the copy into the blocks did not finish")
+        in_buffers.release("get")
         _check(src_layers, dst_layers, moves, "pull")
     finally:
         out_buffers.release("put")
@@ -153,10 +155,10 @@ def bandwidth(device: str, size: int, scattered: bool, pool: HostPool, repeats: 
             raise AssertionError(f"a staging copy of {size} bytes missed its deadline")
 
     def out() -> None:
-        settled(kv.copy_out(0, ids, host_t))
+        settled(kv.copy_out([0], ids, host_t))
 
     def back() -> None:
-        settled(kv.copy_in(0, ids, host_t))
+        settled(kv.copy_in([0], ids, host_t))
 
     def plain(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], object]:
         def copy() -> None:

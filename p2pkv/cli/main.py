@@ -88,6 +88,14 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return bench_serve(args.model, args.input_len, args.output_len, args.num_prompts, args.request_rate, args.plot)
 
 
+def _bench_plan(args: argparse.Namespace) -> int:
+    from p2pkv.bench.plan import Geometry
+    from p2pkv.bench.plan import main as bench_plan
+
+    return bench_plan(Geometry(args.layers, args.kv_heads, args.head_dim, args.block_size, args.dtype, args.blocks),
+                      args.repeats)
+
+
 def _bench_proxy(args: argparse.Namespace) -> int:
     from p2pkv.bench.proxy import main as bench_proxy
 
@@ -232,6 +240,16 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--plot", default="bench-serve.png", help="where the PNG plot goes")
     bserve.set_defaults(func=_bench_serve)
 
+    bplan = bench.add_parser("plan", help="host time to prepare and issue one request's device copies, per GPU "
+                                          "plane (no GPU needed)")
+    bplan.add_argument("--layers", type=int, default=32, help="KV layers (default: Llama-3-8B's 32)")
+    bplan.add_argument("--kv-heads", type=int, default=8, help="KV heads per layer (default 8)")
+    bplan.add_argument("--head-dim", type=int, default=128, help="head size (default 128)")
+    bplan.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    bplan.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "fp8"], default="bf16", help="KV dtype")
+    bplan.add_argument("--blocks", type=int, default=512, help="blocks in the request (default 512: 8k tokens)")
+    bplan.add_argument("--repeats", type=int, default=20, help="requests timed per plane (default 20; the median)")
+    bplan.set_defaults(func=_bench_plan)
     bproxy = bench.add_parser("proxy", help="the proxy against stub backends: added latency and throughput")
     bproxy.add_argument("--requests", type=int, default=2000)
     bproxy.add_argument("--concurrency", type=int, default=16)

@@ -6,18 +6,50 @@ engine itself stays free of torch."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
-from p2pkv.errors import P2pkvError
-from p2pkv.protocol import DeviceExport, DeviceHome
+from p2pkv.protocol import DeviceExport, DeviceHome, LayerPlace
 
 Run = tuple[int, int]  # (byte offset in a layer's storage, length)
-# (layer, first_block, num_blocks) -> the blocks' byte ranges in that layer's exported storage, in payload order;
-# returns once the blocks' bytes are final (the forward that wrote them has finished).
-RangeSource = Callable[[int, int, int], list[Run]]
-Piece = tuple[int, int, int]  # (layer, byte offset in that layer's storage, length)
-# integrity_check: the digest of pieces of this worker's cache, in order (None: its bytes are not digested).
-CacheDigest = Callable[[Sequence[Piece]], int | None]
+
+
+class Fence:
+    """Where the work queued on vLLM's stream had got to when vLLM's thread recorded it (`p2pkv.device_copy`):
+    copies into or out of the blocks are issued after it. `event`: the device's record of it (a CUDA event), None
+    where work is done as it is issued (the host)."""
+
+    __slots__ = ("event", "thread")
+
+    def __init__(self, event: object, thread: str) -> None:
+        self.event = event
+        self.thread = thread  # the thread that recorded it
+Piece = tuple[int, int, int]  # (storage, byte offset in it, length)
+
+
+class Placed(NamedTuple):
+    """Some blocks of a cache, and where they lie: the block ids (little-endian int32) and, per layer in payload
+    order, where that layer's blocks lie in the cache's storages. Either side lists their bytes from it with numpy;
+    it stays small whatever the number of blocks."""
+
+    block_ids: bytes
+    layers: list[LayerPlace]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids) // 4
+
+    @property
+    def nbytes(self) -> int:
+        """The payload: every layer's runs of every block."""
+        return self.num_blocks * sum(n for p in self.layers for _, n in p.inner)
+
+
+# (first_block, num_blocks) -> where those blocks of an offer lie in this worker's exported storages; returns once
+# their bytes are final (the forward that wrote them has finished).
+PlaceSource = Callable[[int, int], Placed]
+# integrity_check: the digest of some blocks of this worker's cache, layer after layer (None: its bytes are not
+# digested).
+CacheDigest = Callable[[Placed], int | None]
 
 
 class RemoteCache(Protocol):
@@ -25,13 +57,10 @@ class RemoteCache(Protocol):
 
     transport: str  # the name metrics and log lines give the copies ("cuda_ipc")
 
-    def copy_into(self, remote: Sequence[Sequence[Run]], block_ids: Sequence[int], deadline: float) -> int:
-        """Copy layer i's `remote[i]` ranges into this worker's blocks `block_ids` of layer i; return the bytes
-        copied once they are in place. P2pkvError if that fails or misses the deadline."""
-
-    def copy_runs(self, pairs: Sequence[tuple[int, int, Sequence[Run], Sequence[Run]]], deadline: float) -> int:
-        """Per (their layer, our layer, their ranges, our runs): copy the bytes of those ranges of the peer's
-        storage into those runs of ours, in order (some heads of some layers: a pull by slices). As `copy_into`."""
+    def copy(self, theirs: Placed, ours: Placed, deadline: float, after: Fence | None = None) -> int:
+        """Copy the peer's blocks `theirs` into this worker's `ours` (the same bytes in the same payload order: whole
+        blocks, or some heads of some layers), after `after`; return the bytes copied once they are in place.
+        P2pkvError if that fails or misses the deadline."""
 
     def close(self) -> None:
         """Idempotent."""
@@ -50,49 +79,27 @@ class DeviceAccess(Protocol):
         """Whether a cache exported at `home` would open here: same kind, same host, its GPU visible. Cheap: no
         export is opened."""
 
-    def runs(self, layer: int, block_ids: Sequence[int]) -> list[Run]:
-        """Where these blocks lie in this worker's storage of `layer`, in payload order."""
+    def places(self, block_ids: Sequence[int]) -> Placed:
+        """Where these blocks (every layer, every head held here) lie in this worker's storages."""
 
-    def bytes_digest(self, pieces: Sequence[Piece]) -> int | None:
-        """integrity_check: the digest of these pieces of this worker's cache, in order; None where its bytes are
-        not digested (a cache on a GPU)."""
+    def bytes_digest(self, placed: Placed) -> int | None:
+        """integrity_check: the digest of these blocks of this worker's cache; None where its bytes are not
+        digested (a cache on a GPU)."""
 
-
-
-def pair_ranges(remote: Sequence[Run], local: Sequence[Run]) -> list[tuple[int, int, int]]:
-    """Two lists of ranges holding the same bytes in the same order, as (remote offset, local offset, length)
-    pieces, cut where either side's range ends. Both peers of a pipe cut the same way from the same two lists."""
-    out: list[tuple[int, int, int]] = []
-    r = [list(x) for x in remote if x[1]]
-    lo = [list(x) for x in local if x[1]]
-    i = j = 0
-    while i < len(r) and j < len(lo):
-        n = min(r[i][1], lo[j][1])
-        out.append((r[i][0], lo[j][0], n))
-        for ranges, k in ((r, i), (lo, j)):
-            ranges[k][0] += n
-            ranges[k][1] -= n
-        if not r[i][1]:
-            i += 1
-        if not lo[j][1]:
-            j += 1
-    if i < len(r) or j < len(lo):
-        raise P2pkvError("the remote ranges and the local blocks hold different numbers of bytes")
-    return out
 
 
 class Pipe(Protocol):
     """A communicator shared with one peer (nccl): blocks go from one cache into the other with no host copy and
-    no socket in the data path. Both peers post the same pieces, in the same order."""
+    no socket in the data path. Both peers move the same bytes in payload order, in the same chunks."""
 
     transport: str  # "nccl" (or "gloo", the stand-in that runs without a GPU)
 
-    def send(self, pieces: Sequence[Piece], deadline: float) -> None:
-        """Send these pieces of this worker's cache; returns once they have left it. TransferError on a failure
+    def send(self, placed: Placed, deadline: float) -> None:
+        """Send these blocks of this worker's cache; returns once they have left it. TransferError on a failure
         or a missed deadline, after which the pipe is unusable."""
 
-    def recv(self, pieces: Sequence[Piece], deadline: float) -> None:
-        """Receive into these pieces of this worker's cache; returns once they are there."""
+    def recv(self, placed: Placed, deadline: float, after: Fence | None = None) -> None:
+        """Receive into these blocks of this worker's cache, after `after`; returns once they are there."""
 
     def close(self, abort: bool = False) -> None:
         """Idempotent; frees the communicator. `abort`: the peer may be gone or operations pending (NCCL's abort,
@@ -111,8 +118,8 @@ class PipeMaker(Protocol):
     def join(self, token: bytes, deadline: float) -> Pipe:
         """The listener's side of a pipe the peer created."""
 
-    def runs(self, layer: int, block_ids: Sequence[int]) -> list[Run]:
-        """Where these blocks lie in this worker's storage of `layer`, in payload order."""
+    def places(self, block_ids: Sequence[int]) -> Placed:
+        """As `DeviceAccess.places`."""
 
-    def bytes_digest(self, pieces: Sequence[Piece]) -> int | None:
+    def bytes_digest(self, placed: Placed) -> int | None:
         """As `DeviceAccess.bytes_digest`."""

@@ -10,11 +10,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from p2pkv.config import ExtraConfig, Transport
-from p2pkv.engine.device import CacheDigest, DeviceAccess, PipeMaker, RangeSource
+from p2pkv.engine.device import CacheDigest, DeviceAccess, Fence, PipeMaker, PlaceSource
 from p2pkv.engine.handshake import local_offer
 from p2pkv.engine.lanes import PullLanes
 from p2pkv.engine.metrics import EngineMetrics
-from p2pkv.engine.offers import OfferState, OfferTable, Slicer, SliceRanges, ViewSource
+from p2pkv.engine.offers import OfferState, OfferTable, SlicePlaces, Slicer, ViewSource
 from p2pkv.engine.puller import HeadSlice, Puller, PullJob, PullResult, Renewal
 from p2pkv.engine.receiver import Receiver
 from p2pkv.engine.refused import RefusedPeers
@@ -47,6 +47,9 @@ class EngineSettings:
     integrity_check: bool = False
     towards: str = ""  # the proxy's host, if any: a wildcard `host` is named by this host's address on its route
     launch: str = ""  # this start of the instance (`p2pkv.config.launch_of`), said in the hello
+    # KV on a GPU: the staging store's first tier (kv_buffer_size) is pinned too, so pushed bytes land in the cache
+    # with copies that never wait for the host.
+    pinned_staging: bool = False
 
     @classmethod
     def from_config(cls, extra: ExtraConfig, port: int, metrics_port: int) -> EngineSettings:
@@ -85,7 +88,7 @@ class TransferEngine:
         # The pool's memory is taken on first use only, when staging first overflows kv_buffer_size.
         self.pool = HostPool(settings.pool_bytes) if settings.pool_bytes >= 4096 else None
         self.store = ReceiveStore(settings.staging_budget_bytes, settings.staging_expiry_s, layout.block_bytes,
-                                  layout.num_layers, self.metrics, self.pool)
+                                  layout.num_layers, self.metrics, self.pool, pinned=settings.pinned_staging)
         self.offers = OfferTable()
         self.refused = RefusedPeers()  # peers refused at their hello, by the address of their own listener
         self._receiver: Receiver | None = None
@@ -226,18 +229,18 @@ class TransferEngine:
 
     # GET mode.
     def offer(self, transfer_id: str, total_blocks: int, source: ViewSource, lease_s: float,
-              ranges: RangeSource | None = None, slicer: Slicer | None = None,
-              slice_ranges: SliceRanges | None = None, pulled_by: tuple[Address, ...] = (),
+              places: PlaceSource | None = None, slicer: Slicer | None = None,
+              slice_places: SlicePlaces | None = None, pulled_by: tuple[Address, ...] = (),
               pulled_by_launch: str = "") -> None:
-        """Hold blocks for a decode engine to pull, until it does or the lease runs out; `ranges`: where they lie
-        in the exported cache, for a puller that copies them itself (cuda_ipc); `slicer`: some heads of them, for
-        decode ranks of another tensor-parallel size (each pulls its heads; served once all have); `slice_ranges`:
-        where such slices lie in our storages (and the first of their layers), for pulls of them by reference or by
-        pipe; `pulled_by`: the listeners of the decode ranks that will pull, where known: should this engine refuse
+        """Hold blocks for a decode engine to pull, until it does or the lease runs out; `places`: where they lie
+        in this worker's storages, for a puller that copies them itself (cuda_ipc) or takes them through a pipe;
+        `slicer`: some heads of them, for decode ranks of another tensor-parallel size (each pulls its heads; served
+        once all have); `slice_places`: where such slices lie, for pulls of them by reference or by pipe;
+        `pulled_by`: the listeners of the decode ranks that will pull, where known: should this engine refuse
         one at its hello, the blocks are freed at once (also when it was refused just before this offer, unless
         that was an earlier start of its instance than `pulled_by_launch`)."""
         named = frozenset(str(peer) for peer in pulled_by)
-        self.offers.offer(transfer_id, total_blocks, source, lease_s, ranges, slicer, slice_ranges, named)
+        self.offers.offer(transfer_id, total_blocks, source, lease_s, places, slicer, slice_places, named)
         for peer in named:  # a refusal noted since the caller asked, whose release did not see this offer
             if (reason := self.refused.reason(peer, pulled_by_launch)) is not None:
                 self.offers.refused(peer, reason)
@@ -246,12 +249,15 @@ class TransferEngine:
         return self.offers.poll(transfer_id)
 
     def pull(self, transfer_id: str, peer: Address, first_block: int, num_blocks: int, sink: ViewSource,
-             deadline: float, device_blocks: tuple[int, ...] | None = None, part: HeadSlice | None = None) -> None:
+             deadline: float, device_blocks: tuple[int, ...] | None = None, part: HeadSlice | None = None,
+             after: Fence | None = None) -> None:
         """Fetch blocks into `sink`; or, given `device_blocks` and a peer whose cache opens here (cuda_ipc), copy
-        them straight into those blocks of this worker's cache (the result says `by_reference`). With `part`, only
-        some of the peer's heads, into `sink` (a slice of the blocks); the result is then kept under `part.key`."""
+        them straight into those blocks of this worker's cache (the result says `by_reference`), after `after`.
+        With `part`, only some of the peer's heads, into `sink` (a slice of the blocks); the result is then kept
+        under `part.key`."""
         assert self._puller is not None, "engine not started"
-        self._puller.submit(PullJob(transfer_id, peer, first_block, num_blocks, sink, deadline, device_blocks, part))
+        self._puller.submit(PullJob(transfer_id, peer, first_block, num_blocks, sink, deadline, device_blocks, part,
+                                    after))
 
     def renew_leases(self, peer: Address, transfer_ids: tuple[str, ...], deadline: float) -> None:
         """Ask `peer` to keep holding the blocks of these transfers that it holds for a pull (their requests still
@@ -312,3 +318,6 @@ class TransferEngine:
             self._sender.close()
         if self._receiver is not None:
             self._receiver.close()
+        self.store.close()
+        if self.pool is not None:
+            self.pool.close()

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from p2pkv.engine.device import RangeSource
+from p2pkv.engine.device import PlaceSource
 
 log = logging.getLogger(__name__)
 
@@ -19,9 +19,9 @@ ViewSource = Callable[[int, int, int], tuple[memoryview, ...]]
 # (heads (first, end), layers (first, end) of the model or None for all held) -> a ViewSource over only those
 # heads of those layers, numbered from 0 (another tensor- or pipeline-parallel size pulls).
 Slicer = Callable[[tuple[int, int], tuple[int, int] | None], ViewSource]
-# The same slice's blocks as byte ranges of this worker's storages, for a pull of a slice by reference or by pipe:
-# the slice's first layer among the storages, and the ranges per layer of the slice (None: no ranges to give).
-SliceRanges = Callable[[tuple[int, int], tuple[int, int] | None], tuple[int, RangeSource] | None]
+# Where the same slice's blocks lie in this worker's storages, for a pull of a slice by reference or by pipe (None:
+# not to be given).
+SlicePlaces = Callable[[tuple[int, int], tuple[int, int] | None], PlaceSource | None]
 UNKNOWN_TRANSFER = "unknown transfer"
 _MAX_PULLERS = 4096
 # Transfers no longer held, remembered (the latest this many) so that a pull of one is refused at once: a pull of a
@@ -44,9 +44,9 @@ class Offer:
     lease_deadline: float
     lease_s: float = 0.0  # each renewal keeps the blocks this much longer from then
     state: OfferState = OfferState.OFFERED
-    ranges: RangeSource | None = None  # where the blocks lie in the exported cache, for pulls by reference
+    places: PlaceSource | None = None  # where the blocks lie in this worker's storages, for pulls by reference or pipe
     slicer: Slicer | None = None  # for pulls of some heads only
-    slice_ranges: SliceRanges | None = None  # and by reference or by pipe
+    slice_places: SlicePlaces | None = None  # and by reference or by pipe
     pullers: int = 0  # pulls expected, as the first pull says (one per decode rank that needs these blocks)
     claimed: set[int] = field(default_factory=set)  # decode ranks that have pulled or are pulling
     in_flight: int = 0
@@ -65,12 +65,12 @@ class OfferTable:
         self._gone: OrderedDict[str, str] = OrderedDict()  # transfer id -> why it is no longer held
 
     def offer(self, transfer_id: str, total_blocks: int, source: ViewSource, lease_s: float,
-              ranges: RangeSource | None = None, slicer: Slicer | None = None,
-              slice_ranges: SliceRanges | None = None, pulled_by: frozenset[str] = frozenset()) -> None:
+              places: PlaceSource | None = None, slicer: Slicer | None = None,
+              slice_places: SlicePlaces | None = None, pulled_by: frozenset[str] = frozenset()) -> None:
         with self._lock:
             self._gone.pop(transfer_id, None)
             self._offers[transfer_id] = Offer(transfer_id, total_blocks, source, time.monotonic() + lease_s, lease_s,
-                                              ranges=ranges, slicer=slicer, slice_ranges=slice_ranges,
+                                              places=places, slicer=slicer, slice_places=slice_places,
                                               pulled_by=pulled_by)
 
     def refused(self, address: str, reason: str) -> list[str]:

@@ -7,10 +7,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from p2pkv.engine.device import CacheDigest, DeviceAccess, Pipe, PipeMaker, RemoteCache, Run, pair_ranges
+from p2pkv.engine.device import CacheDigest, DeviceAccess, Fence, Pipe, PipeMaker, Placed, RemoteCache
 from p2pkv.engine.links import Connect, Links
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import UNKNOWN_TRANSFER, ViewSource
@@ -20,7 +19,7 @@ from p2pkv.errors import P2pkvError, ProtocolError, TransferError
 from p2pkv.integrity import frame_mismatch, hasher, mismatch
 from p2pkv.params import Address
 from p2pkv.protocol import (
-    BlockRanges,
+    BlockPlaces,
     Hello,
     Message,
     PayloadCopied,
@@ -60,11 +59,9 @@ class HeadSlice:
     puller: int
     key: str
     layers: tuple[int, int] | None = None
-    # For a pull by reference (the peer's cache opens here) or by pipe: per layer of the slice, where its heads of
-    # the pulled blocks lie in our storages, and the slice's first layer in our numbering and in the peer's.
-    runs: list[list[Run]] | None = None
-    our_layer: int = 0
-    their_layer: int = 0
+    # For a pull by reference (the peer's cache opens here) or by pipe: where this slice of the pulled blocks lies
+    # in our storages.
+    places: Placed | None = None
 
     @property
     def release_only(self) -> bool:
@@ -85,6 +82,9 @@ class PullJob:
     deadline: float
     device_blocks: tuple[int, ...] | None = None
     part: HeadSlice | None = None  # a peer of another tensor-parallel size: some of its heads only
+    # Copies into the device blocks come after this (vLLM's thread recorded it once the blocks were allocated,
+    # after vLLM zeroed them).
+    after: Fence | None = None
 
     @property
     def result_key(self) -> str:
@@ -276,22 +276,22 @@ class Puller:
         pull; after a failure part-way through a pull its state is unknown, so it is closed."""
         if time.monotonic() >= job.deadline:
             raise TransferError("deadline passed before the pull started")
-        by_reference, pipe_runs = False, []
+        by_reference, ours = False, None
         part = job.part
-        if part is None and job.device_blocks is not None and (self._device is not None
-                                                               or self._maker is not None):
+        where: DeviceAccess | PipeMaker | None = self._device if self._device is not None else self._maker
+        if part is None and job.device_blocks is not None and where is not None:
+            ours = where.places(job.device_blocks)
+        elif part is not None:
+            ours = part.places
+        by_pipe = False
+        if ours is not None and (self._device is not None or self._maker is not None):
             conn = self._links.open(job.peer, job.deadline)
             by_reference = self._device is not None and self._remote(job.peer, conn) is not None
-            if not by_reference and self._maker is not None and self._pipe(job.peer, conn, job.deadline):
-                pipe_runs = self._local_runs(job.device_blocks)
-        elif part is not None and part.runs is not None and (self._device is not None or self._maker is not None):
-            conn = self._links.open(job.peer, job.deadline)
-            by_reference = self._device is not None and self._remote(job.peer, conn) is not None
-            if not by_reference and self._maker is not None and self._pipe(job.peer, conn, job.deadline):
-                pipe_runs = part.runs  # this rank's heads of the slice's layers, where they lie in our storages
-        request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, by_reference, pipe_runs)
+            by_pipe = not by_reference and self._maker is not None and self._pipe(job.peer, conn,
+                                                                                   job.deadline) is not None
+        request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, by_reference, by_pipe)
         if part is not None:
-            request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, by_reference, pipe_runs,
+            request = PullRequest(job.transfer_id, job.first_block, job.num_blocks, by_reference, by_pipe,
                                   heads=part.heads, pullers=part.pullers, puller=part.puller, layers=part.layers)
         conn = self._links.send(job.peer, [(request, ())], job.deadline)
         try:
@@ -306,7 +306,10 @@ class Puller:
         if not reply[0].accepted:
             raise TransferError(f"{job.peer} refused the pull: {reply[0].reason}")
         if reply[0].by_reference or reply[0].by_pipe:
-            return self._move_direct(conn, job, reply[0].by_pipe, by_reference, pipe_runs)
+            if ours is None or not (by_reference or by_pipe):
+                self._drop(job.peer)
+                raise ProtocolError("a pull answered by reference or by pipe that was not asked for")
+            return self._move_direct(conn, job, reply[0].by_pipe, by_reference, ours)
         if part is not None and part.release_only:
             return 0, conn.name, False  # none of the peer's heads are needed here
         try:
@@ -333,58 +336,53 @@ class Puller:
         self._count(conn.name, nbytes)
         return nbytes, conn.name, False
 
-    def _local_runs(self, block_ids: tuple[int, ...]) -> list[list[Run]]:
-        assert self._maker is not None
-        return [self._maker.runs(layer, block_ids) for layer in range(self._layout.num_layers)]
-
     def _layers(self, job: PullJob) -> int:
         """How many layers a pull moves: every layer held here, or those of its slice."""
         part = job.part
         return self._layout.num_layers if part is None or part.layers is None else part.layers[1] - part.layers[0]
 
-    def _ranges(self, conn: Connection, job: PullJob) -> BlockRanges:
-        """The peer's BlockRanges frame: where the pulled blocks lie in its cache, checked against the pull."""
+    def _places(self, conn: Connection, job: PullJob, ours: Placed) -> BlockPlaces:
+        """The peer's BlockPlaces frame: where the pulled blocks lie in its cache, checked against the pull and
+        against where they are to land here (the same bytes)."""
         message, payload_len = self._next(conn, job.deadline)
-        part = job.part
-        per_layer = job.num_blocks * (self._layout.block_bytes if part is None else part.block_bytes)
-        local = (job.device_blocks is not None and len(job.device_blocks) == job.num_blocks if part is None
-                 else part.runs is not None and len(part.runs) == self._layers(job))
-        if (not isinstance(message, BlockRanges) or message.transfer_id != job.transfer_id or payload_len
-                or len(message.layers) != self._layers(job)
-                or any(sum(n for _, n in layer) != per_layer for layer in message.layers) or not local):
+        if (not isinstance(message, BlockPlaces) or message.transfer_id != job.transfer_id or payload_len
+                or len(message.layers) != self._layers(job) or len(message.block_ids) != 4 * job.num_blocks
+                or Placed(message.block_ids, message.layers).nbytes != ours.nbytes):
             raise ProtocolError(f"unexpected frame for a pull by reference or pipe: {type(message).__name__}")
         return message
 
-    def _move_direct(self, conn: Connection, job: PullJob, by_pipe: bool, asked: bool,
-                     runs: list[list[Run]]) -> tuple[int, str, bool]:
+    def _move_direct(self, conn: Connection, job: PullJob, by_pipe: bool, by_reference: bool,
+                     ours: Placed) -> tuple[int, str, bool]:
         """The peer said where the blocks lie in its cache: move them into ours (copied from its opened cache,
         cuda_ipc; or received through the link's pipe, nccl), then confirm."""
         try:
-            move, transport = self._pipe_mover(conn, job, runs) if by_pipe else self._copy_mover(conn, job, asked)
-            where = self._ranges(conn, job)
-            nbytes = move(where.layers)
+            where = self._places(conn, job, ours)
+            theirs = Placed(where.block_ids, where.layers)
+            if by_pipe:
+                known = self._pipes.get(job.peer)
+                pipe = known[1].ready() if known is not None and known[0] is conn else None
+                if pipe is None:
+                    raise ProtocolError("a pull answered by pipe that was not asked for")
+                pipe.recv(ours, job.deadline, job.after)
+                nbytes, transport = ours.nbytes, pipe.transport
+            else:
+                remote = self._remote(job.peer, conn)  # the link the request went over (a reconnect opens anew)
+                if remote is None or not by_reference:
+                    raise ProtocolError("a pull answered by reference that was not asked for")
+                nbytes, transport = remote.copy(theirs, ours, job.deadline, job.after), remote.transport
             conn.send_frame(PayloadCopied(job.transfer_id, 0, self._layers(job)), (), job.deadline)
         except BaseException:
             self._drop(job.peer)
             raise
         if conn.digests and where.digest is not None:
-            self._check_copied(conn, job, runs, where.digest, transport)
+            self._check_copied(conn, job, ours, where.digest, transport)
         self._count(transport, nbytes)
         return nbytes, transport, True
 
-    def _check_copied(self, conn: Connection, job: PullJob, runs: list[list[Run]], sent: int, transport: str) -> None:
+    def _check_copied(self, conn: Connection, job: PullJob, ours: Placed, sent: int, transport: str) -> None:
         """integrity_check: digest the blocks a pull copied cache to cache where they landed, against the digest
-        the peer took of its own (a cache in host memory); a mismatch fails the pull. `runs`: where they lie in our
-        storages, when the pull gave them (by pipe)."""
-        part = job.part
-        first = 0 if part is None else part.our_layer
-        if not runs:
-            if part is not None and part.runs is not None:
-                runs = part.runs
-            elif self._device is not None and job.device_blocks is not None:
-                runs = [self._device.runs(layer, job.device_blocks) for layer in range(self._layers(job))]
-        landed = self._cache_digest([(first + i, at, n) for i, layer in enumerate(runs) for at, n in layer]) \
-            if self._cache_digest is not None else None
+        the peer took of its own (a cache in host memory); a mismatch fails the pull."""
+        landed = self._cache_digest(ours) if self._cache_digest is not None else None
         if landed is None:
             raise TransferError(f"transfer {job.transfer_id}: the peer digested the blocks, this side cannot")
         bad = mismatch(f"transfer {job.transfer_id} (copied by {transport})", sent, landed)
@@ -392,40 +390,6 @@ class Puller:
         if bad is not None:
             log.error("%s (pulled from %s)", bad, conn.peer)
             raise bad
-
-    def _copy_mover(self, conn: Connection, job: PullJob, asked: bool) -> tuple[Callable[[list[list[Run]]], int], str]:
-        remote = self._remote(job.peer, conn)  # the link the request went over (a reconnect opens anew)
-        blocks, part = job.device_blocks, job.part
-        if not asked or remote is None or (blocks is None and (part is None or part.runs is None)):
-            raise ProtocolError("a pull answered by reference that was not asked for")
-        if part is not None and part.runs is not None:
-            runs = part.runs
-
-            def copy_slice(theirs: list[list[Run]]) -> int:
-                pairs = [(part.their_layer + i, part.our_layer + i, ranges, runs[i]) for i, ranges in enumerate(theirs)]
-                return remote.copy_runs(pairs, job.deadline)
-
-            return copy_slice, remote.transport
-        assert blocks is not None
-        return (lambda theirs: remote.copy_into(theirs, blocks, job.deadline)), remote.transport
-
-    def _pipe_mover(self, conn: Connection, job: PullJob,
-                    runs: list[list[Run]]) -> tuple[Callable[[list[list[Run]]], int], str]:
-        known = self._pipes.get(job.peer)
-        pipe = known[1].ready() if known is not None and known[0] is conn else None
-        if not runs or pipe is None:
-            raise ProtocolError("a pull answered by pipe that was not asked for")
-
-        first = 0 if job.part is None else job.part.our_layer  # a slice's layers lie from there in our storages
-
-        def receive(theirs: list[list[Run]]) -> int:
-            """Post the receives that the peer's ranges and ours pair into; return once they have landed."""
-            pieces = [(first + layer, mine, n) for layer in range(self._layers(job))
-                      for _, mine, n in pair_ranges(theirs[layer], runs[layer])]
-            pipe.recv(pieces, job.deadline)
-            return sum(n for _, _, n in pieces)
-
-        return receive, pipe.transport
 
     def _check_digest(self, conn: Connection, push: PushBlocks, landed: int) -> None:
         """Check pulled bytes against the frame's digest; a mismatch fails the pull (the load then fails and vLLM

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from p2pkv.engine.device import CacheDigest, Pipe, PipeMaker, RangeSource, pair_ranges
+from p2pkv.engine.device import CacheDigest, Pipe, PipeMaker, Placed, PlaceSource
 from p2pkv.engine.handshake import server_reply
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import Offer, OfferTable, ViewSource
@@ -19,7 +19,7 @@ from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
 from p2pkv.integrity import digest, frame_mismatch, hasher
 from p2pkv.protocol import (
-    BlockRanges,
+    BlockPlaces,
     CmaOffer,
     DeviceExport,
     Hello,
@@ -267,10 +267,10 @@ class Receiver:
                     log.warning("transfer %s: refusing a pull from %s: %s", pull.transfer_id, conn.peer, reason)
                 conn.send_frame(PullReply(pull.transfer_id, not reason, reason), (), deadline)
                 return
-            # Ranges are asked for only where the puller can copy them itself, or receive them through a pipe.
+            # Places are given only where the puller can copy the blocks itself, or receive them through a pipe.
             direct = pull.by_reference and self._device is not None
-            piped = bool(pull.pipe_runs) and pipe is not None and not direct
-            at = self._ranges_at(pull, claim) if direct or piped else None
+            piped = pull.by_pipe and pipe is not None and not direct
+            at = self._places_at(pull, claim) if direct or piped else None
             if at is not None and direct and self._device is not None:
                 nbytes = self._serve_by_reference(conn, pull, at, deadline)
                 transport = "cuda_ipc" if self._device.kind == "cuda" else "host_ipc"
@@ -305,61 +305,44 @@ class Receiver:
         return sum(v.nbytes for v in views)
 
     @staticmethod
-    def _ranges_at(pull: PullRequest, claim: Offer) -> tuple[int, RangeSource] | None:
+    def _places_at(pull: PullRequest, claim: Offer) -> PlaceSource | None:
         """Where the blocks a pull asked for lie in our storages (the heads and layers asked for, by a puller of
-        another tensor- or pipeline-parallel size): the first layer's storage, and the ranges per layer; None where
-        they cannot be given (then the bytes are sent)."""
+        another tensor- or pipeline-parallel size); None where they cannot be given (then the bytes are sent)."""
         if pull.heads is None:
-            return None if claim.ranges is None else (0, claim.ranges)
-        if claim.slice_ranges is None:
+            return claim.places
+        if claim.slice_places is None:
             return None
         try:
-            return claim.slice_ranges(pull.heads, pull.layers)
+            return claim.slice_places(pull.heads, pull.layers)
         except P2pkvError:
             return None
 
-    def _block_ranges(self, conn: Connection, pull: PullRequest, at: tuple[int, RangeSource]) -> BlockRanges:
-        """Where the blocks (or the heads and layers asked for) lie in our storages, from the slice's first layer
-        there; with integrity_check, with the digest of their bytes as they are now."""
-        first, ranges = at
-        num_layers = self._pulled_layers(pull)
-        layers = [ranges(layer, pull.first_block, pull.num_blocks) for layer in range(num_layers)]
-        checked = None
-        if conn.digests and self._cache_digest is not None:
-            checked = self._cache_digest([(first + i, at_, n) for i, runs in enumerate(layers) for at_, n in runs])
-        return BlockRanges(pull.transfer_id, layers, checked)
+    def _block_places(self, conn: Connection, pull: PullRequest, at: PlaceSource) -> tuple[BlockPlaces, Placed]:
+        """Where the blocks (or the heads and layers asked for) lie in our storages; with integrity_check, with the
+        digest of their bytes as they are now."""
+        placed = at(pull.first_block, pull.num_blocks)
+        if len(placed.layers) != self._pulled_layers(pull):
+            raise ProtocolError(f"{len(placed.layers)} layers placed for a pull of {self._pulled_layers(pull)}")
+        checked = self._cache_digest(placed) if conn.digests and self._cache_digest is not None else None
+        return BlockPlaces(pull.transfer_id, placed.block_ids, placed.layers, checked), placed
 
-    def _serve_by_reference(self, conn: Connection, pull: PullRequest, at: tuple[int, RangeSource],
-                            deadline: float) -> int:
+    def _serve_by_reference(self, conn: Connection, pull: PullRequest, at: PlaceSource, deadline: float) -> int:
         """cuda_ipc: say where the blocks (or the heads and layers asked for) lie in our exported cache; the puller
         copies them and confirms."""
-        where = self._block_ranges(conn, pull, at)
+        where, _ = self._block_places(conn, pull, at)
         conn.send_frames([(PullReply(pull.transfer_id, True, by_reference=True), ()), (where, ())], deadline)
         self._await_copies(conn, pull.transfer_id, deadline, len(where.layers))
-        return sum(n for layer in where.layers for _, n in layer)
+        return Placed(where.block_ids, where.layers).nbytes
 
-    def _serve_by_pipe(self, conn: Connection, pull: PullRequest, at: tuple[int, RangeSource], pipe: Pipe,
+    def _serve_by_pipe(self, conn: Connection, pull: PullRequest, at: PlaceSource, pipe: Pipe,
                        deadline: float) -> int:
-        """nccl: say where the blocks (or the heads and layers asked for) lie here; both sides then post the pieces
-        the two lists pair into, and the puller confirms once they have landed."""
-        first, num_layers = at[0], self._pulled_layers(pull)
-        if len(pull.pipe_runs) != num_layers:
-            raise ProtocolError(f"a pull by pipe gave runs for {len(pull.pipe_runs)} layers, not {num_layers}")
-        where = self._block_ranges(conn, pull, at)
-        layers = where.layers
-        pieces = [(first + layer, ours, n) for layer in range(num_layers)
-                  for ours, _, n in self._pair(layers[layer], pull.pipe_runs[layer])]
+        """nccl: say where the blocks (or the heads and layers asked for) lie here; both sides then move their
+        bytes in payload order, and the puller confirms once they have landed."""
+        where, placed = self._block_places(conn, pull, at)
         conn.send_frames([(PullReply(pull.transfer_id, True, by_pipe=True), ()), (where, ())], deadline)
-        pipe.send(pieces, deadline)
-        self._await_copies(conn, pull.transfer_id, deadline, num_layers)
-        return sum(n for _, _, n in pieces)
-
-    @staticmethod
-    def _pair(ours: list[tuple[int, int]], theirs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-        try:
-            return pair_ranges(ours, theirs)
-        except P2pkvError as exc:
-            raise ProtocolError(f"a pull by pipe asked for other sizes than the blocks hold: {exc}") from None
+        pipe.send(placed, deadline)
+        self._await_copies(conn, pull.transfer_id, deadline, len(where.layers))
+        return Placed(where.block_ids, where.layers).nbytes
 
     def _await_copies(self, conn: Connection, transfer_id: str, deadline: float, num_layers: int = 0) -> None:
         """shm: the puller reads the blocks from this process; wait until it has copied every layer (of the

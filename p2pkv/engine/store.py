@@ -59,12 +59,15 @@ class ReceiveStore:
     """Thread-safe map of transfer id to staged bytes. Payloads are written outside the lock."""
 
     def __init__(self, budget_bytes: int, expiry_s: float, block_bytes: int, num_layers: int,
-                 metrics: EngineMetrics, pool: HostPool | None = None) -> None:
+                 metrics: EngineMetrics, pool: HostPool | None = None, pinned: bool = False) -> None:
+        """`pinned`: the first tier is page-locked (KV on a GPU: it is copied into the cache from there)."""
         self._pool = pool
         self._budget = budget_bytes
         # The first tier is one arena of kv_buffer_size too, mapped on first use: its pages are faulted in once
         # and reused, where a fresh buffer per transfer would be zeroed and faulted in every time.
-        self._heap = HostPool(budget_bytes, pinned=False) if budget_bytes >= _MIN_HEAP else None
+        self._heap = HostPool(budget_bytes, pinned=None if pinned else False) if budget_bytes >= _MIN_HEAP else None
+        if self._heap is not None and pinned:
+            self._heap.prepare()  # at start-up: pinning is not for a transfer's path
         self._num_layers = num_layers
         self._expiry_s = expiry_s
         self._block_bytes = block_bytes
@@ -253,6 +256,10 @@ class ReceiveStore:
         """Remove and return a transfer; the caller frees its bytes with `release` once it has copied them."""
         with self._lock:
             return self._items.pop(transfer_id, None)
+
+    def close(self) -> None:
+        if self._heap is not None:
+            self._heap.close()
 
     def release(self, item: StagedTransfer) -> None:
         with self._lock:

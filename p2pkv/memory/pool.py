@@ -1,8 +1,11 @@
 """The host pool: one mapping of `mem_pool_size_gb`, made on first use, carved by a buddy allocator. Its pages
-are touched only when handed out. With CUDA available the part in use is pinned (page-locked and registered with
-CUDA, `cudaHostRegister`), so device copies to and from it run at full speed: one segment (1 GiB) when the pool is
-prepared, then segment by segment as allocations reach further. Pinning every worker's whole pool at start-up (the
-old connector's 32 GiB) took seconds per GiB and failed on small hosts. On a CPU-only host nothing is pinned.
+are touched only when handed out. With CUDA available the part handed out is pinned (page-locked and registered
+with CUDA, `cudaHostRegister`), so device copies to and from it run at full speed and never wait for the host: one
+segment (1 GiB) when the pool is prepared, then segment by segment, ahead of demand, on a thread of the pool's own
+(`cudaHostRegister` takes about 0.5 s per GiB, and may not run on the forward's path). An allocation that reaches
+past what is pinned is refused (its caller falls back) and asks that thread for more. Pinning every worker's whole
+pool at start-up (the old connector's 32 GiB) took seconds per GiB and failed on small hosts. On a CPU-only host
+nothing is pinned.
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ class PoolBuffer:
 class HostPool:
     def __init__(self, capacity_bytes: int, min_block: int = 512, pinned: bool | None = None,
                  pin: Pin | None = None, segment: int = PIN_SEGMENT) -> None:
-        """`pinned`: None pins with CUDA where it is available, False never; `pin` replaces CUDA's pinning."""
+        """`pinned`: None pins with CUDA where it is available, False never; `pin` replaces CUDA's pinning. More is
+        pinned once allocations come within half a segment of the end of what is."""
         self._capacity = capacity_bytes
         self._min_block = min_block
         self._pinned = pinned
@@ -91,6 +95,10 @@ class HostPool:
         self._memory: memoryview | None = None
         self._keepalive: object | None = None
         self._failed = False
+        self._wanted = 0  # pin up to here (the pinning thread's work)
+        self._wake = threading.Condition()
+        self._grower: threading.Thread | None = None
+        self._closed = False
 
     @property
     def allocated(self) -> bool:
@@ -106,6 +114,46 @@ class HostPool:
         ready = self._ensure()
         if ready is not None and self._pin is not None:
             self._pin_to(ready[1], min(self._capacity, self._segment))
+            self._start_grower()
+
+    def _start_grower(self) -> None:
+        with self._wake:
+            if self._grower is None and not self._closed:
+                self._grower = threading.Thread(target=self._grow, name="p2pkv-pool-pin", daemon=True)
+                self._grower.start()
+
+    def _want(self, end: int) -> None:
+        """Ask the pinning thread to pin up to `end` (rounded up to a segment)."""
+        with self._wake:
+            if end > self._wanted:
+                self._wanted = end
+                self._wake.notify()
+        self._start_grower()
+
+    def _grow(self) -> None:
+        """The pinning thread: pins up to what allocations asked for, a segment at a time, until the pool closes."""
+        while True:
+            with self._wake:
+                while not self._closed and self._wanted <= self._pinned_to:
+                    self._wake.wait(timeout=1.0)
+                if self._closed:
+                    return
+                wanted = self._wanted
+            memory = self._memory
+            if memory is None or not self._pin_to(memory, wanted):
+                with self._wake:
+                    self._wanted = self._pinned_to  # pinning failed (logged once): nothing more is asked
+                if self._pin_failed:
+                    return
+
+    def close(self) -> None:
+        """Stop the pinning thread (idempotent); the mapping goes with the pool."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
+            grower = self._grower
+        if grower is not None and grower is not threading.current_thread():
+            grower.join(timeout=5)
 
     def _ensure(self) -> tuple[BuddyAllocator, memoryview] | None:
         """The allocator and memory, mapped on first use; None if the memory could not be had (logged once)."""
@@ -167,11 +215,16 @@ class HostPool:
         offset = allocator.allocate(size)
         if offset is None:
             return None
-        # Past what is pinned (rare: the pool grows a GiB at a time) the lock is taken and the span pinned.
-        if self._pin is not None and offset + size > self._pinned_to and not self._pin_to(memory, offset + size):
-            allocator.release(offset)
-            return None
-        return PoolBuffer(offset, size, memory[offset : offset + size])
+        end = offset + size
+        if self._pin is not None:
+            if end > self._pinned_to:  # nothing is pinned here: the pinning thread is asked, the caller falls back
+                allocator.release(offset)
+                if not self._pin_failed:
+                    self._want(end)
+                return None
+            if end + self._segment // 2 > self._pinned_to < self._capacity:
+                self._want(end + self._segment // 2)  # ahead of demand
+        return PoolBuffer(offset, size, memory[offset : end])
 
     def release(self, buffer: PoolBuffer) -> None:
         assert self._allocator is not None, "release before any allocate"

@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from p2pkv.config import parse_connector_config
 from p2pkv.discovery.heartbeat import HeartbeatSender, sender_for
 from p2pkv.engine.metrics import StepStats
+from p2pkv.errors import UnsupportedCacheError
 from p2pkv.stages import StageLayers
 from p2pkv.vllm.metadata import P2pkvMetadata
 from p2pkv.vllm.model_factors import model_factors, weights_factor
@@ -95,6 +96,30 @@ def _start_of(vllm_config: VllmConfig) -> str:
     return f"{engine_id}/{instance_id}" if engine_id or instance_id else ""
 
 
+def check_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse, at start-up, a KV cache p2pkv cannot move: several cache groups (hybrid models: sliding-window and
+    full attention kept apart, Mamba layers) or a group whose layers are not attention layers."""
+    if kv_cache_config is None:
+        return
+    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
+
+    groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) > 1:
+        kinds = "; ".join(f"{type(g.kv_cache_spec).__name__}: {len(g.layer_names)} layers from {g.layer_names[0]}"
+                          for g in groups if g.layer_names)
+        raise UnsupportedCacheError(
+            f"this model's KV cache has {len(groups)} groups ({kinds}): p2pkv moves models with one KV cache group "
+            "(every layer full attention, or treated as such); hybrid models are not supported")
+    for group in groups:
+        spec = group.kv_cache_spec
+        specs = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        for one in specs:
+            if not isinstance(one, AttentionSpec):
+                name = group.layer_names[0] if group.layer_names else "?"
+                raise UnsupportedCacheError(f"KV layer {name}: its cache is a {type(one).__name__}, not attention "
+                                            "KV: p2pkv cannot move it")
+
+
 def _total_kv_heads(vllm_config: VllmConfig) -> int:
     """KV heads over all tensor-parallel ranks; MLA's latent is one head that every rank holds."""
     model = vllm_config.model_config
@@ -110,6 +135,7 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _route_logs()
+        check_cache_groups(kv_cache_config)
         tc = vllm_config.kv_transfer_config
         config = parse_connector_config(tc.kv_role, tc.kv_port, getattr(tc, "kv_load_failure_policy", "fail"),
                                         tc.kv_connector_extra_config, _start_of(vllm_config))
@@ -139,7 +165,8 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._worker = WorkerSide(self.config, tp_rank, block_size, tp_size, _total_kv_heads(vllm_config),
                                       pp_rank, pp_size, total_layers, stage_layers, model_factors(vllm_config),
                                       functools.partial(weights_factor, vllm_config)
-                                      if self.config.extra.weights_check else None)
+                                      if self.config.extra.weights_check else None,
+                                      num_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0))
 
     @property
     def scheduler(self) -> SchedulerSide:
@@ -245,4 +272,11 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return None
+        """Heads outside tokens (LBHNC) where there are several heads: a slice of heads, what moves between
+        instances of different tensor-parallel sizes, is then one run per block rather than one per token. MLA's
+        one latent head has nothing to slice: vLLM's own choice stands. vLLM drops the request, with a warning,
+        where the attention backend does not support that layout."""
+        model = getattr(vllm_config, "model_config", None)
+        if model is None or model.use_mla:
+            return None
+        return "LBHNC"

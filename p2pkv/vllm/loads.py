@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 
 from p2pkv.blocks import BlockAccess
 from p2pkv.config import ConnectorConfig
+from p2pkv.device_copy import Marker
 from p2pkv.engine import TransferEngine
+from p2pkv.engine.device import Fence
 from p2pkv.engine.puller import HeadSlice, PullState
 from p2pkv.engine.store import HEADS_DIFFER, NO_SPACE, PULL_INSTEAD, StageState
 from p2pkv.errors import ConfigError, P2pkvError
@@ -46,12 +49,27 @@ class Placement:
 
 
 @dataclass
+class _Landing:
+    """Copies into the blocks, issued and not waited for: the load is reported once `marker` says they are done,
+    and `finish` then frees what they read."""
+
+    marker: Marker
+    finish: Callable[[], None]
+    failure: str | None = None  # the load failed: its blocks are reported as load errors once the copies are done
+
+
+@dataclass
 class _Load:
     spec: LoadSpec
     deadline: float
+    # Copies into the load's blocks come after this: vLLM's thread recorded it when the load was bound, after
+    # vLLM queued the zeroing of the blocks it had just allocated.
+    fence: Fence | None = None
     # From a prefill instance of another tensor- or pipeline-parallel size: one pull per prefill rank, each into
     # a slice of the blocks (some heads of some layers; None for a pull that only releases that rank's blocks).
     parts: list[tuple[str, BlockAccess | None]] = field(default_factory=list)
+    landing: _Landing | None = None
+    overdue: bool = False  # its landing outlived the deadline (logged once)
 
 
 def _no_sink(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
@@ -76,12 +94,12 @@ class Loads:
     def pending(self) -> bool:
         return bool(self._loads)
 
-    def start(self, specs: list[LoadSpec]) -> None:
+    def start(self, specs: list[LoadSpec], fence: Fence | None = None) -> None:
         """This step's new loads: pulls start now, and so do those of pushes already known to be left for a pull
-        or refused; other pushes are awaited."""
+        or refused; other pushes are awaited. Copies into their blocks come after `fence`."""
         deadline = time.monotonic() + self._config.extra.transfer_timeout_s
         for spec in specs:
-            load = self._loads[spec.req_id] = _Load(spec, deadline)
+            load = self._loads[spec.req_id] = _Load(spec, deadline, fence)
             if spec.pull_from is not None and spec.block_ids:
                 self._start_pull(load, spec.pull_from)
             elif self._engine.staged_state(spec.transfer_id) is StageState.FAILED:
@@ -118,7 +136,7 @@ class Loads:
                               HeadSlice((0, 0), 0, 1, 0, key))
             return
         prefill_tp = discard.prefill_tp or self._at.tp_size
-        for stage, _ in self._stages(discard.prefill_pp or self._at.pp_size):
+        for stage in self._stages(discard.prefill_pp or self._at.pp_size):
             for part in plan_pulls(self._at.rank, self._at.tp_size, prefill_tp, self._at.total_heads):
                 slot = stage.prefill_stage * prefill_tp + part.prefill_rank
                 key = f"{tid}@{slot}#release"
@@ -157,9 +175,31 @@ class Loads:
             load.parts.clear()
             load.spec = replace(load.spec, pull_from=peer, block_ids=())
 
+    def _landed(self, load: _Load, now: float) -> bool:
+        """Whether the copies into a load's blocks are done (then what they read is freed). Never waited for: a
+        load whose copies outlive its deadline stays pending (vLLM may reuse the blocks of a load reported failed,
+        so nothing may still write into them), with an error logged once."""
+        landing = load.landing
+        assert landing is not None
+        try:
+            if not landing.marker():
+                if now > load.deadline and not load.overdue:
+                    load.overdue = True
+                    log.error("transfer %s: the copies into the blocks are still running past the deadline",
+                              load.spec.transfer_id)
+                return False
+        except Exception as exc:  # a device error: the blocks hold what they hold, vLLM recomputes them
+            landing.failure = f"the copy into the blocks failed: {exc!r}"
+        if landing.failure is not None:
+            self._fail_load(load.spec, landing.failure)
+        landing.finish()
+        return True
+
     def wait(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for a load's transfer to settle; False (at once) when no load is pending."""
         for load in self._loads.values():
+            if load.landing is not None:
+                continue
             keys = [key for key, _ in load.parts] or [load.spec.transfer_id]
             if load.spec.pull_from is not None:
                 pending = [k for k in keys if (r := self._engine.pull_result(k)) is not None
@@ -181,14 +221,13 @@ class Loads:
             return
         self._engine.pull(spec.transfer_id, peer.offset(self._at.slot), spec.first_block, len(spec.block_ids),
                           self._blocks.sink(spec.transfer_id, spec.block_ids), load.deadline,
-                          self._blocks.device_blocks(spec.block_ids))
+                          self._blocks.device_blocks(spec.block_ids), after=load.fence)
 
-    def _stages(self, prefill_pp: int) -> list[tuple[StagePart, int]]:
-        """The prefill stages this stage pulls its layers from, each with the model's index of the first layer that
-        stage holds."""
+    def _stages(self, prefill_pp: int) -> list[StagePart]:
+        """The prefill stages this stage pulls its layers from."""
         at = self._at
         if prefill_pp == at.pp_size:
-            return [(StagePart(at.pp_rank, (at.layers.start, at.layers.stop), 1), at.layers.start)]
+            return [StagePart(at.pp_rank, (at.layers.start, at.layers.stop), 1)]
         if at.stage_layers is None or not at.total_layers:
             raise ConfigError(f"the prefill instance runs pipeline-parallel size {prefill_pp}, this one "
                               f"{at.pp_size}, and this model's layers cannot be matched across stages")
@@ -196,9 +235,7 @@ class Loads:
         if decode[at.pp_rank] != at.layers:
             raise ConfigError(f"this stage holds layers {at.layers.start}..{at.layers.stop}, not the "
                               f"{decode[at.pp_rank].start}..{decode[at.pp_rank].stop} of vLLM's split")
-        prefill = stage_split(at.stage_layers, prefill_pp)
-        return [(part, prefill[part.prefill_stage].start)
-                for part in plan_stages(at.pp_rank, decode, prefill, at.total_layers)]
+        return plan_stages(at.pp_rank, decode, stage_split(at.stage_layers, prefill_pp), at.total_layers)
 
     def _pull_parts(self, load: _Load, peer: Address) -> None:
         """From a prefill instance of another tensor- or pipeline-parallel size: this rank's heads of this stage's
@@ -207,7 +244,7 @@ class Loads:
         prefill_tp = spec.prefill_tp or self._at.tp_size
         jobs = []
         try:
-            for stage, prefill_first in self._stages(spec.prefill_pp or self._at.pp_size):
+            for stage in self._stages(spec.prefill_pp or self._at.pp_size):
                 local = (stage.layers[0] - self._at.layers.start, stage.layers[1] - self._at.layers.start)
                 for part in plan_pulls(self._at.rank, self._at.tp_size, prefill_tp, self._at.total_heads):
                     # Prefill stage s's ranks follow its earlier stages' ranks.
@@ -216,10 +253,9 @@ class Loads:
                     access = None if part.release_only else self._slices.get(part.decode_heads, local)
                     block_bytes = access.digest.block_bytes if access is not None else 0
                     sink = access.sink(key, spec.block_ids) if access is not None else _no_sink
-                    runs = access.runs(spec.block_ids) if access is not None else None
+                    places = access.places(spec.block_ids) if access is not None else None
                     jobs.append((slot, sink, HeadSlice(part.prefill_heads, block_bytes, part.pullers * stage.pullers,
-                                                       self._at.slot, key, stage.layers, runs, local[0],
-                                                       stage.layers[0] - prefill_first), access))
+                                                       self._at.slot, key, stage.layers, places), access))
         except P2pkvError:
             for _, _, head_slice, access in jobs:
                 if access is not None:
@@ -229,7 +265,7 @@ class Loads:
         for slot, sink, head_slice, access in jobs:
             load.parts.append((head_slice.key, access))
             self._engine.pull(tid, peer.offset(slot), spec.first_block, len(spec.block_ids), sink,
-                             load.deadline, None, head_slice)
+                              load.deadline, None, head_slice, after=load.fence)
 
     def finished(self, finished_req_ids: AbstractSet[str] = frozenset()) -> set[str]:
         """The requests whose load settled (landed, or failed as load errors); `finished_req_ids`: the requests
@@ -240,6 +276,10 @@ class Loads:
         done: set[str] = set()
         now = time.monotonic()
         for req_id, load in self._loads.items():
+            if load.landing is not None:
+                if self._landed(load, now):
+                    done.add(req_id)
+                continue
             if load.spec.pull_from is not None:
                 if self._pull_finished(load):
                     done.add(req_id)
@@ -248,11 +288,9 @@ class Loads:
             if state is StageState.FAILED and self._fall_back_to_pull(load):
                 continue
             if state is StageState.COMPLETE:
-                try:
-                    self._land(load.spec)
-                except P2pkvError as exc:  # device KV: the copy into the blocks did not finish in time
-                    self._fail_load(load.spec, str(exc))
-                done.add(req_id)
+                self._land(load)
+                if self._landed(load, now):
+                    done.add(req_id)
             elif state is StageState.FAILED or now > load.deadline or (refused := self._refusal(load.spec)):
                 if state is StageState.FAILED:  # the store's reason: the sender's abort, a lost link, a bad digest
                     self._fail_load(load.spec, f"transfer failed: {self._engine.store.reason(load.spec.transfer_id)}")
@@ -280,11 +318,12 @@ class Loads:
         """Requests vLLM ended (their client went away) while their KV was on the way. One that awaits a push is
         reported at once, with no load error: nothing writes into its blocks (a push lands in them only in
         `finished`), and vLLM frees them, rather than once the deadline has passed. The push becomes a discard,
-        freed when it arrives. A pull in flight writes into the blocks: it is left to settle."""
+        freed when it arrives. A pull in flight, or copies landing, write into the blocks: they are left to settle."""
         done: set[str] = set()
         for req_id in req_ids:
-            spec = self._loads[req_id].spec
-            if spec.pull_from is not None:
+            load = self._loads[req_id]
+            spec = load.spec
+            if spec.pull_from is not None or load.landing is not None:  # something writes into its blocks
                 continue
             log.info("transfer %s: request %s ended before its KV landed; the push is freed when it arrives",
                      spec.transfer_id, req_id)
@@ -316,22 +355,28 @@ class Loads:
             return False
         failed = next((r.reason if r is not None else "deadline passed" for r in results
                        if r is None or r.state is not PullState.DONE), None)
+        markers: list[Marker] = []
         try:
             if failed is None:
                 for (key, access), result in zip(load.parts, results, strict=True):
                     if access is not None and result is not None and not result.by_reference:
-                        access.land(key)  # a part copied by reference went straight into the blocks
-                self._loaded(spec, sum(r.nbytes for r in results if r is not None))
+                        markers.append(access.land(key, load.fence))  # by reference: straight into the blocks
         except P2pkvError as exc:
             failed = str(exc)
-        finally:
-            for key, access in load.parts:
+        parts = list(load.parts)
+        nbytes = sum(r.nbytes for r in results if r is not None)
+
+        def finish() -> None:
+            for key, access in parts:
                 self._engine.forget_pull(key)
                 if access is not None:
                     access.release(key)
-        if failed is not None:
-            self._fail_load(spec, "pull failed: " + failed)
-        return True
+            if failed is None:
+                self._loaded(spec, nbytes)
+
+        load.landing = _Landing(lambda: all(m() for m in markers), finish,
+                                None if failed is None else "pull failed: " + failed)
+        return self._landed(load, time.monotonic())
 
     def _pull_finished(self, load: _Load) -> bool:
         spec = load.spec
@@ -342,16 +387,20 @@ class Loads:
         result = self._engine.pull_result(spec.transfer_id)
         if result is not None and result.state is PullState.DONE:
             self._engine.forget_pull(spec.transfer_id)
-            try:
-                if not result.by_reference:  # copied device to device otherwise: nothing to land
-                    self._blocks.land(spec.transfer_id)
-            except P2pkvError as exc:
-                self._fail_load(spec, str(exc))
-                return True
-            finally:
+            nbytes = result.nbytes
+
+            def finish() -> None:
                 self._blocks.release(spec.transfer_id)
-            self._loaded(spec, result.nbytes)
-            return True
+                self._loaded(spec, nbytes)
+
+            try:
+                # Copied device to device otherwise: nothing to land.
+                marker = self._blocks.land(spec.transfer_id, load.fence) if not result.by_reference else None
+            except P2pkvError as exc:
+                load.landing = _Landing(lambda: True, lambda: self._blocks.release(spec.transfer_id), str(exc))
+            else:
+                load.landing = _Landing(marker or (lambda: True), finish)
+            return self._landed(load, time.monotonic())
         # Only a finished pull is reported: vLLM may free and reuse the blocks of a failed load, so the puller
         # (which honours the same deadline) must be done writing into them first.
         if result is None or result.state is PullState.FAILED:
@@ -375,26 +424,38 @@ class Loads:
         self._engine.metrics.count_bytes("loaded", nbytes)
         self._engine.metrics.count_transfer("load", "ok")
 
-    def _land(self, spec: LoadSpec) -> None:
+    def _land(self, load: _Load) -> None:
+        """Issue the copies of a complete staged push into the load's blocks; `finished` reports it once they are
+        done (the staged bytes are kept until then)."""
+        spec = load.spec
         item = self._engine.take_staged(spec.transfer_id)
         assert item is not None
-        try:
-            if not spec.block_ids:
-                return
-            n = len(spec.block_ids)
-            start = spec.first_block * item.block_bytes
-            for layer in range(item.num_layers):
-                src = item.layer_view(layer)[start : start + n * item.block_bytes]
-                if spec.corrupt and self._config.extra.test_fault_injection:
-                    src = memoryview(bytes(b ^ 0x5A for b in src[:4096]) + bytes(src[4096:]))
-                self._blocks.write_blocks(layer, spec.block_ids, src)
-            nbytes = n * item.block_bytes * item.num_layers
-            self._engine.metrics.count_bytes("loaded", nbytes)
-            self._engine.metrics.count_transfer("load", "ok")
-            log.info("transfer %s landed peer=%s blocks=%d bytes=%d ms=%.1f transport=%s", spec.transfer_id,
-                     item.source.split("#")[0], n, nbytes, (time.monotonic() - item.created) * 1000, item.transport)
-        finally:
+        n = len(spec.block_ids)
+        start = spec.first_block * item.block_bytes
+        nbytes = n * item.block_bytes * item.num_layers
+
+        def finish() -> None:
             self._engine.release_staged(item)
+            if n:
+                self._engine.metrics.count_bytes("loaded", nbytes)
+                self._engine.metrics.count_transfer("load", "ok")
+                log.info("transfer %s landed peer=%s blocks=%d bytes=%d ms=%.1f transport=%s", spec.transfer_id,
+                         item.source.split("#")[0], n, nbytes, (time.monotonic() - item.created) * 1000,
+                         item.transport)
+
+        if not n:
+            load.landing = _Landing(lambda: True, finish)
+            return
+        layers = []
+        for layer in range(item.num_layers):
+            src = item.layer_view(layer)[start : start + n * item.block_bytes]
+            if spec.corrupt and self._config.extra.test_fault_injection:
+                src = memoryview(bytes(b ^ 0x5A for b in src[:4096]) + bytes(src[4096:]))
+            layers.append(src)
+        try:
+            load.landing = _Landing(self._blocks.write_all(spec.block_ids, layers, load.fence), finish)
+        except Exception as exc:  # a device error (no memory for the copy, say): the prompt is computed here
+            load.landing = _Landing(lambda: True, lambda: self._engine.release_staged(item), repr(exc))
 
     def _fail_load(self, spec: LoadSpec, reason: str) -> None:
         """Report the load's blocks to vLLM as load errors (it recomputes or fails the request)."""

@@ -14,12 +14,14 @@ import msgspec
 
 from p2pkv.blocks import BlockAccess, InPlaceBlocks
 from p2pkv.config import ConnectorConfig, Transport
+from p2pkv.device_copy import DeviceOps, NoPinnedSpace
 from p2pkv.engine import EngineSettings, TransferEngine
-from p2pkv.engine.device import RangeSource
+from p2pkv.engine.device import Fence, PlaceSource
 from p2pkv.engine.offers import OfferState
 from p2pkv.engine.sender import OutState
 from p2pkv.errors import IncompatiblePeerError
 from p2pkv.ipc import CacheAccess
+from p2pkv.kv_layers import prepare_layers
 from p2pkv.layout import KvBlocks
 from p2pkv.memory.huge import HugePageFiller
 from p2pkv.params import Address
@@ -70,17 +72,22 @@ class WorkerSide:
     def __init__(self, config: ConnectorConfig, rank: int, block_size: int, tp_size: int = 1,
                  total_heads: int = 0, pp_rank: int = 0, pp_size: int = 1, total_layers: int = 0,
                  stage_layers: StageLayers | None = None, model: str = "",
-                 weights: Callable[[], str] | None = None) -> None:
+                 weights: Callable[[], str] | None = None, *, num_blocks: int = 0,
+                 device_ops: DeviceOps | None = None) -> None:
         """`rank`: the tensor-parallel rank; `pp_rank`: the pipeline stage, whose ranks come after the earlier
         stages' (the worker binds `kv_port + pp_rank * tp_size + rank`, as vLLM numbers its workers).
         `total_layers` and `stage_layers` (which layers a stage holds): how the model's layers split over stages,
         for prefill instances of another pipeline-parallel size (not known: such loads fail). `model`: what the
         KV's values depend on beyond its shape (`p2pkv.vllm.model_factors`), compared with each peer's; `weights`
-        adds the weights' factor to it when the cache is registered (the model is loaded by then)."""
+        adds the weights' factor to it when the cache is registered (the model is loaded by then). `num_blocks`:
+        vLLM's block count (`KVCacheConfig.num_blocks`), from which kernel blocks are regrouped into vLLM's;
+        `device_ops`: what issues a device cache's copies (the tests' recording layers; by default torch's)."""
         self._config = config
         self._at = Placement(rank, tp_size, pp_rank, pp_size, total_heads, range(0), total_layers, stage_layers)
         self._refusals = RefusalReporter(self._at.slot)
         self._block_size = block_size
+        self._num_blocks = num_blocks
+        self._device_ops = device_ops
         self._model = model
         self._weights = weights
         self._engine: TransferEngine | None = None
@@ -107,14 +114,15 @@ class WorkerSide:
         return self._engine
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = sorted(kv_caches, key=lambda n: (_layer_number(n), n))
-        tensors = [kv_caches[n] for n in names]
+        layers = prepare_layers(kv_caches, self._num_blocks, self._block_size, lambda n: (_layer_number(n), n))
+        names, tensors = layers.names, layers.tensors
         extra = self._config.extra
         kernel = _kernel_tag(tensors[0])
         device, access, pipes = None, None, None
         if tensors[0].device.type != "cpu" or os.environ.get(STAGE_ENV) == "1":
             # KV the engine cannot address in place (a GPU's): through host buffers, and pulls by reference.
-            device = DeviceKv(tensors, self._block_size, kernel, extra.transfer_timeout_s, self._at.total_heads)
+            device = DeviceKv(tensors, self._block_size, kernel, extra.transfer_timeout_s, self._at.total_heads,
+                              self._device_ops)
             self._blocks, access = TransferBuffers(device), CacheAccess(device)
             self._staged = True
             pipes = make_pipes(device, extra.kv_host, extra.nccl_num_channels)
@@ -128,16 +136,18 @@ class WorkerSide:
             self._blocks = InPlaceBlocks(KvBlocks.from_tensors(tensors, self._block_size, kernel,
                                                                self._at.total_heads))
         self._slices = HeadSlices(tensors, self._block_size, kernel, self._blocks, device)
-        self._layer_index = {n: i for i, n in enumerate(names)}
+        self._layer_index = dict(layers.index)
         # Peers compare which layers they hold: a pipeline stage must talk to the same stage of the other side, or
-        # (another pipeline-parallel size) pull only layers both hold.
+        # (another pipeline-parallel size) pull only layers both hold. Layers that share a cache (KV sharing) are
+        # moved once: such a model's layers are not matched across pipeline-parallel sizes.
         first = _layer_number(names[0])
-        held = range(first, first + len(names))
-        in_order = [_layer_number(n) for n in names] == list(held) and held.stop <= self._at.total_layers
+        held = range(first, first + len(tensors))
+        in_order = ([_layer_number(n) for n in names] == list(held) and held.stop <= self._at.total_layers
+                    and not layers.aliases)
         self._at = replace(self._at, layers=held, total_layers=self._at.total_layers if in_order else 0)
         metrics_port = extra.metrics_port + self._at.slot if extra.metrics_port else 0
         settings = replace(EngineSettings.from_config(extra, self._config.worker_port(self._at.slot), metrics_port),
-                           launch=self._config.launch)
+                           launch=self._config.launch, pinned_staging=device is not None and device.on_gpu)
         factors = ";".join(f for f in (self._model, self._weights() if self._weights else "") if f)
         digest = msgspec.structs.replace(self._blocks.digest, first_layer=first, total_layers=self._at.total_layers,
                                          model=factors)
@@ -157,7 +167,9 @@ class WorkerSide:
         if meta.reset:
             dropped = self.engine.store.drop_all("dropped by a cache reset (its KV predates it)")
             log.info("cache reset: dropped %d staged transfers", dropped)
-        self.loading.start(meta.loads)
+        # vLLM binds after it queued the zeroing of newly allocated blocks: copies into this step's loads' blocks
+        # come after this fence.
+        self.loading.start(meta.loads, self.blocks.fence() if meta.loads else None)
         self.loading.discard(meta.discards)
         if meta.abandoned:
             self._abandon(meta.abandoned)
@@ -198,10 +210,13 @@ class WorkerSide:
         layer = self._layer_index.get(layer_name)
         if layer is None or not self._meta.saves:
             return
+        fence: Fence | None = None
         for spec in self._meta.saves:
             if self._staged or spec.peer is None or not self.engine.peer_reads_in_place(
                     spec.peer.offset(self._at.slot)):
-                self._push(spec, layer)
+                if fence is None:
+                    fence = self.blocks.fence()  # the layer is written: its copies out come after this
+                self._push(spec, layer, fence)
 
     @property
     def loading(self) -> Loads:
@@ -213,9 +228,10 @@ class WorkerSide:
         assert self._blocks is not None, "register_kv_caches has not run"
         return self._blocks
 
-    def _offer(self, spec: SaveSpec) -> None:
+    def _offer(self, spec: SaveSpec, fence: Fence | None) -> None:
         """GET: hold the blocks for the decode side (and say where they lie, for cuda_ipc pulls; and which bytes
-        hold which heads of which layers, for decode ranks of another tensor- or pipeline-parallel size)."""
+        hold which heads of which layers, for decode ranks of another tensor- or pipeline-parallel size). Whatever
+        reads them comes after `fence`: vLLM's thread recorded it once the forward that wrote them was queued."""
         tid, ids = spec.transfer_id, spec.block_ids
         if tid in self._withdrawn:
             return
@@ -235,13 +251,13 @@ class WorkerSide:
                                             f"{held.start}..{held.stop}")
             return self._slices.get(wanted, (layers[0] - held.start, layers[1] - held.start))
 
-        def slice_ranges(wanted: tuple[int, int], layers: tuple[int, int] | None) -> tuple[int, RangeSource] | None:
-            ranges = piece(wanted, layers).ranges(tid, ids)
-            return None if ranges is None else (0 if layers is None else layers[0] - self._at.layers.start, ranges)
+        def slice_places(wanted: tuple[int, int], layers: tuple[int, int] | None) -> PlaceSource | None:
+            return piece(wanted, layers).offered_places(tid, ids, fence)
 
-        self.engine.offer(tid, len(ids), self.blocks.source(tid, ids), self._config.extra.lease_s,
-                          self.blocks.ranges(tid, ids), lambda wanted, layers: piece(wanted, layers).source(tid, ids),
-                          slice_ranges, _pullers(spec), spec.puller_launch)
+        self.engine.offer(tid, len(ids), self.blocks.source(tid, ids, fence), self._config.extra.lease_s,
+                          self.blocks.offered_places(tid, ids, fence),
+                          lambda wanted, layers: piece(wanted, layers).source(tid, ids, fence),
+                          slice_places, _pullers(spec), spec.puller_launch)
 
     def _refused_puller(self, spec: SaveSpec) -> tuple[Address, str] | None:
         """A rank of the decode instance that will pull `spec` (GET) that this worker refused at its hello, and why."""
@@ -258,39 +274,49 @@ class WorkerSide:
         self._specs[spec.req_id] = spec
         return time.monotonic() + self._config.extra.transfer_timeout_s
 
-    def _push(self, spec: SaveSpec, layer: int) -> None:
+    def _push(self, spec: SaveSpec, layer: int, fence: Fence | None) -> None:
         if spec.peer is None:
             return
-        pushed = self._pushed[spec.transfer_id]
+        tid = spec.transfer_id
+        pushed = self._pushed[tid]
         if layer in pushed:
             return
         peer = spec.peer.offset(self._at.slot)
-        if not pushed and self.engine.pulls_instead(peer):
-            self._left.add(spec.transfer_id)  # decided once per transfer, at its first layer
+        first = not pushed
+        if first and self.engine.pulls_instead(peer):
+            self._left.add(tid)  # decided once per transfer, at its first layer
         deadline = self._claim(spec, (layer,))
-        if spec.transfer_id in self._left:  # the peer pulls over a device path: no copy to the host, no bytes
-            self.engine.push_layer(spec.transfer_id, peer, layer, len(spec.block_ids), (), deadline, None, True)
+        if tid in self._left:  # the peer pulls over a device path: no copy to the host, no bytes
+            self.engine.push_layer(tid, peer, layer, len(spec.block_ids), (), deadline, None, True)
             return
         try:
-            views, ready = self.blocks.push_views(spec.transfer_id, layer, spec.block_ids)
-        except Exception as exc:  # no host memory, a device error: this transfer fails, not the forward pass
-            log.error("transfer %s: layer %d could not be copied from the device: %r", spec.transfer_id, layer, exc)
+            views, ready = self.blocks.push_views(tid, layer, spec.block_ids, fence)
+        except NoPinnedSpace as exc:
+            if first:  # nothing sent yet: the blocks are held for the peer to pull instead
+                log.info("transfer %s: %s; holding the blocks for a pull", tid, exc)
+                self._left.add(tid)
+                self.engine.push_layer(tid, peer, layer, len(spec.block_ids), (), deadline, None, True)
+                return
+            log.error("transfer %s: layer %d: %s", tid, layer, exc)
             views, ready = (), _raiser(exc)
-        self.engine.push_layer(spec.transfer_id, peer, layer, len(spec.block_ids), views, deadline, ready)
+        except Exception as exc:  # a device error: this transfer fails, not the forward pass
+            log.error("transfer %s: layer %d could not be copied from the device: %r", tid, layer, exc)
+            views, ready = (), _raiser(exc)
+        self.engine.push_layer(tid, peer, layer, len(spec.block_ids), views, deadline, ready)
 
-    def _push_rest(self, spec: SaveSpec) -> None:
+    def _push_rest(self, spec: SaveSpec, fence: Fence | None) -> None:
         """The layers of `spec` not pushed yet. KV in host memory goes as one job per run of consecutive layers (one
         frame and one wake-up of the engine's sender; queueing 32 layers took this thread 17 us, against 35 us a job
         per layer, on the 2-core CI machine); a GPU cache's layers, whose copies to the host each have their own
         `ready`, and a transfer left for a pull go layer by layer."""
         pushed = self._pushed[spec.transfer_id]
-        todo = [layer for layer in range(len(self._layer_index)) if layer not in pushed]
+        todo = [layer for layer in range(self.blocks.digest.num_layers) if layer not in pushed]
         if not todo or spec.peer is None:
             return
         peer = spec.peer.offset(self._at.slot)
         if self._staged or spec.transfer_id in self._left or (not pushed and self.engine.pulls_instead(peer)):
             for layer in todo:
-                self._push(spec, layer)
+                self._push(spec, layer, fence)
             return
         try:
             got = [self.blocks.push_views(spec.transfer_id, layer, spec.block_ids) for layer in todo]
@@ -298,7 +324,7 @@ class WorkerSide:
             got = []
         if len(got) != len(todo) or any(ready is not None for _, ready in got):  # not in place after all
             for layer in todo:
-                self._push(spec, layer)
+                self._push(spec, layer, fence)
             return
         views = [layer_views for layer_views, _ in got]
         deadline = self._claim(spec, todo)
@@ -312,20 +338,21 @@ class WorkerSide:
     def wait_for_save(self) -> None:
         # The layers not pushed yet are pushed here (every layer, for host-memory KV a peer on this host reads in
         # place; otherwise those whose hook did not fire this step, none in normal runs), so no transfer is short.
+        fence = self.blocks.fence() if self._meta.saves else None  # every layer of this step's forward is queued
         for spec in self._meta.saves:
             if spec.again:
-                self._hold_again(spec)
+                self._hold_again(spec, fence)
                 continue
             if spec.peer is None:
                 # GET: every layer is final now that the forward has run; hold the blocks for the pull.
                 self._sending[spec.req_id] = spec.transfer_id
-                self._offer(spec)
+                self._offer(spec, fence)
                 continue
-            self._push_rest(spec)
+            self._push_rest(spec, fence)
         if any(spec.inline and spec.peer is not None for spec in self._meta.saves):
             self.engine.wait_sent(time.monotonic() + self._config.extra.transfer_timeout_s)
 
-    def _hold_again(self, spec: SaveSpec) -> None:
+    def _hold_again(self, spec: SaveSpec, fence: Fence | None) -> None:
         """A request preempted after its save has computed its prompt again, into other blocks: a transfer that was
         held for a pull (GET, a refused push, a pull over a device path) is offered again, from the new blocks. A
         push that went through needs nothing: the decode side has the bytes."""
@@ -339,7 +366,7 @@ class WorkerSide:
         self._slices.release(tid)
         self._sending[spec.req_id] = tid
         self._specs[spec.req_id] = spec
-        self._offer(spec)
+        self._offer(spec, fence)
         log.info("transfer %s: its request computed its prompt again after a preemption; held again for a pull", tid)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -370,7 +397,8 @@ class WorkerSide:
                 # The decode side had no room to stage the push: hold the blocks for it to pull instead.
                 spec = self._specs[req_id]
                 log.info("transfer %s: push refused (%s); holding the blocks for a pull", tid, out.reason)
-                self._offer(spec)
+                # On vLLM's thread, after the forward that wrote the blocks: a fence now comes after it.
+                self._offer(spec, self.blocks.fence())
         done: set[str] = set()
         for req_id in self._finished:
             tid = self._sending[req_id]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -149,49 +151,76 @@ class Pins:
 
     def __init__(self, fail_from: int | None = None) -> None:
         self.spans: list[tuple[int, int]] = []
+        self.threads: list[str] = []
         self.fail_from = fail_from
 
     def __call__(self, memory: memoryview, start: int, end: int) -> None:
         assert 0 <= start < end <= len(memory)
+        self.threads.append(threading.current_thread().name)
         if self.fail_from is not None and end > self.fail_from:
             raise RuntimeError("cudaErrorMemoryAllocation")
         self.spans.append((start, end))
 
 
-def test_the_pool_pins_one_segment_when_prepared_and_more_as_allocations_reach_further() -> None:
-    """A GPU worker's pool is not pinned whole at start-up (the old connector pinned 32 GiB per worker)."""
+def _until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 5
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def test_the_pool_pins_one_segment_when_prepared_and_more_ahead_of_demand_on_its_own_thread() -> None:
+    """A GPU worker's pool is not pinned whole at start-up (the old connector pinned 32 GiB per worker), and
+    pinning more never runs on the thread that allocates (vLLM's, in the forward's hooks)."""
     seg = 1 << 20
     pins = Pins()
     pool = HostPool(16 * seg, MIN, pin=pins, segment=seg)
-    pool.prepare()
-    assert pins.spans == [(0, seg)] and pool.pinned_bytes == seg
-    small = pool.allocate(seg // 2)  # inside the pinned segment: nothing more is pinned
-    assert small is not None and pins.spans == [(0, seg)]
-    big = pool.allocate(3 * seg)  # a 4-segment block past the first: pinned up to its end, from where pinning stopped
-    assert big is not None and big.offset + big.size > seg
-    assert pins.spans == [(0, seg), (seg, -(-(big.offset + big.size) // seg) * seg)]
-    assert pool.pinned_bytes >= big.offset + big.size
-    pool.release(big)
-    again = pool.allocate(3 * seg)  # reuse of pinned memory pins nothing new
-    assert again is not None and len(pins.spans) == 2
-    spans = pins.spans
-    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)), "pinned spans are contiguous"
+    try:
+        pool.prepare()  # at registration, on the caller's thread
+        assert pins.spans == [(0, seg)] and pool.pinned_bytes == seg
+        pins.threads.clear()
+        small = pool.allocate(seg // 4)  # inside the pinned segment, far from its end: nothing more is pinned
+        assert small is not None
+        time.sleep(0.05)
+        assert pins.spans == [(0, seg)]
+        big = pool.allocate(3 * seg)  # reaches past what is pinned: refused (the caller falls back), more is asked for
+        assert big is None
+        _until(lambda: pool.pinned_bytes >= 4 * seg, "the pool did not pin ahead of the refused allocation")
+        big = pool.allocate(3 * seg)
+        assert big is not None and big.offset + big.size <= pool.pinned_bytes
+        _until(lambda: pool.pinned_bytes >= big.offset + big.size + seg // 2, "no headroom was pinned")
+        assert pins.threads and set(pins.threads) == {"p2pkv-pool-pin"}, pins.threads
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(pins.spans)), "pinned spans are contiguous"
+        pool.release(big)
+        count = len(pins.spans)
+        again = pool.allocate(3 * seg)  # reuse of pinned memory pins nothing new
+        assert again is not None and len(pins.spans) == count
+    finally:
+        pool.close()
+    assert not any(t.name == "p2pkv-pool-pin" for t in threading.enumerate())
 
 
 def test_an_allocation_that_cannot_be_pinned_is_refused_and_the_pool_keeps_working() -> None:
     seg = 1 << 20
     pins = Pins(fail_from=2 * seg)
     pool = HostPool(16 * seg, MIN, pin=pins, segment=seg)
-    first = pool.allocate(seg)
-    assert first is not None and pins.spans == [(0, seg)]
-    assert pool.allocate(4 * seg) is None  # past what can be pinned: the caller gets a buffer of its own
-    stats = pool.stats()
-    assert stats is not None and stats.bytes_in_use == seg, "the refused block went back to the pool"
-    pool.release(first)
-    again = pool.allocate(seg)  # what is pinned is still handed out
-    assert again is not None and again.offset + again.size <= pool.pinned_bytes
-    assert pool.allocate(4 * seg) is None  # the failure is logged once, not retried per allocation
-    assert pins.spans == [(0, seg)]
+    try:
+        pool.prepare()
+        first = pool.allocate(seg // 4)
+        assert first is not None and pins.spans == [(0, seg)]
+        assert pool.allocate(4 * seg) is None  # past what can be pinned: the caller gets a buffer of its own
+        _until(lambda: len(pins.threads) >= 2, "the pinning thread did not try")
+        stats = pool.stats()
+        assert stats is not None and stats.bytes_in_use == seg // 4, "the refused block went back to the pool"
+        pool.release(first)
+        again = pool.allocate(seg // 4)  # what is pinned is still handed out
+        assert again is not None and again.offset + again.size <= pool.pinned_bytes
+        tries = len(pins.threads)
+        assert pool.allocate(4 * seg) is None  # the failure is logged once, not retried per allocation
+        time.sleep(0.05)
+        assert len(pins.threads) == tries and pins.spans == [(0, seg)]
+    finally:
+        pool.close()
 
 
 def test_pinned_by_default_only_where_cuda_is() -> None:

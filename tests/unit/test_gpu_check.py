@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2pkv.bench import gpu_check, staged
+from p2pkv.bench import gpu_check, gpu_rows, ipc_check, staged
+from p2pkv.bench.plan import Geometry
 from p2pkv.memory import HostPool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +47,23 @@ def test_the_staged_tcp_row_runs_on_host_tensors() -> None:
     assert stats is not None and stats.bytes_in_use == 0
 
 
+def test_the_rows_that_take_a_device_run_their_checks_on_host_tensors() -> None:
+    """Rows (b), (c) and (e) on CPU tensors, smaller: their byte-for-byte checks pass (their targets apply on a GPU
+    only); (a)'s request between two processes, by process_vm_readv where CUDA IPC would be."""
+    small = Geometry(layers=4, kv_heads=8, head_dim=32, block_size=16, blocks=24)
+    assert "split) both ways, byte for byte" in gpu_rows.kernel_blocks("cpu")
+    assert "byte for byte" in gpu_rows.staging("cpu", small)
+    assert "byte for byte" in gpu_rows.head_slice_pull("cpu", small)
+    summary, rate = ipc_check.request("cpu", 4, 24)
+    assert "4 layers x 24 blocks" in summary and "host_ipc, byte for byte" in summary
+    assert rate.pull_s > 0 and rate.copy_s == 0  # no device copy to time on host caches
+
+
+def test_two_gpu_rows_say_they_are_skipped_where_there_are_fewer() -> None:
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has two GPUs")
+    with pytest.raises(gpu_rows.RowSkipped, match="needs two GPUs"):
+        gpu_rows.nccl_two_gpus()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a row failing for want of CUDA")

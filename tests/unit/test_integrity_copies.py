@@ -11,9 +11,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from p2pkv.engine.device import Piece, RemoteCache, Run
+from p2pkv.engine.device import Fence, Placed, RemoteCache
 from p2pkv.engine.puller import PullResult, PullState
 from p2pkv.ipc import CacheAccess
+from p2pkv.layout import placed_ranges
 from p2pkv.pipes import Channel, ChannelPipe
 from p2pkv.protocol import DeviceExport
 from p2pkv.transport import cma
@@ -27,14 +28,15 @@ Side = test_ipc.Side | test_pipes.Side
 
 
 class Fault:
-    """Flips one bit of the last byte of the last piece given, once, while `armed`."""
+    """Flips one bit of the last byte of the blocks given, once, while `armed`."""
 
     armed = False
 
-    def strike(self, storages: Sequence[torch.Tensor], pieces: Sequence[Piece]) -> None:
+    def strike(self, storages: Sequence[torch.Tensor], placed: Placed) -> None:
+        pieces = placed_ranges(placed.block_ids, placed.layers)
         if self.armed and pieces:
-            layer, at, n = pieces[-1]
-            storages[layer][at + n - 1 : at + n].bitwise_xor_(1)
+            storage, at, n = pieces[-1]
+            storages[storage][at + n - 1 : at + n].bitwise_xor_(1)
             self.armed = False
 
 
@@ -45,15 +47,10 @@ class DamagingRemote:
         self._remote, self._access = remote, access
         self.transport = remote.transport
 
-    def copy_into(self, remote: Sequence[Sequence[Run]], block_ids: Sequence[int], deadline: float) -> int:
-        n = self._remote.copy_into(remote, block_ids, deadline)
-        last = len(remote) - 1
-        self._access.strike(self._access.kv.storages,
-                            [(last, at, size) for at, size in self._access.runs(last, block_ids)])
+    def copy(self, theirs: Placed, ours: Placed, deadline: float, after: Fence | None = None) -> int:
+        n = self._remote.copy(theirs, ours, deadline, after)
+        self._access.strike(self._access.kv.flat, ours)
         return n
-
-    def copy_runs(self, pairs: Sequence[tuple[int, int, Sequence[Run], Sequence[Run]]], deadline: float) -> int:
-        raise AssertionError("these tests pull whole blocks")
 
     def close(self) -> None:
         self._remote.close()
@@ -67,14 +64,14 @@ class DamagingAccess(CacheAccess, Fault):
 class DamagingPipe(ChannelPipe):
     fault: Fault
 
-    def recv(self, pieces: Sequence[Piece], deadline: float) -> None:
-        super().recv(pieces, deadline)
-        self.fault.strike(self._kv.storages, pieces)
+    def recv(self, placed: Placed, deadline: float, after: Fence | None = None) -> None:
+        super().recv(placed, deadline, after)
+        self.fault.strike(self._kv.flat, placed)
 
 
 class DamagingPipes(test_pipes.RecordingPipes, Fault):
-    def _pipe(self, channel: Channel, rank: int) -> ChannelPipe:
-        pipe = DamagingPipe(self.kv, channel, self.kind, 1 - rank)
+    def _pipe(self, channel: Channel) -> ChannelPipe:
+        pipe = DamagingPipe(self.kv, channel, self.kind)
         pipe.fault = self
         return pipe
 
@@ -82,9 +79,9 @@ class DamagingPipes(test_pipes.RecordingPipes, Fault):
 class ScribblingAccess(CacheAccess, Fault):
     """An offerer whose blocks change right after it digested them."""
 
-    def bytes_digest(self, pieces: Sequence[Piece]) -> int | None:
-        got = super().bytes_digest(pieces)
-        self.strike(self.kv.storages, pieces)
+    def bytes_digest(self, placed: Placed) -> int | None:
+        got = super().bytes_digest(placed)
+        self.strike(self.kv.flat, placed)
         return got
 
 

@@ -15,16 +15,17 @@ import torch
 from p2pkv.bench import ipc_check
 from p2pkv.config import ExtraConfig, Transport
 from p2pkv.engine import EngineSettings, TransferEngine
-from p2pkv.engine.device import pair_ranges
+from p2pkv.engine.device import Placed
 from p2pkv.engine.offers import OfferState
 from p2pkv.engine.puller import PullResult, PullState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import PULL_INSTEAD, StageState
 from p2pkv.errors import P2pkvError
 from p2pkv.ipc import CacheAccess
+from p2pkv.layout import ids_bytes
 from p2pkv.memory import HostPool
 from p2pkv.params import Address
-from p2pkv.protocol import DeviceExport, DeviceHome
+from p2pkv.protocol import DeviceExport, DeviceHome, LayerPlace
 from p2pkv.staging import DeviceKv, TransferBuffers
 from p2pkv.transport import cma
 from p2pkv.transport.split_read import SPLIT_FROM
@@ -32,12 +33,6 @@ from tests.unit.test_gpu_layouts import views
 from tests.unit.test_staging import SIZES, caches
 
 pytestmark = pytest.mark.skipif(not cma.available(), reason="needs cross-memory attach (Linux)")
-
-
-def test_pair_ranges_cuts_where_either_side_ends() -> None:
-    assert pair_ranges([(0, 10), (100, 6)], [(50, 4), (60, 12)]) == [(0, 50, 4), (4, 60, 6), (100, 66, 6)]
-    with pytest.raises(P2pkvError, match="different numbers of bytes"):
-        pair_ranges([(0, 10)], [(0, 9)])
 
 
 class Side:
@@ -83,8 +78,8 @@ def make_side() -> Iterator[MakeSide]:
 
 def _pull(offerer: Side, puller: Side, tid: str, src_blocks: list[int], dst_blocks: list[int],
           by_ranges: bool = True) -> PullResult:
-    ranges = offerer.buffers.ranges(tid, src_blocks) if by_ranges else None
-    offerer.engine.offer(tid, len(src_blocks), offerer.buffers.source(tid, src_blocks), 10, ranges)
+    places = offerer.buffers.offered_places(tid, src_blocks) if by_ranges else None
+    offerer.engine.offer(tid, len(src_blocks), offerer.buffers.source(tid, src_blocks), 10, places)
     puller.engine.pull(tid, offerer.address, 0, len(dst_blocks), puller.buffers.sink(tid, dst_blocks),
                        time.monotonic() + 10, tuple(dst_blocks))
     result = puller.engine.wait_pull(tid, 10)
@@ -127,7 +122,7 @@ def test_without_ranges_or_export_the_pull_carries_bytes(make_side: MakeSide) ->
     result = _pull(offerer, puller, "bytes-1", list(moves), list(moves.values()), by_ranges=False)
     assert not result.by_reference
     assert not _same(offerer, puller, moves), "bytes pulled into the host buffer land only with land()"
-    puller.buffers.land("bytes-1")
+    assert puller.buffers.land("bytes-1")()
     assert _same(offerer, puller, moves)
     plain = make_side(True, exports=False)  # an offerer that exports nothing
     result = _pull(plain, puller, "bytes-2", list(moves), list(moves.values()))
@@ -140,24 +135,30 @@ def test_transport_tcp_never_pulls_by_reference(make_side: MakeSide) -> None:
     puller = make_side(False, transport=Transport.TCP)
     result = _pull(offerer, puller, "tcp-1", [1, 2], [3, 4])
     assert not result.by_reference and result.transport == "tcp"
-    puller.buffers.land("tcp-1")
+    assert puller.buffers.land("tcp-1")()
     assert _same(offerer, puller, {1: 3, 2: 4})
 
 
-def test_ranges_outside_the_export_are_refused() -> None:
-    src, dst = DeviceKv(caches("LBHNC", True), 16, "test", 5), DeviceKv(caches("LBHNC", False), 16, "test", 5)
+def test_places_outside_the_export_are_refused() -> None:
+    src_layers, dst_layers = caches("LBHNC", True), caches("LBHNC", False)
+    src, dst = DeviceKv(src_layers, 16, "test", 5), DeviceKv(dst_layers, 16, "test", 5)
     remote = CacheAccess(dst).open(CacheAccess(src).export())
-    size = src.storages[0].numel()
-    with pytest.raises(P2pkvError, match="outside the peer's exported storage"):
-        remote.copy_into([[(size - 10, src.block_bytes)]] * SIZES["L"], [0], time.monotonic() + 5)
-    assert remote.copy_into([[(0, src.block_bytes)]] * SIZES["L"], [2], time.monotonic() + 5) == (
+    ours = dst.places(range(SIZES["L"]), [2])
+    past = src.flat[0].numel() // src.block_bytes  # a block past the end of the peer's storage
+    with pytest.raises(P2pkvError, match="outside the peer's storage 0"):
+        remote.copy(src.places(range(SIZES["L"]), [past]), ours, time.monotonic() + 5)
+    elsewhere = Placed(ids_bytes([2]), [LayerPlace(3, p.base, p.block_stride, p.inner) for p in ours.layers])
+    with pytest.raises(P2pkvError, match="storage 3 of the peer's 1"):  # only what the peer exports
+        remote.copy(elsewhere, ours, time.monotonic() + 5)
+    with pytest.raises(P2pkvError, match="outside our storage"):  # our places are checked too
+        remote.copy(src.places(range(SIZES["L"]), [2]), dst.places(range(SIZES["L"]), [past]),
+                    time.monotonic() + 5)
+    with pytest.raises(P2pkvError, match=r"hold \d+ bytes, ours"):
+        remote.copy(src.places(range(SIZES["L"]), [2, 3]), ours, time.monotonic() + 5)
+    assert remote.copy(src.places(range(SIZES["L"]), [5]), ours, time.monotonic() + 5) == (
         SIZES["L"] * src.block_bytes)
-    runs = dst.geometry[0].ranges([2])
-    with pytest.raises(P2pkvError, match="layer 9 of the peer's"):  # a slice's layers must exist on both sides
-        remote.copy_runs([(9, 0, [(0, src.block_bytes)], runs)], time.monotonic() + 5)
-    with pytest.raises(P2pkvError, match="outside our storage"):  # our runs are checked too
-        remote.copy_runs([(0, 0, [(0, src.block_bytes)], [(dst.storages[0].numel(), src.block_bytes)])],
-                         time.monotonic() + 5)
+    assert all(torch.equal(d[2], s[5]) for d, s in zip(dst_layers, src_layers, strict=True))
+    assert not any(d[[0, 1, 3]].any() for d in dst_layers), "nothing else was written"
 
 
 def test_an_export_from_another_host_or_kind_is_not_opened() -> None:
@@ -198,7 +199,7 @@ def test_a_cache_that_cannot_be_exported_still_serves_pulls_as_bytes(make_side: 
     puller = make_side(False)
     result = _pull(offerer, puller, "plain", [1, 2], [3, 4])
     assert not result.by_reference
-    puller.buffers.land("plain")
+    assert puller.buffers.land("plain")()
     assert _same(offerer, puller, {1: 3, 2: 4})
 
 
@@ -290,11 +291,12 @@ def test_large_runs_of_a_host_cache_are_copied_on_two_threads() -> None:
     big = {"L": 1, "B": 20, "H": 8, "N": 16, "C": 2048}  # 10 MiB of bfloat16: at least SPLIT_FROM
     src = DeviceKv(views("LBHNC", torch.bfloat16, big, True), 16, "test", 5)
     dst = DeviceKv(views("LBHNC", torch.bfloat16, big, False), 16, "test", 5)
-    nbytes = src.storages[0].numel()
+    nbytes = src.flat[0].numel()
     assert nbytes >= SPLIT_FROM
     remote = CacheAccess(dst).open(CacheAccess(src).export())
+    whole = Placed(ids_bytes([0]), [LayerPlace(0, 0, nbytes, ((0, nbytes),))])
     try:
-        assert remote.copy_runs([(0, 0, [(0, nbytes)], [(0, nbytes)])], time.monotonic() + 10) == nbytes
+        assert remote.copy(whole, whole, time.monotonic() + 10) == nbytes
         assert torch.equal(dst.storages[0], src.storages[0])
         assert [t.name for t in threading.enumerate() if t.name.startswith("p2pkv-copy-")] != []
     finally:

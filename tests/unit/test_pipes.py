@@ -1,14 +1,14 @@
 """Pulls by pipe (the nccl transport's engine protocol), run over gloo pipes between host caches: a communicator per
-link made off the request path, the two sides' runs paired into the same pieces, a confirmation before the offer is
-freed, a set-up that fails leaving the link on bytes, and teardown with the link. NCCL itself is checked on a GPU
-(scripts/gpu_check.sh)."""
+link made off the request path, both sides' blocks moved in payload order in the same chunks, a confirmation before
+the offer is freed, a set-up that fails leaving the link on bytes, and teardown with the link. NCCL's call sequence
+runs through a fake library in test_nccl.py; NCCL itself is checked on a GPU (scripts/gpu_check.sh)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import pytest
@@ -17,7 +17,7 @@ import torch
 from p2pkv.bench import ipc_check
 from p2pkv.config import ExtraConfig, Transport
 from p2pkv.engine import EngineSettings, TransferEngine
-from p2pkv.engine.device import Piece
+from p2pkv.engine.device import Fence, Placed
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import OfferState
 from p2pkv.engine.pipes import PipeSlot
@@ -85,14 +85,14 @@ def pull(offerer: Side, puller: Side, tid: str, moves: dict[int, int], done: boo
     """Pull `moves` (offerer's block -> puller's); the result once the offerer has the puller's confirmation (also
     for a pull that failed after its copy). `done`: the pull must succeed."""
     src, dst = list(moves), list(moves.values())
-    offerer.engine.offer(tid, len(src), offerer.buffers.source(tid, src), 10, offerer.buffers.ranges(tid, src))
+    offerer.engine.offer(tid, len(src), offerer.buffers.source(tid, src), 10, offerer.buffers.offered_places(tid, src))
     puller.engine.pull(tid, offerer.address, 0, len(dst), puller.buffers.sink(tid, dst), time.monotonic() + 10,
                        tuple(dst))
     result = puller.engine.wait_pull(tid, 10)
     assert result is not None and result.state is not PullState.PENDING
     assert result.state is PullState.DONE or not done, result
     if result.state is PullState.DONE and not result.by_reference:
-        puller.buffers.land(tid)  # bytes carried into the host buffer land now
+        assert puller.buffers.land(tid)()  # bytes carried into the host buffer land now
     deadline = time.monotonic() + 5
     while offerer.engine.offer_state(tid) is not OfferState.SERVED:
         assert time.monotonic() < deadline, offerer.engine.offer_state(tid)
@@ -217,11 +217,11 @@ class FailingOnce(RecordingPipes):
         pipe = super().join(token, deadline)
         real = pipe.send
 
-        def send(pieces: Sequence[Piece], deadline: float) -> None:
+        def send(placed: Placed, deadline: float) -> None:
             if not self.failed:
                 self.failed = True
                 raise TransferError("injected failure")
-            real(pieces, deadline)
+            real(placed, deadline)
 
         pipe.send = send  # type: ignore[method-assign]  # the instance's send fails once
         return pipe
@@ -243,7 +243,7 @@ def test_a_transfer_that_fails_in_the_pipe_fails_alone_and_the_link_recovers(sid
         assert time.monotonic() < deadline
         tid = f"f-{time.monotonic()}"
         src = list(moves)
-        offerer.engine.offer(tid, 1, offerer.buffers.source(tid, src), 10, offerer.buffers.ranges(tid, src))
+        offerer.engine.offer(tid, 1, offerer.buffers.source(tid, src), 10, offerer.buffers.offered_places(tid, src))
         puller.engine.pull(tid, offerer.address, 0, 1, puller.buffers.sink(tid, [4]), time.monotonic() + 3, (4,))
         result = puller.engine.wait_pull(tid, 10)
         assert result is not None and result.state is not PullState.PENDING
@@ -292,7 +292,7 @@ class StallingPipes(GlooPipes):
     def join(self, token: bytes, deadline: float) -> ChannelPipe:
         pipe = super().join(token, deadline)
 
-        def send(pieces: Sequence[Piece], deadline: float) -> None:
+        def send(placed: Placed, deadline: float) -> None:
             self._conn.send("sending")
             time.sleep(600)
 
@@ -311,7 +311,7 @@ def _offering_process(conn: Connection, port: int, stall: bool) -> None:
     engine = TransferEngine(EngineSettings.from_config(extra, port, 0), kv.digest, pipes=pipes)
     engine.start()
     for i in range(40):
-        engine.offer(f"k-{i}", 2, buffers.source(f"k-{i}", [1, 2]), 60, buffers.ranges(f"k-{i}", [1, 2]))
+        engine.offer(f"k-{i}", 2, buffers.source(f"k-{i}", [1, 2]), 60, buffers.offered_places(f"k-{i}", [1, 2]))
     conn.send(engine.address)
     conn.poll(120)
 
@@ -368,7 +368,7 @@ def test_a_peer_that_dies_mid_transfer_fails_that_pull_and_its_successor_gets_a_
             result = puller.engine.wait_pull(tid, TIMEOUT_S)
             assert result is not None and result.state is PullState.DONE, result
             if not result.by_reference:
-                puller.buffers.land(tid)
+                assert puller.buffers.land(tid)()
             puller.buffers.release(tid)
             assert all(torch.equal(puller.layers[layer][5 + k], expected[layer][1 + k])
                        for layer in range(SIZES["L"]) for k in range(2))
@@ -391,10 +391,10 @@ class FakePipe:
     def __init__(self) -> None:
         self.closed_with: bool | None = None
 
-    def send(self, pieces: Sequence[Piece], deadline: float) -> None:
+    def send(self, placed: Placed, deadline: float) -> None:
         raise AssertionError("not used")
 
-    def recv(self, pieces: Sequence[Piece], deadline: float) -> None:
+    def recv(self, placed: Placed, deadline: float, after: Fence | None = None) -> None:
         raise AssertionError("not used")
 
     def close(self, abort: bool = False) -> None:

@@ -6,8 +6,10 @@ import pytest
 from p2pkv.errors import ProtocolError
 from p2pkv.protocol import (
     PREFIX_BYTES,
+    BlockPlaces,
     FrameLimits,
     Hello,
+    LayerPlace,
     LayoutDigest,
     PipeOpen,
     PullReply,
@@ -40,12 +42,22 @@ def test_round_trip(secret: bytes) -> None:
 @pytest.mark.parametrize("message", [
     Hello("e1", 0, LAYOUT, pipe_kind="nccl"),
     PipeOpen(bytes(range(128))),
-    PullRequest("t1", 0, 3, pipe_runs=[[(0, 4096), (65536, 8192)], [(4096, 12288)]]),
+    PullRequest("t1", 0, 3, by_pipe=True),
     PullReply("t1", True, by_pipe=True),
+    BlockPlaces("t1", bytes(range(8)), [LayerPlace(0, 4096, 65536, ((0, 32768), (32768, 32768)))], 7),
 ])
 def test_pipe_messages_round_trip(message: object) -> None:
     prefix_raw, body = _split(encode_frame(message, 0, b"k"))  # type: ignore[arg-type]
     assert decode_message(prefix_raw, decode_prefix(prefix_raw, FrameLimits()), body, b"k") == message
+
+
+def test_where_a_long_requests_blocks_lie_fits_one_small_frame() -> None:
+    """A 128k-token prompt of Llama-3-8B (8192 blocks of 16 tokens, 32 layers, descending ids) placed for a pull by
+    reference: the ids and one place per layer, under the default frame cap's 64 KiB by far."""
+    ids = list(range(8192, 0, -1))
+    layers = [LayerPlace(0, layer * (1 << 30), 65536, ((0, 65536),)) for layer in range(32)]
+    frame = encode_frame(BlockPlaces("t", b"".join(i.to_bytes(4, "little") for i in ids), layers), 0, b"")
+    assert len(frame) < 40_000
 
 
 def test_hmac_refuses_wrong_or_missing_secret() -> None:

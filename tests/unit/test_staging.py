@@ -9,14 +9,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from p2pkv import device_copy
 from p2pkv.config import ExtraConfig, Transport
-from p2pkv.device_copy import _word_bytes, gather_rows, scatter_rows
+from p2pkv.device_copy import NoPinnedSpace, as_rows, word_bytes
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import StageState
-from p2pkv.layout import KvBlocks, LayerGeometry
+from p2pkv.layout import KvBlocks
 from p2pkv.memory import HostPool
 from p2pkv.params import Address
 from p2pkv.staging import DeviceKv, HostBuffer, TransferBuffers
@@ -66,7 +65,8 @@ def test_pull_sink_lands_on_land_and_frees_its_buffer() -> None:
         for first in range(3):  # block by block, as a pull in several frames would
             sink(layer, first, 1)[0][:] = source(layer, first, 1)[0]
         assert not dst_layers[layer].any(), "nothing reaches the blocks before land()"
-    dst.land("t")
+    assert dst.land("t")()  # on the host the copies are done when issued
+    dst.release("t")
     assert len(dst) == 0
     for layer in range(SIZES["L"]):
         for s, d in ((5, 0), (6, 1), (2, 11)):
@@ -85,9 +85,11 @@ def test_buffers_come_from_the_pool_and_go_back() -> None:
     buffers.release("a")  # idempotent
     stats = pool.stats()
     assert stats is not None and stats.bytes_in_use == 0
-    full = HostBuffer(2 << 20, pool, pin=False)  # larger than the pool: its own memory, same interface
+    full = HostBuffer(2 << 20, pool)  # larger than the pool: its own memory, same interface
     assert not full.from_pool and len(full.view) == 2 << 20
     full.release()
+    with pytest.raises(NoPinnedSpace):  # on the forward's path: no memory of its own, the caller holds the blocks
+        HostBuffer(2 << 20, pool, pinned_only=True)
 
 
 def test_write_blocks_checks_the_size() -> None:
@@ -167,95 +169,71 @@ def test_staged_pull_through_two_engines(engines: tuple[TransferEngine, Transfer
     puller.pull("g", Address.parse(offerer.address), 0, 3, sink.sink("g", [9, 10, 11]), time.monotonic() + 10)
     result = puller.wait_pull("g", 10)
     assert result is not None and result.state is PullState.DONE, result
-    sink.land("g")
+    assert sink.land("g")()
+    sink.release("g")
     for layer in range(SIZES["L"]):
         for s, d in ((4, 9), (5, 10), (6, 11)):
             assert torch.equal(dst_layers[layer][d], src_layers[layer][s])
     source.release("g")
 
 
-@pytest.mark.parametrize("order", ["LBHNC", "BLHNC"])
-def test_gathered_copies_match_copies_by_run(order: str) -> None:
-    """The device gather (one copy for scattered dense blocks) moves what one copy per run moves."""
+@pytest.mark.parametrize("order", PHYSICAL_ORDERS)
+def test_row_plans_move_what_the_byte_ranges_say(order: str) -> None:
+    """One gather per storage moves exactly the bytes the layers' byte ranges name, every physical order, several
+    layers at once (they share vLLM's one buffer); and one scatter puts them back where other blocks' ranges say."""
     src_layers = caches(order, True)
-    by_run, gathered = DeviceKv(src_layers, 16, "test", 5), DeviceKv(src_layers, 16, "test", 5)
-    assert by_run.gather_min_runs is None, "on the host, one copy per run"
-    gathered.gather_min_runs = 1
+    kv, reference = DeviceKv(src_layers, 16, "test", 5), KvBlocks.from_tensors(src_layers, 16, "test")
+    assert len(kv.flat) == 1 and kv.storage_of == [0] * SIZES["L"], "one storage for every layer"
     blocks = [9, 2, 3, 11, 0]
-    out_a, out_b = TransferBuffers(by_run), TransferBuffers(gathered)
-    for layer in range(SIZES["L"]):
-        assert bytes(out_a.push_views("t", layer, blocks)[0][0]) == bytes(out_b.push_views("t", layer, blocks)[0][0])
-    dst_a, dst_b = caches(order, False), caches(order, False)
-    land_a, land_b = DeviceKv(dst_a, 16, "test", 5), DeviceKv(dst_b, 16, "test", 5)
-    land_b.gather_min_runs = 1
+    out = torch.empty(SIZES["L"] * len(blocks) * BLOCK_BYTES, dtype=torch.uint8)
+    assert kv.copy_out(range(SIZES["L"]), blocks, out)()
+    expected = b"".join(bytes(v) for layer in range(SIZES["L"]) for v in reference.block_views(layer, blocks))
+    assert out.numpy().tobytes() == expected
+    (piece,) = kv.plan(range(SIZES["L"]), blocks)
+    assert piece.nbytes == out.numel()
+    dst_layers = caches(order, False)
+    dst = DeviceKv(dst_layers, 16, "test", 5)
     placed = [4, 1, 10, 7, 5]
+    assert dst.copy_in(range(SIZES["L"]), placed, out)()
     for layer in range(SIZES["L"]):
-        payload = out_a.source("t", blocks)(layer, 0, len(blocks))[0]
-        land_a.write_blocks(layer, placed, payload)
-        land_b.write_blocks(layer, placed, payload)
-        assert torch.equal(dst_a[layer], dst_b[layer])
-        for s, d in zip(blocks, placed, strict=True):
-            assert torch.equal(dst_b[layer][d], src_layers[layer][s])
+        for s_, d in zip(blocks, placed, strict=True):
+            assert torch.equal(dst_layers[layer][d], src_layers[layer][s_])
+        untouched = [b for b in range(SIZES["B"]) if b not in placed]
+        assert not dst_layers[layer][untouched].any()
 
 
-@pytest.mark.parametrize(("row_bytes", "stride", "word"), [(64, 128, 8), (12, 16, 4), (6, 10, 2), (5, 8, 1)])
-@pytest.mark.parametrize("bytewise_up_to", [0, 1 << 20])
-def test_rows_move_as_the_widest_word_the_layout_allows(row_bytes: int, stride: int, word: int, bytewise_up_to: int,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """By words and, for small scatters, by bytes: the same bytes land, the gaps between rows kept."""
-    monkeypatch.setattr(device_copy, "BYTEWISE_UP_TO", bytewise_up_to)
-    flat = torch.randint(0, 256, (stride * 10,), dtype=torch.uint8)
-    blocks = flat.as_strided((10, row_bytes), (stride, 1))
-    assert _word_bytes(blocks) == word
+@pytest.mark.parametrize(("row", "word"), [(64, 8), (12, 4), (6, 2), (5, 1)])
+def test_rows_are_read_as_the_widest_word_they_allow(row: int, word: int) -> None:
+    flat = torch.randint(0, 256, (row * 10 + 3,), dtype=torch.uint8)
+    assert word_bytes(row, flat.data_ptr()) == word
+    rows = as_rows(flat, row, word)
+    assert rows.shape[0] == 10 and rows.element_size() == word
     ids = torch.tensor([7, 2, 9])
-    assert torch.equal(gather_rows(blocks, ids), blocks.index_select(0, ids))
-    rows = torch.randint(0, 256, (3, row_bytes), dtype=torch.uint8)
-    expected_flat = flat.clone()
-    expected_flat.as_strided((10, row_bytes), (stride, 1))[ids] = rows  # byte by byte, gaps between rows kept
-    scatter_rows(blocks, ids, rows)
-    assert torch.equal(flat, expected_flat)
+    assert rows.index_select(0, ids).view(torch.uint8).view(3, row).equal(flat[: 10 * row].view(10, row)[ids])
 
 
-@pytest.mark.parametrize(("order", "merged"), [("LBHNC", True), ("BLHNC", False)])
-def test_gathering_is_chosen_by_the_runs_the_ids_make(order: str, merged: bool) -> None:
-    """Runs counted from the block ids alone: consecutive blocks are one run where blocks lie next to each other
-    (block-major layers), one run each where other layers lie between them."""
-    kv = DeviceKv(caches(order, True), 16, "test", 5)
-    kv.gather_min_runs = 3
-    assert kv._gather_ids([0, 2, 4]) is not None
-    assert kv._gather_ids([4, 5]) is None, "fewer blocks than runs needed"
-    consecutive = kv._gather_ids([3, 4, 5, 6, 7])
-    assert (consecutive is None) is merged
-    assert kv._gather_ids([3, 4, 5, 9, 10, 0]) is not None
-    assert (kv._gather_ids([3, 4, 5, 9, 10]) is None) is merged
-    kv.gather_min_runs = None
-    assert kv._gather_ids([0, 2, 4]) is None
+def test_consecutive_rows_move_with_one_plain_copy() -> None:
+    """Blocks that lie one after another are copied as they are: no indices, no gather."""
+    kv = DeviceKv(caches("LBHNC", True), 16, "test", 5)
+    assert kv.plan([0], [3, 4, 5, 6])[0].one_run
+    assert not kv.plan([0], [3, 5, 4])[0].one_run
+    assert not DeviceKv(caches("BLHNC", True), 16, "test", 5).plan([1], [3, 4])[0].one_run, \
+        "other layers lie between two blocks"
 
 
-@pytest.mark.parametrize("gather", [False, True])
-def test_a_transfers_block_ids_are_worked_out_once_not_per_layer(gather: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A transfer's layers come one after another with its one tuple of block ids: the ids to gather, and the
-    ranges of layers that lie alike (one tensor each, as vLLM's GPU caches), are worked out once for it. Another
-    transfer's ids are worked out anew, and the bytes are right for both."""
-    src_layers = [t.clone() for t in caches("BLHNC", True)]  # each layer a tensor of its own: they lie alike
+def test_a_transfers_rows_are_worked_out_once_not_per_layer() -> None:
+    """A transfer's layers come one after another with its one tuple of block ids: the layers that lie alike share
+    one list of rows (and one upload of it to the device); another transfer's ids are worked out anew."""
+    src_layers = caches("LBHNC", True)
     kv = DeviceKv(src_layers, 16, "test", 5)
-    kv.gather_min_runs = 1 if gather else None
     reference = KvBlocks.from_tensors(src_layers, 16, "test")
-    transfers = (("a", [9, 2, 3, 11, 0]), ("b", [5, 6, 1]))
-    expected = {tid: [b"".join(bytes(v) for v in reference.block_views(layer, blocks)) for layer in range(SIZES["L"])]
-                for tid, blocks in transfers}
-    asked: list[str] = []
-    real_gather, real_ranges = DeviceKv._gather_ids, LayerGeometry.ranges
-    monkeypatch.setattr(DeviceKv, "_gather_ids", lambda self, ids: asked.append("gather") or real_gather(self, ids))
-    monkeypatch.setattr(LayerGeometry, "ranges", lambda self, ids: asked.append("ranges") or real_ranges(self, ids))
-    buffers = TransferBuffers(kv)
-    for tid, blocks in transfers:
-        asked.clear()
+    for blocks in ((9, 2, 3, 11, 0), (5, 6, 1)):
+        pieces = [kv.plan((layer,), blocks)[0] for layer in range(SIZES["L"])]
+        assert all(p.rows is pieces[0].rows for p in pieces), "one list of rows for the layers of a transfer"
         for layer in range(SIZES["L"]):
-            (staged,), ready = buffers.push_views(tid, layer, blocks)
-            assert ready(time.monotonic() + 1)
-            assert bytes(staged) == expected[tid][layer]
-        assert asked == (["gather"] if gather else ["gather", "ranges"]), asked
+            out = torch.empty(len(blocks) * BLOCK_BYTES, dtype=torch.uint8)
+            assert kv.copy_out([layer], blocks, out)()
+            assert out.numpy().tobytes() == b"".join(bytes(v) for v in reference.block_views(layer, blocks))
 
 
 def test_block_ids_in_a_list_are_worked_out_every_time() -> None:
@@ -267,5 +245,5 @@ def test_block_ids_in_a_list_are_worked_out_every_time() -> None:
     out = torch.empty(len(ids) * BLOCK_BYTES, dtype=torch.uint8)
     for blocks in ([1, 2, 3], [7, 0, 4]):
         ids[:] = blocks
-        assert kv.copy_out(0, ids, out)()
+        assert kv.copy_out([0], ids, out)()
         assert out.numpy().tobytes() == b"".join(bytes(v) for v in reference.block_views(0, blocks))

@@ -1,0 +1,79 @@
+"""The KV caches vLLM hands a worker (`register_kv_caches`), made ready to move, once, at registration: ordered by
+the model's layers, kernel blocks regrouped into vLLM blocks (`p2pkv.layout.manager_blocks`), layers that share one
+cache (vLLM's KV sharing) folded into one, and anything p2pkv cannot move refused with an error that names the
+layer and what it is. Every plane then works from this one description."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from p2pkv.errors import UnsupportedCacheError
+from p2pkv.layout import manager_blocks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KvLayers:
+    names: list[str]  # every layer vLLM named, in the model's order
+    tensors: list[torch.Tensor]  # the distinct caches, in that order, vLLM's block ids on dim 0
+    index: dict[str, int]  # layer name -> the index of its cache in `tensors`
+    aliases: dict[str, str]  # a layer that reuses another's cache -> that layer
+
+    @property
+    def owners(self) -> list[str]:
+        """The layer that owns each cache in `tensors`."""
+        return [n for n in self.names if n not in self.aliases]
+
+
+def _identity(t: torch.Tensor) -> tuple[object, ...]:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def prepare_layers(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, block_size: int,
+                   order: Callable[[str], tuple[int, str]]) -> KvLayers:
+    """`num_blocks`: vLLM's block count (`KVCacheConfig.num_blocks`; 0: not known, then told from views whose
+    token dimension is a fraction of `block_size`); `order`: the sort key that puts layer names in the model's
+    order."""
+    if not kv_caches:
+        raise UnsupportedCacheError("vLLM registered no KV cache layers")
+    if num_blocks <= 0:
+        sample = next(iter(kv_caches.values()))
+        tokens = sample.shape[2] if sample.dim() == 4 else block_size
+        if 0 < tokens < block_size and block_size % tokens == 0:
+            num_blocks = sample.shape[0] // (block_size // tokens)
+    names = sorted(kv_caches, key=order)
+    tensors: list[torch.Tensor] = []
+    index: dict[str, int] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[object, ...], str] = {}
+    for name in names:
+        t = kv_caches[name]
+        if t.dim() != 4:
+            raise UnsupportedCacheError(
+                f"KV layer {name}: vLLM gave a buffer of shape {tuple(t.shape)}, not a [blocks, heads, tokens, "
+                "bytes] view: a cache the model lays out itself (Mamba or other state), which p2pkv cannot move")
+        owner = seen.get(_identity(t))
+        if owner is not None:
+            aliases[name], index[name] = owner, index[owner]
+            continue
+        seen[_identity(t)] = name
+        index[name] = len(tensors)
+        tensors.append(manager_blocks(t, num_blocks, name))
+    first = tensors[0]
+    for name, t in zip((n for n in names if n not in aliases), tensors, strict=True):
+        if t.shape[1:] != first.shape[1:] or t.dtype != first.dtype:
+            raise UnsupportedCacheError(
+                f"KV layer {name} holds blocks of shape {tuple(t.shape[1:])} {t.dtype}, layer {names[0]} of "
+                f"{tuple(first.shape[1:])} {first.dtype}: models whose layers have different KV page sizes are "
+                "not supported")
+    if aliases:
+        log.info("%d layers reuse another layer's KV cache (KV sharing); each cache moves once", len(aliases))
+    if first.dim() == 5:
+        log.info("vLLM's blocks are split into %d kernel blocks each; every transfer moves whole vLLM blocks",
+                 first.shape[1])
+    return KvLayers(names, tensors, index, aliases)
