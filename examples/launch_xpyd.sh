@@ -7,7 +7,7 @@
 #   MODEL=/models/Llama-3.1-8B-Instruct DP=2 examples/launch_xpyd.sh         # 1P1D, 2 engines each, GPUs 0..3
 #
 # Environment: MODEL (required), P, D (default 1 each), DP (each instance's --data-parallel-size, 1: the proxy then
-# routes to each engine of an instance apart, see the README), FIRST_GPU (0), HOST (this host's address, default
+# routes to each engine of an instance apart, see docs/deployment.md), FIRST_GPU (0), HOST (this host's address, default
 # 127.0.0.1), PROXY_PORT (10001), DISCOVERY_PORT (30001), BASE_HTTP (8100), BASE_KV (21001), EXTRA_ARGS (more vLLM
 # arguments, e.g. "--max-model-len 8192"), READY_TIMEOUT (seconds, 900), P2PKV_AUTH_SECRET (optional: signs every control frame and heartbeat),
 # FAILURE_POLICY (kv_load_failure_policy, recompute): with "fail" a decode instance whose KV did not arrive fails the
@@ -16,7 +16,7 @@
 # their KV (they say so in their heartbeats, and the proxy asks the prefill instances to hold it for them), where the
 # prefill instances push by default (PUT_ASYNC).
 # On vLLM's CPU build also export VLLM_CPU_KVCACHE_SPACE (GiB of KV per instance, e.g. 1),
-# ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 and VLLM_USE_AOT_COMPILE=0 (see the README); CUDA_VISIBLE_DEVICES is then
+# ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 and VLLM_USE_AOT_COMPILE=0 (see docs/deployment.md); CUDA_VISIBLE_DEVICES is then
 # ignored. tests/integration/test_examples.py runs launch_1p1d.sh so, with the tiny model.
 # For hosts of their own, run one instance per host with the same command and point proxy_ip at the proxy's host;
 # with GPUs there, install CuPy (pip install cupy-cuda12x, or cupy-cuda13x) so that pulls go through NCCL: the decode

@@ -46,6 +46,16 @@ class NoPinnedSpace(P2pkvError):
     """No page-locked host memory is free for a copy issued where none may be allocated (the forward's path)."""
 
 
+class PartialCopy(P2pkvError):
+    """Issuing a batch of copies failed part-way: those issued before still run. `pending` says when they are done:
+    the memory they touch is not given back, nor the load reported, before it does."""
+
+    def __init__(self, cause: BaseException, pending: Marker) -> None:
+        super().__init__(f"a device copy could not be issued: {cause!r}")
+        self.cause = cause
+        self.pending = pending
+
+
 SPIN_S = 300e-6  # markers are asked without sleeping this long: a short copy is seen done within microseconds
 
 
@@ -100,6 +110,9 @@ class DeviceOps(Protocol):
         """The operations issued inside run on the side stream (or on `stream`, a pipe's), after the work before
         these fences."""
 
+    def wait(self, fence: Fence) -> None:
+        """The operations issued after this (in the same `issue`) run after the work before `fence` too."""
+
     def mark(self) -> Marker:
         """A marker for the operations issued so far."""
 
@@ -138,6 +151,9 @@ class HostOps:
 
     def issue(self, after: Sequence[Fence], stream: object | None = None) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+    def wait(self, fence: Fence) -> None:
+        pass
 
     def mark(self) -> Marker:
         return done
@@ -181,26 +197,36 @@ class PinnedRing:
     """Page-locked host memory for row indices on their way to the device, allocated once (at registration, never
     on the forward's path) and reused in order as the copies that read it finish."""
 
-    def __init__(self, nbytes: int) -> None:
-        self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    def __init__(self, nbytes: int, host: torch.Tensor | None = None) -> None:
+        """`host`: the memory to use (the tests' own), else `nbytes` of page-locked memory."""
+        self._host = host if host is not None else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self._lock = threading.Lock()
         self._spans: deque[_Span] = deque()  # in the order they were handed out
         self._head = 0
 
     def put(self, data: Rows) -> tuple[torch.Tensor, Callable[[Marker], None]]:
-        """Host memory holding `data`, and the call that names the marker after which it may be reused."""
+        """Host memory holding `data`, and the call that names the marker after which it may be reused (the caller
+        names one, `done` where its copy could not be issued)."""
         n = -(-data.nbytes // 64) * 64
+        if n > self._host.numel():
+            raise NoPinnedSpace(f"{data.nbytes} bytes of row indices: more than the pinned ring holds")
         with self._lock:
-            while self._spans and self._spans[0].marker():
-                self._spans.popleft()
-            start = self._head if self._head + n <= self._host.numel() else 0
-            if any(start < s.end and s.start < start + n for s in self._spans):
+            self._spans = deque(s for s in self._spans if not s.marker())  # any finished span, not only the oldest
+            size = self._host.numel()
+            free = (c for c in (self._head, 0, *(s.end for s in self._spans))  # after the last, else after any
+                    if c + n <= size and not any(c < s.end and s.start < c + n for s in self._spans))
+            start = next(free, None)
+            if start is None:
                 raise NoPinnedSpace(f"{data.nbytes} bytes of row indices: the pinned ring is full")
             span = _Span(start, start + n)
             self._spans.append(span)
             self._head = start + n
         host = self._host[start : start + data.nbytes]
-        host.numpy()[:] = data.view(np.uint8)
+        try:
+            host.numpy()[:] = data.view(np.uint8)
+        except BaseException:
+            span.marker = done
+            raise
 
         def freed_by(marker: Marker) -> None:
             span.marker = marker
@@ -258,10 +284,19 @@ class CudaOps:
 
     def index(self, rows: Rows) -> torch.Tensor:
         host, freed_by = self._ring.put(rows)
-        out = torch.empty(len(rows), dtype=torch.int64, device=self.device)
-        out.view(torch.uint8).copy_(host, non_blocking=True)
+        try:
+            out = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+            out.view(torch.uint8).copy_(host, non_blocking=True)
+        except BaseException:
+            freed_by(done)  # nothing reads it
+            raise
         freed_by(self.mark())
         return out
+
+    def wait(self, fence: Fence) -> None:
+        stream = getattr(self._active, "stream", None) or self._stream
+        if isinstance(fence.event, torch.cuda.Event):
+            stream.wait_event(fence.event)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from p2pkv.device_copy import Marker, settle
+from p2pkv.device_copy import Marker, PartialCopy, done, settle, wait_marker
 from p2pkv.engine.device import Fence, Placed, RemoteCache
 from p2pkv.errors import P2pkvError, TransferTimeout
 from p2pkv.layout import ids_array, placed_ranges
@@ -52,8 +52,10 @@ def _visible_gpus() -> dict[str, int]:
 class CudaRemote:
     transport = "cuda_ipc"
 
-    def __init__(self, kv: DeviceKv, export: DeviceExport) -> None:
+    def __init__(self, kv: DeviceKv, export: DeviceExport, kept: list[torch.Tensor]) -> None:
+        """`kept`: where storages a copy may still read are kept mapped (for the worker's life)."""
         self._kv = kv
+        self._kept = kept
         # The peer's device index means nothing here (each process numbers the GPUs it sees): its GPU is found by
         # UUID among ours, and must be visible. The export opens on this worker's own device (peer access where the
         # two differ): copies then run as device copies on our stream, and no context is made on the peer's GPU.
@@ -61,6 +63,7 @@ class CudaRemote:
             raise P2pkvError(f"the peer's GPU {export.device} is not visible to this process (CUDA_VISIBLE_DEVICES)")
         own = kv.flat[0].device
         self._storages: list[torch.Tensor] = []
+        self._last: Marker = done  # the latest copy out of the opened storages
         try:
             with torch.cuda.device(own):
                 for handle in export.handles:
@@ -76,7 +79,13 @@ class CudaRemote:
         _check_storages(ours, [s.numel() for s in self._kv.flat], "our")
         if theirs.nbytes != ours.nbytes:
             raise P2pkvError(f"the peer's blocks hold {theirs.nbytes} bytes, ours {ours.nbytes}")
-        return self._kv.copy_from(self._storages, theirs, ours, [after] if after is not None else [])
+        try:
+            self._last = self._kv.copy_from(self._storages, theirs, ours, [after] if after is not None else [])
+        except PartialCopy as exc:  # what was issued reads the peer's memory and writes ours: let it finish
+            self._last = exc.pending
+            settle([exc.pending], time.monotonic() + self._kv.copy_timeout_s, self._kv.copy_timeout_s)
+            raise
+        return self._last
 
     def copy(self, theirs: Placed, ours: Placed, deadline: float, after: Fence | None = None) -> int:
         marker = self.issue(theirs, ours, after)
@@ -86,6 +95,11 @@ class CudaRemote:
         return theirs.nbytes
 
     def close(self) -> None:
+        """Unmaps the peer's storages once no copy reads them; one still running past a grace is left mapped (an
+        unmapped read is a fault that ends the worker)."""
+        if not wait_marker(self._last, time.monotonic() + self._kv.copy_timeout_s):
+            log.error("a copy out of a peer's cache outlived its deadline; its mapping is kept")
+            self._kept.extend(self._storages)
         self._storages.clear()
 
 
@@ -133,6 +147,7 @@ class CacheAccess:
     def __init__(self, kv: DeviceKv) -> None:
         self.kv = kv
         self.kind = "cuda" if kv.on_gpu else "host"
+        self._kept: list[torch.Tensor] = []  # peers' storages whose copies outlived their deadline
 
     def export(self) -> DeviceExport:
         """Each storage once (vLLM allocates one for every layer)."""
@@ -164,7 +179,7 @@ class CacheAccess:
         if not export.handles:
             raise P2pkvError("the peer exports no layers")
         if self.kind == "cuda":
-            return CudaRemote(self.kv, export)
+            return CudaRemote(self.kv, export, self._kept)
         try:
             return HostRemote(self.kv, export)
         except P2pkvError as exc:

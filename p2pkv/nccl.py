@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import threading
 import time
 from typing import Any, Protocol
 
@@ -29,11 +31,13 @@ UINT8 = 1  # ncclDataType_t ncclUint8
 _CONFIG_MAGIC = 0xCAFEBEEF
 _CONFIG_VERSION = 21700  # the fields below are NCCL 2.17's; later libraries read an older config by its version
 _UNDEF_INT = -(2**31)  # NCCL_CONFIG_UNDEF_INT: NCCL's default
+_SPIN_S = 0.002  # a group's enqueueing is polled without sleeping this long (chunks follow one another closely)
 _POLL_S = 0.0005
 
 
 class NcclConfig(ctypes.Structure):
-    """ncclConfig_t, as NCCL 2.17 declares it."""
+    """ncclConfig_t's first fields (NCCL 2.18's; version 2.17.0 declared: NCCL reads the fields a version has and
+    defaults the rest)."""
 
     _fields_ = [
         ("size", ctypes.c_size_t),
@@ -99,6 +103,7 @@ class Communicator:
             raise P2pkvError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(uid)}")
         self._lib = lib
         self._closed = False
+        self._lock = threading.Lock()  # calls and close from different threads (a transfer, the link's teardown)
         init = getattr(lib.lib, "ncclCommInitRankConfig", None)
         self._poll = getattr(lib.lib, "ncclCommGetAsyncError", None)
         if init is None or self._poll is None:
@@ -119,33 +124,63 @@ class Communicator:
         result = init(ctypes.byref(self.comm), nranks, commid, rank, ctypes.byref(settings))
         self._settle(result, deadline, "making the communicator")
 
-    def _settle(self, result: int, deadline: float, what: str) -> None:
-        """A call's result; where it is still in progress (a non-blocking communicator), poll to the deadline and
-        abort past it."""
-        while result == IN_PROGRESS:
-            if time.monotonic() > deadline:
-                self.close(abort=True)
-                raise TransferTimeout(f"NCCL: {what} missed its deadline")
-            time.sleep(_POLL_S)
+    def _state(self) -> int:
+        """NCCL's state of the communicator (every call on it holds the lock: none runs on a freed one)."""
+        with self._lock:
+            if self._closed:
+                raise TransferError("NCCL: the communicator was closed")
             state = ctypes.c_int(SUCCESS)
             assert self._poll is not None
             self._poll(self.comm, ctypes.byref(state))
-            result = state.value
+            return int(state.value)
+
+    def _settle(self, result: int, deadline: float, what: str) -> None:
+        """A call's result; where it is still in progress (a non-blocking communicator), poll to the deadline (first
+        without sleeping) and abort past it."""
+        spin_until = time.monotonic() + _SPIN_S
+        while result == IN_PROGRESS:
+            now = time.monotonic()
+            if now > deadline:
+                self._abort_quietly()
+                raise TransferTimeout(f"NCCL: {what} missed its deadline")
+            if now < spin_until:
+                os.sched_yield()
+            else:
+                time.sleep(_POLL_S)
+            result = self._state()
         if result != SUCCESS:
-            self.close(abort=True)
+            self._abort_quietly()
             raise TransferError(f"NCCL: {what} failed: {self._lib.ncclGetErrorString(result)}")
 
-    def _group(self, post: Any, deadline: float, what: str) -> None:
-        self._lib.ncclGroupStart()
+    def _abort_quietly(self) -> None:
+        """Abort after a failure; an error from the abort itself is logged, not raised over the failure's."""
         try:
-            post()
-        finally:
-            end = getattr(self._lib.lib, "ncclGroupEnd", None)
-            if self._poll is not None and end is not None:
-                result = end()
-            else:
-                self._lib.ncclGroupEnd()
-                result = SUCCESS
+            self.close(abort=True)
+        except Exception as exc:
+            log.error("NCCL: aborting the communicator failed: %r", exc)
+
+    def check(self) -> None:
+        """TransferError if NCCL found the communicator broken (a peer gone); nothing without a way to ask."""
+        if self._poll is None or self._closed:
+            return
+        result = self._state()
+        if result not in (SUCCESS, IN_PROGRESS):
+            raise TransferError(f"NCCL: {self._lib.ncclGetErrorString(result)}")
+
+    def _group(self, post: Any, deadline: float, what: str) -> None:
+        with self._lock:
+            if self._closed:
+                raise TransferError(f"NCCL: {what} on a closed communicator")
+            self._lib.ncclGroupStart()
+            try:
+                post()
+            finally:
+                end = getattr(self._lib.lib, "ncclGroupEnd", None)
+                if self._poll is not None and end is not None:
+                    result = end()
+                else:
+                    self._lib.ncclGroupEnd()
+                    result = SUCCESS
         self._settle(result, deadline, what)
 
     def send(self, address: int, nbytes: int, peer: int, stream: int, deadline: float) -> None:
@@ -169,10 +204,11 @@ class Communicator:
     def close(self, abort: bool = False) -> None:
         """Idempotent. `abort`: operations may be pending or the peer gone; the communicator's kernels stop at
         once (destroying would wait for them)."""
-        if self._closed:
-            return
-        self._closed = True
-        if abort:
-            self._lib.ncclCommAbort(self.comm)
-        else:
-            self._lib.ncclCommDestroy(self.comm)
+        with self._lock:  # the calls of a non-blocking communicator return at once: none holds it long
+            if self._closed:
+                return
+            self._closed = True
+            if abort:
+                self._lib.ncclCommAbort(self.comm)
+            else:
+                self._lib.ncclCommDestroy(self.comm)

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from p2pkv.device_copy import WORDS, Marker, all_done, as_rows, event_marker, settle, word_bytes
+from p2pkv.device_copy import WORDS, Marker, all_done, as_rows, event_marker, wait_marker, word_bytes
 from p2pkv.engine.device import Fence, Pipe, Placed
 from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, TransferError, TransferTimeout
@@ -59,6 +59,14 @@ class Channel(Protocol):
 
     def close(self, abort: bool = False) -> None:
         """Free the communicator; `abort`: operations may still be pending (a transfer failed part-way)."""
+
+
+def _settled(marker: Marker) -> bool:
+    """A marker asked after an abort: an error it raises means its work is over too."""
+    try:
+        return marker()
+    except Exception:
+        return True
 
 
 def _chunks(pieces: list[RowPiece], chunk: int) -> Iterator[list[tuple[RowPiece, int, int]]]:
@@ -100,42 +108,60 @@ class ChannelPipe:
         self._move(placed, deadline, after, sending=False)
 
     def _move(self, placed: Placed, deadline: float, after: Fence | None, sending: bool) -> None:
+        """Gather and send, or receive and scatter, chunk by chunk on the channel's stream. At the deadline (or a
+        failure) the channel is aborted first, its kernels stop, and what was issued behind them is waited for
+        before the failure is told: no scatter writes into the blocks after the load is reported failed."""
         if self._closed or self._failed:
             raise TransferError(f"the {self.transport} pipe is closed")
         unit = placed.nbytes // max(1, placed.num_blocks * len(placed.layers))  # one layer of one block
         chunk = max(unit, CHUNK_BYTES // max(1, unit) * unit)
         ops = self._kv.ops
+        marker: Marker | None = None
+        failure: BaseException | None = None
         try:
             pieces = self._kv.pieces(placed)
-            with self._channel.on_stream() as stream, ops.issue([after] if after is not None else [], stream):
-                indices = {id(p): ops.index(p.rows) for p in pieces if len(p.rows)}
-                for spans in _chunks(pieces, chunk):
-                    nbytes = sum((end - first) * piece.row for piece, first, end in spans)
-                    scratch = ops.empty(nbytes)
-                    if not sending:
-                        self._channel.recv(scratch, deadline)
-                    at = 0
-                    for piece, first, end in spans:
-                        cache = self._kv.flat[piece.storage]
-                        part = scratch[at : at + (end - first) * piece.row]
-                        word = word_bytes(piece.row, cache.data_ptr(), part.data_ptr())
-                        rows, mine = as_rows(cache, piece.row, word), part.view(-1, piece.row).view(WORDS[word])
-                        index = indices[id(piece)][first:end]
-                        ops.gather(mine, rows, index) if sending else ops.scatter(rows, index, mine)
-                        at += part.numel()
-                    if sending:
-                        self._channel.send(scratch, deadline)
-                marker = all_done([ops.mark(), self._channel.mark()])
-            done = settle([marker], deadline, self._kv.copy_timeout_s)
-        except P2pkvError:
-            self._failed = True
-            raise
+            with self._channel.on_stream() as stream, ops.issue([], stream):
+                try:
+                    self._chunks(pieces, chunk, deadline, after, sending)
+                finally:
+                    marker = all_done([ops.mark(), self._channel.mark()])
+            if not wait_marker(marker, deadline):
+                failure = TransferTimeout(f"the {self.transport} pipe missed the transfer's deadline")
+        except P2pkvError as exc:
+            failure = exc
         except Exception as exc:  # NCCL's or CUDA's own errors end here, as the transfer's
-            self._failed = True
-            raise TransferError(f"{self.transport}: {exc}") from exc
-        if not done:
-            self._failed = True
-            raise TransferTimeout(f"the {self.transport} pipe missed the transfer's deadline")
+            failure = TransferError(f"{self.transport}: {exc}")
+        if failure is None:
+            return
+        self._failed = True
+        self._channel.close(abort=True)
+        if marker is not None and not wait_marker(lambda: _settled(marker), time.monotonic() + self._kv.copy_timeout_s):
+            log.error("%s pipe: copies still running %.0f s after the abort", self.transport, self._kv.copy_timeout_s)
+        raise failure
+
+    def _chunks(self, pieces: list[RowPiece], chunk: int, deadline: float, after: Fence | None,
+                sending: bool) -> None:
+        ops = self._kv.ops
+        waited = after is None
+        for spans in _chunks(pieces, chunk):
+            nbytes = sum((end - first) * piece.row for piece, first, end in spans)
+            scratch = ops.empty(nbytes)
+            if not sending:
+                self._channel.recv(scratch, deadline)
+                if not waited:  # the receive need not wait for vLLM's zeroing; the first scatter does
+                    ops.wait(after)  # type: ignore[arg-type]
+                    waited = True
+            at = 0
+            for piece, first, end in spans:
+                cache = self._kv.flat[piece.storage]
+                part = scratch[at : at + (end - first) * piece.row]
+                word = word_bytes(piece.row, cache.data_ptr(), part.data_ptr())
+                rows, mine = as_rows(cache, piece.row, word), part.view(-1, piece.row).view(WORDS[word])
+                index = ops.index(piece.rows[first:end])
+                ops.gather(mine, rows, index) if sending else ops.scatter(rows, index, mine)
+                at += part.numel()
+            if sending:
+                self._channel.send(scratch, deadline)
 
     def close(self, abort: bool = False) -> None:
         if not self._closed:
@@ -185,10 +211,18 @@ class NcclChannel:
         self._comm.recv(t.data_ptr(), t.numel(), self._peer, self._stream.cuda_stream, deadline)
 
     def mark(self) -> Marker:
+        """The stream's progress, and NCCL's own account of the communicator (an error NCCL detected, such as a
+        peer gone, fails the transfer at once rather than at its deadline)."""
         with torch.cuda.device(self._device):
             event = torch.cuda.Event()
             event.record(self._stream)
-        return event_marker(event, self._device)
+        progress = event_marker(event, self._device)
+
+        def marker() -> bool:
+            self._comm.check()
+            return progress()
+
+        return marker
 
     def close(self, abort: bool = False) -> None:
         self._comm.close(abort=abort)

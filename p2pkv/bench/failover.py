@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from p2pkv.cli.cluster import Cluster, InstanceSpec, free_ports
+from p2pkv.models import resolve_model
 
 
 @dataclass
@@ -123,11 +124,7 @@ def run(model: str, streams: int, max_tokens: int, stream_resumes: int, log_dir:
 
 
 def main(model: str | None, streams: int, max_tokens: int, stream_resumes: int, interval: int = 1) -> int:
-    if model is None:
-        from p2pkv.cli.up import default_model_dir
-        from p2pkv.tinymodel import write_tiny_model
-
-        model = str(write_tiny_model(default_model_dir()))
+    model = resolve_model(model)
     log_dir = Path(tempfile.mkdtemp(prefix="p2pkv-failover-"))
     r = run(model, streams, max_tokens, stream_resumes, log_dir, interval)
     whole = sum(s.whole() for s in r.streams)

@@ -65,10 +65,12 @@ def kernel_blocks(device: str = "cuda") -> str:
     block byte for byte, and nothing else."""
     checked = 0
     pool = HostPool(64 << 20)
+    pool.prepare()
     cases = [(order, 64, 1) for order in ORDERS] + [("LBHNC", 64, 4), ("LBNHC", 64, 4), ("LBHNC", 128, 2)]
     for order, block, kernel in cases:
         g = Geometry(layers=3, kv_heads=4, head_dim=32, block_size=block, blocks=5)
         caches = [vllm_like_cache(g, 24, device, order, kernel, fill=i == 0) for i in range(3)]
+        _sync(device)  # filled on the default stream; copied on the side stream
         names = [f"model.layers.{i}.self_attn.attn" for i in range(g.layers)]
         layers = [prepare_layers(dict(zip(names, c, strict=True)), 24, block, lambda n: (int(n.split(".")[2]), n))
                   for c in caches]
@@ -118,6 +120,8 @@ def stream_order() -> str:
     views = vllm_like_cache(g, 64, "cuda", fill=False)
     kv = DeviceKv(views, 16, "cuda", 60)
     kv.pool = HostPool(256 << 20)
+    kv.pool.prepare()
+    torch.cuda.synchronize()
     half = DeviceKv(head_slice(views, (0, 4)), 16, "cuda", 60, parent=kv)
     half.pool = kv.pool
     buffers = TransferBuffers(half)
@@ -158,6 +162,7 @@ def landing() -> str:
     the right bytes."""
     g = Geometry(layers=8, blocks=128)
     views = vllm_like_cache(g, 300, "cuda", fill=False)
+    torch.cuda.synchronize()
     kv = DeviceKv(views, 16, "cuda", 60)
     kv.pool = HostPool(1 << 30)
     kv.pool.prepare()
@@ -208,13 +213,14 @@ def staging(device: str = "cuda", g: Geometry = LLAMA) -> str:
     blocks = 2 * g.blocks + 16
     src_views = vllm_like_cache(g, blocks, device, fill=True)
     dst_views = vllm_like_cache(g, blocks, device, fill=False)
-    pool = HostPool(4 * g.layers * g.blocks * g.block_bytes)
-    pool.prepare()
+    nbytes = g.layers * g.blocks * g.block_bytes
+    pool = HostPool(4 * nbytes)
+    pool.prepare(2 * nbytes)  # the push's buffer and the landing's, pinned before anything is timed
+    _sync(device)
     src, dst = DeviceKv(src_views, 16, device, 60), DeviceKv(dst_views, 16, device, 60)
     src.pool = dst.pool = pool
     ids, placed = _descending(g.blocks, blocks - 1), _descending(g.blocks, g.blocks + 10)
     out, into = TransferBuffers(src), TransferBuffers(dst)
-    nbytes = g.layers * g.blocks * g.block_bytes
     issue = {"push": 0.0, "land": 0.0}
 
     def push() -> None:
@@ -225,9 +231,6 @@ def staging(device: str = "cuda", g: Geometry = LLAMA) -> str:
             raise AssertionError("a layer's copy to the host did not finish")
         out.release("p")
 
-    deadline = time.monotonic() + 120
-    while device.startswith("cuda") and pool.pinned_bytes < 2 * nbytes and time.monotonic() < deadline:
-        time.sleep(0.05)  # the pool pins ahead of demand on its own thread
     push_s = _seconds(push, device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.startswith("cuda"))
     flat = src.flat[0][:nbytes]
@@ -291,6 +294,7 @@ def head_slice_pull(device: str = "cuda", g: Geometry = LLAMA) -> str:
     whole_views = vllm_like_cache(g, blocks, device, fill=False)
     half_views = vllm_like_cache(Geometry(g.layers, g.kv_heads // 2, g.head_dim, g.block_size, g.dtype, g.blocks),
                                  blocks, device, fill=False)
+    _sync(device)
     src = DeviceKv(src_views, 16, device, 60)
     half_src = DeviceKv(head_slice(src_views, (0, g.kv_heads // 2)), 16, device, 60, parent=src)
     whole, half = DeviceKv(whole_views, 16, device, 60), DeviceKv(half_views, 16, device, 60)

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 
 from p2pkv.cli.cluster import Cluster, InstanceSpec, free_ports, wait_for_huge_pages
+from p2pkv.models import resolve_model
 
 
 @dataclass(frozen=True)
@@ -117,11 +118,7 @@ def write_plot(disagg: dict[str, float], colocated: dict[str, float], path: Path
 
 def main(model: str | None, input_len: int, output_len: int, num_prompts: int, request_rate: float,
          plot: str) -> int:
-    if model is None:
-        from p2pkv.cli.up import default_model_dir
-        from p2pkv.tinymodel import write_tiny_model
-
-        model = str(write_tiny_model(default_model_dir()))
+    model = resolve_model(model)
     s = ServeSettings(model, input_len, output_len, num_prompts, request_rate)
     log_dir = Path(tempfile.mkdtemp(prefix="p2pkv-serve-"))
     disagg, transfer_ms = bench_disaggregated(s, log_dir)

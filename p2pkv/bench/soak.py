@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from p2pkv.cli.cluster import Cluster, InstanceSpec, Process, free_ports, wait_for_huge_pages
+from p2pkv.models import resolve_model
 
 RSS_GROWTH_LIMIT = 0.05
 
@@ -287,11 +288,7 @@ def run_soak(model: str, requests: int, concurrency: int, log_dir: Path, send_ty
 def main(model: str | None, requests: int, concurrency: int, send_type: str = "PUT_ASYNC",
          transport: str = "auto", integrity_check: bool = False, mixed: bool = False,
          pause_every_s: float = 0.0, reload_weights: bool = False) -> int:
-    if model is None:
-        from p2pkv.cli.up import default_model_dir
-        from p2pkv.tinymodel import write_tiny_model
-
-        model = str(write_tiny_model(default_model_dir()))
+    model = resolve_model(model)
     log_dir = Path(tempfile.mkdtemp(prefix="p2pkv-soak-"))
     r = run_soak(model, requests, concurrency, log_dir, send_type, transport, integrity_check, mixed, pause_every_s,
                  reload_weights)

@@ -51,7 +51,11 @@ def _engines(digest_kv: DeviceKv) -> tuple[TransferEngine, TransferEngine]:
 
 def round_trip(device: str, layers: int = 4, blocks: int = 64) -> str:
     src_layers, dst_layers = caches(device, layers, blocks, True), caches(device, layers, blocks, False)
+    _sync(device)  # filled on the default stream; copied on the side stream
     src, dst = DeviceKv(src_layers, TOKENS, device, 30), DeviceKv(dst_layers, TOKENS, device, 30)
+    pool = HostPool(4 * layers * blocks * BLOCK_BYTES)  # pinned on a GPU: a push takes only pinned memory
+    pool.prepare()
+    src.pool = dst.pool = pool
     sender, receiver = _engines(src)
     out_buffers, in_buffers = TransferBuffers(src), TransferBuffers(dst)
     moves = {b: (b * 7 + 3) % blocks for b in range(0, blocks, 2)}  # scattered both ends
@@ -89,6 +93,7 @@ def round_trip(device: str, layers: int = 4, blocks: int = 64) -> str:
         out_buffers.release("get")
         sender.close()
         receiver.close()
+        pool.close()
     return f"push and pull over tcp, {layers} layers x {len(ids)} scattered blocks, byte for byte"
 
 

@@ -81,6 +81,16 @@ def _die_with_parent() -> None:
         pass
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @dataclass
 class Process:
     name: str
@@ -116,16 +126,19 @@ class Process:
             return ""
 
     def stop(self, grace_s: float = 15.0) -> None:
-        if self.popen is None or self.popen.poll() is not None:
+        """Terminate the process's whole group, then kill what is left of it: whether or not its leader has exited
+        (vLLM's API server killed, its EngineCore and workers live on in its group)."""
+        if self.popen is None:
             return
         try:
             os.killpg(self.popen.pid, signal.SIGTERM)
-        except ProcessLookupError:
+        except ProcessLookupError:  # nothing of the group is left
+            self.popen.poll()
             return
-        try:
-            self.popen.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _group_alive(self.popen.pid):
+            self.popen.poll()  # reaps the leader, so that the group's liveness counts its other members only
+            time.sleep(0.1)
         try:
             os.killpg(self.popen.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -199,7 +212,7 @@ class Cluster:
         # vLLM's CPU linear layers keep their own cache of 32 oneDNN GEMM kernels per layer, keyed by the number of
         # tokens in the batch. oneDNN's global primitive cache (1024 entries by default) keeps a second copy of each,
         # about 256 KiB of JIT code apiece: a prefill instance, which sees many batch sizes, grows by ~400 MiB
-        # before that cache is full (found with memray; see docs/benchmarks.md). Without it memory stays flat
+        # before that cache is full (found with memray; see docs/design.md, "Memory"). Without it memory stays flat
         # and throughput is unchanged.
         env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")
         if vllm_cpu_build():

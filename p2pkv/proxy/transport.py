@@ -3,7 +3,7 @@ connection pool and HTTP/1.1 parser.
 
 Why: httpx's own transport (httpcore on anyio) cost about 0.75 ms of CPU per call against 0.22 ms for aiohttp, on
 this project's stub backends (one process, uvloop, sequential POSTs), and the proxy makes two calls per request
-(docs/benchmarks.md, thirtieth session). The rest of the proxy keeps httpx's types: the choice stays in this module.
+(`docs/design.md`, "Parts"). The rest of the proxy keeps httpx's types: the choice stays in this module.
 
 Failures come out as httpx's exceptions, which the proxy's routing tells apart: a connection that could not be
 made (refused, reset as it was set up: an instance killed under load) is `httpx.ConnectError`, that instance

@@ -2,7 +2,7 @@
 
 The kernel's cross-process copy pins and copies the peer's pages one at a time, and one thread of it moved only
 0.35x to 0.78x of a memcpy of the same bytes at 8 to 256 MiB on the 2-core development machine; two threads, each
-on half of the bytes, moved 1.3x to 2.1x as much (`docs/benchmarks.md`, "Eleventh session"). Below `SPLIT_FROM` the
+on half of the bytes, moved 1.3x to 2.1x as much (`docs/design.md`, "Transports"). Below `SPLIT_FROM` the
 hand-over to the helper costs more than it saves, so smaller reads stay on the caller's thread.
 """
 

@@ -120,6 +120,14 @@ def check_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
                                             "KV: p2pkv cannot move it")
 
 
+def check_batching(vllm_config: VllmConfig) -> None:
+    """Refuse micro-batching at start-up: micro-batches run the layers' hooks from threads of their own, each on its
+    own stream, so a layer's copy would follow one micro-batch's writes and not the other's."""
+    if getattr(vllm_config.parallel_config, "use_ubatching", False):
+        raise UnsupportedCacheError("micro-batching (--enable-dbo, or --ubatch-size above 1) is not supported by "
+                                    "p2pkv: run the instances without it")
+
+
 def _total_kv_heads(vllm_config: VllmConfig) -> int:
     """KV heads over all tensor-parallel ranks; MLA's latent is one head that every rank holds."""
     model = vllm_config.model_config
@@ -136,6 +144,7 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         _route_logs()
         check_cache_groups(kv_cache_config)
+        check_batching(vllm_config)
         tc = vllm_config.kv_transfer_config
         config = parse_connector_config(tc.kv_role, tc.kv_port, getattr(tc, "kv_load_failure_policy", "fail"),
                                         tc.kv_connector_extra_config, _start_of(vllm_config))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from p2pkv.blocks import BlockAccess
 from p2pkv.config import ConnectorConfig
-from p2pkv.device_copy import Marker
+from p2pkv.device_copy import Marker, PartialCopy, done
 from p2pkv.engine import TransferEngine
 from p2pkv.engine.device import Fence
 from p2pkv.engine.puller import HeadSlice, PullState
@@ -361,8 +361,10 @@ class Loads:
                 for (key, access), result in zip(load.parts, results, strict=True):
                     if access is not None and result is not None and not result.by_reference:
                         markers.append(access.land(key, load.fence))  # by reference: straight into the blocks
-        except P2pkvError as exc:
-            failed = str(exc)
+        except Exception as exc:  # no device memory for a copy, say: what was issued still runs
+            if isinstance(exc, PartialCopy):
+                markers.append(exc.pending)
+            failed = repr(exc)
         parts = list(load.parts)
         nbytes = sum(r.nbytes for r in results if r is not None)
 
@@ -396,10 +398,11 @@ class Loads:
             try:
                 # Copied device to device otherwise: nothing to land.
                 marker = self._blocks.land(spec.transfer_id, load.fence) if not result.by_reference else None
-            except P2pkvError as exc:
-                load.landing = _Landing(lambda: True, lambda: self._blocks.release(spec.transfer_id), str(exc))
+            except Exception as exc:  # what was issued still runs: released and reported once it is done
+                pending = exc.pending if isinstance(exc, PartialCopy) else done
+                load.landing = _Landing(pending, lambda: self._blocks.release(spec.transfer_id), repr(exc))
             else:
-                load.landing = _Landing(marker or (lambda: True), finish)
+                load.landing = _Landing(marker or done, finish)
             return self._landed(load, time.monotonic())
         # Only a finished pull is reported: vLLM may free and reuse the blocks of a failed load, so the puller
         # (which honours the same deadline) must be done writing into them first.
@@ -455,7 +458,8 @@ class Loads:
         try:
             load.landing = _Landing(self._blocks.write_all(spec.block_ids, layers, load.fence), finish)
         except Exception as exc:  # a device error (no memory for the copy, say): the prompt is computed here
-            load.landing = _Landing(lambda: True, lambda: self._engine.release_staged(item), repr(exc))
+            pending = exc.pending if isinstance(exc, PartialCopy) else done
+            load.landing = _Landing(pending, lambda: self._engine.release_staged(item), repr(exc))
 
     def _fail_load(self, spec: LoadSpec, reason: str) -> None:
         """Report the load's blocks to vLLM as load errors (it recomputes or fails the request)."""

@@ -59,6 +59,10 @@ class RecordingOps(HostOps):
         finally:
             self._after.fences = ()
 
+    def wait(self, fence: Fence) -> None:
+        self._note("wait", after=(*getattr(self._after, "fences", ()), fence))
+        self._after.fences = (*getattr(self._after, "fences", ()), fence)
+
     def index(self, rows: Rows) -> torch.Tensor:
         self._note("index", rows.nbytes)
         return super().index(rows)
@@ -127,3 +131,17 @@ class SlowOps(RecordingOps):
     def close(self) -> None:
         self._work.put(None)
         self._thread.join(timeout=5)
+
+
+class FailingOps(SlowOps):
+    """Slow, and refuses its `fail_at`-th scatter (as a device out of memory would): the scatters before it are
+    queued and still run."""
+
+    def __init__(self, delay_s: float, fail_at: int) -> None:
+        super().__init__(delay_s)
+        self._fail_at = fail_at
+
+    def scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+        if len(self.of("scatter")) + 1 == self._fail_at:
+            raise RuntimeError("CUDA out of memory (injected)")
+        super().scatter(dst, index, src)

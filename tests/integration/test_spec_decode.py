@@ -88,7 +88,8 @@ def test_a_stream_cut_off_after_events_of_several_tokens_goes_on_with_the_same_t
 
 @pytest.fixture(scope="module")
 def eagle_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The same EAGLE head on every instance (`p2pkv up -- --speculative-config ...`), as the README says to."""
+    """The same EAGLE head on every instance (`p2pkv up -- --speculative-config ...`), as docs/troubleshooting.md
+    says to."""
     head = write_tiny_eagle(tmp_path_factory.mktemp("eagle-head"))
     spec = json.dumps({"method": "eagle", "model": str(head), "num_speculative_tokens": 3})
     with described_cluster(tiny_model, tmp_path_factory.mktemp("eagle"), {"transfer_timeout_s": TRANSFER_TIMEOUT_S},

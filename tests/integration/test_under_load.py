@@ -54,9 +54,7 @@ def pressed(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     extra = {"transfer_timeout_s": 5.0}
     prefill_only = ("--prefill-extra-config", json.dumps({"lease_s": LEASE_S}))
     work = tmp_path_factory.mktemp("pressed")
-    # Answers are compared with the oracle's to the last bit of their log-probabilities: it computes prompts in
-    # the same chunks as the prefill instance does. (Whole prompts give KV that differs in the last bits on some
-    # CPUs, AVX-512 without AMX for one, and so log-probabilities ~1e-6 apart.)
+    # The oracle computes prompts in the same chunks as the prefill instance does, so that its KV is the one moved.
     same_chunks = ("--max-num-batched-tokens", str(MAX_BATCHED_TOKENS))
     with up_with_colocated(tiny_model, work, extra, vllm_args, prefill_only, {"PYTHONPATH": str(PLUGIN)},
                            same_chunks) as (proc, info, colocated):
@@ -69,6 +67,15 @@ async def _all(base: str, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for answer in answers:
         assert answer.status_code == 200, answer.text
     return [a.json() for a in answers]
+
+
+def same_answer(answer: dict[str, Any], reference: dict[str, Any]) -> None:
+    """The same tokens, log-probabilities within 1e-4 (test_disagg's criterion; KV of the wrong bytes moves them by
+    1e-3 and more). Not bit for bit: the decode side computes the last prompt token alone, the colocated instance in
+    its last chunk, and on CPUs with AMX oneDNN's GEMM for a long chunk rounds differently (3.5e-6 at 700 tokens)."""
+    (ids, logprobs), (ref_ids, ref_logprobs) = ids_and_logprobs(answer), ids_and_logprobs(reference)
+    assert ids == ref_ids
+    assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True)) < 1e-4
 
 
 def _nothing_held(cluster: UpCluster) -> bool:
@@ -204,14 +211,14 @@ def test_answers_equal_colocated_and_every_prompt_is_loaded(pressed: UpCluster) 
         text = prompt(f"async{i}", length)
         answer = greedy(cluster.proxy, cluster.model, text)
         reference = greedy(cluster.colocated, cluster.model, text)
-        assert ids_and_logprobs(answer) == ids_and_logprobs(reference)
+        same_answer(answer, reference)
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
         expected += kv_bytes(length)
     # A GET transfer (the decode side pulls), on the same instances.
     text = prompt("async-get", 400)
     returned, answer = two_steps(cluster, text, PrefillParams(uuid.uuid4().hex, None, pull=True))
     assert returned.pull
-    assert ids_and_logprobs(answer) == ids_and_logprobs(greedy(cluster.colocated, cluster.model, text))
+    same_answer(answer, greedy(cluster.colocated, cluster.model, text))
     expected += kv_bytes(400)
     assert metric(decode["metrics"], LOADED) - before == expected
 

@@ -29,7 +29,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from p2pkv.cli.cluster import free_ports
 from p2pkv.errors import UnsupportedCacheError
 from p2pkv.tinymodel import write_tiny_model
-from p2pkv.vllm.connector import P2pNcclConnector, check_cache_groups
+from p2pkv.vllm.connector import P2pNcclConnector, check_batching, check_cache_groups
 from p2pkv.vllm.worker import WorkerSide
 from tests.helpers.workers import offer_and_pull, push_and_load, worker_side
 
@@ -137,3 +137,11 @@ def test_a_group_of_state_that_is_not_attention_kv_is_refused() -> None:
     mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
     with pytest.raises(UnsupportedCacheError, match=r"model\.layers\.0\.mixer: its cache is a MambaSpec"):
         check_cache_groups(_config(KVCacheGroupSpec(["model.layers.0.mixer"], mamba)))
+
+
+def test_micro_batching_is_refused_at_start_up() -> None:
+    """vLLM's dual-batch overlap runs each micro-batch's layer hooks on a thread and stream of its own."""
+    dbo: Any = SimpleNamespace(parallel_config=SimpleNamespace(use_ubatching=True))
+    with pytest.raises(UnsupportedCacheError, match="micro-batching"):
+        check_batching(dbo)
+    check_batching(SimpleNamespace(parallel_config=SimpleNamespace(use_ubatching=False)))  # type: ignore[arg-type]

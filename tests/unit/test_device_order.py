@@ -24,7 +24,7 @@ from p2pkv.params import Address
 from p2pkv.staging import STAGE_ENV
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
 from p2pkv.vllm.worker import WorkerSide
-from tests.helpers.device_ops import Call, RecordingOps, SlowOps
+from tests.helpers.device_ops import Call, FailingOps, RecordingOps, SlowOps
 from tests.helpers.workers import LOCAL, offer_and_pull, push_and_load, settle, worker_side
 
 LAYERS, BLOCKS, HEADS, TOKENS = 3, 8, 2, 16
@@ -181,6 +181,39 @@ def test_landing_never_waits_for_the_device(sides: list[WorkerSide], send: str) 
         assert statistics.median(durations) < 1e-3, statistics.median(durations)
     finally:
         slow.close()
+
+
+def test_a_landing_that_fails_part_way_is_reported_once_what_it_issued_is_done(sides: list[WorkerSide]) -> None:
+    """The second layer's copy cannot be issued (the device is out of memory): the first layer's copy, already
+    queued, still writes into the blocks and reads the staged bytes. The load is reported failed (vLLM recomputes)
+    only once that copy is done, and the staged bytes are freed only then; `get_finished` never waits for it."""
+    failing = FailingOps(delay_s=0.5, fail_at=2)
+    p_port, d_port = free_ports(2)
+    prefill = worker_side("kv_producer", p_port, caches(5), TOKENS, keys={"transport": "tcp"})
+    decode = worker_side("kv_consumer", d_port, caches(None), TOKENS, keys={"transport": "tcp"}, device_ops=failing)
+    sides += [prefill, decode]
+    try:
+        decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "t", 0, (0, 3), fallback_from=Address(LOCAL, p_port))]))
+        prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "t", Address(LOCAL, d_port), (1, 4))]))
+        for name in NAMES:
+            prefill.save_layer(name)
+        prefill.wait_for_save()
+        deadline, slowest, loaded = time.monotonic() + 10, 0.0, set()
+        while not loaded:
+            assert time.monotonic() < deadline, "the load was never reported"
+            prefill.get_finished(set())
+            started = time.monotonic()
+            loaded = decode.get_finished(set())[1] or set()
+            slowest = max(slowest, time.monotonic() - started)
+            if failing.of("scatter") and not loaded:
+                assert decode.engine.store.bytes_in_use > 0, "the staged bytes are kept while a copy reads them"
+            time.sleep(0.005)
+        assert failing.mark()(), "reported only once the copy it had issued was done"
+        assert decode.take_load_errors() == {0, 3}
+        assert decode.engine.store.bytes_in_use == 0
+        assert slowest < 0.1, slowest
+    finally:
+        failing.close()
 
 
 def test_without_free_pinned_memory_the_blocks_are_held_for_a_pull(sides: list[WorkerSide]) -> None:

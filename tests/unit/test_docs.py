@@ -1,8 +1,9 @@
-"""The docs' reference parts against the code: the README's configuration table (every key of
-`kv_connector_extra_config` with its default), its metrics tables (every series a worker and the proxy serve, with
-its labels) and every option of every `p2pkv` command; the `p2pkv` command lines in the docs and examples (each
+"""The docs' reference parts against the code: the configuration table (every key of `kv_connector_extra_config`
+with its default), the metrics tables (every series a worker and the proxy serve, with their labels) and every
+option of every `p2pkv` command somewhere in the docs; the `p2pkv` command lines in the docs and examples (each
 option one the command takes); `docs/design.md`'s parts (every module of the package) and its protocol section
-(its version, and every message with its fields in order)."""
+(its version, and every message with its fields in order); the front page's and the benchmarks page's length, and
+no diary entries anywhere in the tree."""
 
 from __future__ import annotations
 
@@ -23,12 +24,16 @@ from p2pkv.proxy.metrics import ProxyMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-DESIGN = ROOT / "docs" / "design.md"
+DOCS = ROOT / "docs"
+DESIGN = DOCS / "design.md"
+CONFIGURATION = DOCS / "configuration.md"
+METRICS = DOCS / "metrics.md"
+PAGES = [README, *sorted(DOCS.glob("*.md"))]
 _CODE = re.compile(r"`([^`]*)`")
 
 
 def table_after(text: str, heading: str) -> list[list[str]]:
-    """The cells of each body row of the first table after `heading` (a whole line of the README)."""
+    """The cells of each body row of the first table after `heading` (a whole line of `text`)."""
     lines = text.splitlines()
     at = lines.index(heading)
     rows: list[list[str]] = []
@@ -69,7 +74,7 @@ def _same_default(written: str, value: object) -> bool:
 
 
 def test_the_configuration_table_lists_every_key_once_with_its_default() -> None:
-    rows = table_after(README.read_text(), "## Configuration (`kv_connector_extra_config`)")
+    rows = table_after(CONFIGURATION.read_text(), "## Keys (`kv_connector_extra_config`)")
     listed: dict[str, str] = {}
     for row in rows:
         for key in _CODE.findall(row[0]):
@@ -79,7 +84,7 @@ def test_the_configuration_table_lists_every_key_once_with_its_default() -> None
     assert sorted(listed) == sorted(defaults)
     wrong = {key: (written, defaults[key]) for key, written in listed.items()
              if not _same_default(written, defaults[key])}
-    assert not wrong, f"defaults in the README differ from the code's: {wrong}"
+    assert not wrong, f"defaults in docs/configuration.md differ from the code's: {wrong}"
 
 
 def served(metrics: object) -> dict[str, list[str]]:
@@ -93,7 +98,7 @@ def served(metrics: object) -> dict[str, list[str]]:
 
 
 def documented(heading: str) -> dict[str, list[str]]:
-    rows = table_after(README.read_text(), heading)
+    rows = table_after(METRICS.read_text(), heading)
     out: dict[str, list[str]] = {}
     for row in rows:
         names = _CODE.findall(row[0])
@@ -103,8 +108,8 @@ def documented(heading: str) -> dict[str, list[str]]:
 
 
 def test_the_metrics_tables_list_every_series_a_worker_and_the_proxy_serve_with_their_labels() -> None:
-    assert documented("### Each worker (`metrics_port`)") == served(EngineMetrics())
-    assert documented("### The proxy (`GET /metrics`)") == served(ProxyMetrics())
+    assert documented("## Each worker (`metrics_port`)") == served(EngineMetrics())
+    assert documented("## The proxy (`GET /metrics`)") == served(ProxyMetrics())
 
 
 def options(parser: argparse.ArgumentParser, command: str = "p2pkv") -> dict[str, list[str]]:
@@ -120,13 +125,13 @@ def options(parser: argparse.ArgumentParser, command: str = "p2pkv") -> dict[str
     return out
 
 
-def test_every_option_of_every_command_is_in_the_readme() -> None:
-    text = README.read_text()
+def test_every_option_of_every_command_is_in_the_docs() -> None:
+    text = "\n".join(page.read_text() for page in PAGES)
     by_command = options(build_parser())
     assert "p2pkv up" in by_command and "p2pkv bench transfer" in by_command
     missing = [f"{command} {option}" for command, found in by_command.items() for option in found
                if not re.search(re.escape(option) + r"(?![\w-])", text)]
-    assert not missing, f"options the README never names: {missing}"
+    assert not missing, f"options the docs never name: {missing}"
 
 
 _COMMAND_LINE = re.compile(r"p2pkv (proxy|up|tiny-model|bench \w+)\b([^`\n|]*)")
@@ -138,8 +143,7 @@ def test_every_p2pkv_command_line_in_the_docs_and_examples_uses_options_that_com
     are vLLM's), outside quotes, is one that command takes."""
     by_command = options(build_parser())
     wrong = []
-    for path in [README, DESIGN, ROOT / "docs" / "migration.md", ROOT / "docs" / "benchmarks.md",
-                 *sorted((ROOT / "examples").iterdir())]:
+    for path in [*PAGES, *sorted((ROOT / "examples").iterdir())]:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             for command, rest in _COMMAND_LINE.findall(line):
                 own = _QUOTED.sub("", rest).split(" -- ")[0]
@@ -187,3 +191,42 @@ def test_the_design_names_every_module_of_the_package_in_its_parts() -> None:
     modules |= {f"p2pkv.{p.name}" for p in package.iterdir() if (p / "__init__.py").exists()}
     assert sorted(modules - named) == []
     assert sorted(named - modules) == []
+
+
+def test_the_front_page_fits_a_screen_and_the_benchmarks_page_is_reference() -> None:
+    assert len(README.read_text().splitlines()) <= 200
+    assert len((DOCS / "benchmarks.md").read_text().splitlines()) <= 400
+
+
+_DIARY = re.compile(r"\b(\w+(st|nd|rd|th)|first|second|third|fifth|eighth|ninth|twelfth|last|earlier|this|that|"
+                    r"previous|next)[- ]session\b|\bsessions?\)|session note", re.IGNORECASE)
+
+
+def test_no_diary_entries_in_the_tree() -> None:
+    """The repository speaks of the project: a figure cites a docs section by its heading, not a work session."""
+    tracked = [p for p in ROOT.rglob("*") if p.is_file() and p.suffix in (".py", ".md", ".sh", ".toml", ".yaml",
+                                                                          ".yml", ".txt", ".cfg")
+               and not any(part.startswith(".") or part in ("build", "dist") for part in p.relative_to(ROOT).parts)]
+    assert len(tracked) > 50
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in tracked if p != Path(__file__)
+             for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if _DIARY.search(line)]
+    assert not found, f"diary entries: {found}"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped (hyphens and underscores kept), spaces as
+    hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_docs_names_a_page_and_heading_that_exist() -> None:
+    wrong = []
+    for page in PAGES:
+        for target, anchor in re.findall(r"\]\(((?:docs/)?[\w-]+\.md)(?:#([^)]*))?\)", page.read_text()):
+            linked = (page.parent / target).resolve()
+            if not linked.exists():
+                wrong.append(f"{page.name}: {target}")
+            elif anchor and anchor not in {_anchor(line.lstrip("#")) for line in linked.read_text().splitlines()
+                                           if line.startswith("#")}:
+                wrong.append(f"{page.name}: {target}#{anchor}")
+    assert not wrong, f"links to pages or headings that do not exist: {wrong}"

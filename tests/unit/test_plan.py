@@ -5,6 +5,7 @@ layers, which one operation per block and layer made 16,384), against the same r
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -25,15 +26,16 @@ def test_device_operations_do_not_grow_with_the_blocks() -> None:
         if cost.per_layer:  # one layer's copy as the forward computes it: a copy and a gather or scatter
             assert cost.operations <= 2 * big.layers + 1, (plane, cost.operations)
             assert cost.operations == few[plane].operations, plane
-        else:  # the whole request: two operations per chunk of scratch, and the indices
-            assert cost.operations <= 2 * chunks + 2, (plane, cost.operations)
-            assert few[plane].operations <= 2 * math.ceil(request // 8 / SCRATCH_BYTES) + 2, plane
+        else:  # the whole request, per chunk of scratch: its indices (one or two uploads), a gather, a scatter or copy
+            assert cost.operations <= 4 * chunks, (plane, cost.operations)
+            assert few[plane].operations <= 4 * math.ceil(request // 8 / SCRATCH_BYTES), plane
         assert cost.operations < big.layers * big.blocks / 100
 
 
 def test_the_benchmark_prints_the_host_time_of_each_plane(capsys: pytest.CaptureFixture[str]) -> None:
     code = cli(["bench", "plan", "--layers", "4", "--blocks", "32", "--repeats", "2"])
     out = capsys.readouterr().out
-    assert out.count("host time per request: ") == 7
+    rows = [re.search(r"(\d+\.\d+)  (met|NOT met)$", line) for line in out.splitlines()[2:]]
+    assert len(rows) == 7 and all(row is not None and float(row[1]) > 0 for row in rows), out
     assert "4 layers, 8 KV heads of 128, 16-token blocks, bf16" in out
-    assert code == (0 if out.count("(met: target <= 2 ms)") == 7 else 1)
+    assert code == (0 if all(row is not None and row[2] == "met" for row in rows) else 1)

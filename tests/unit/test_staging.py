@@ -6,11 +6,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
 from p2pkv.config import ExtraConfig, Transport
-from p2pkv.device_copy import NoPinnedSpace, as_rows, word_bytes
+from p2pkv.device_copy import NoPinnedSpace, PinnedRing, as_rows, done, word_bytes
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
@@ -247,3 +248,27 @@ def test_block_ids_in_a_list_are_worked_out_every_time() -> None:
         ids[:] = blocks
         assert kv.copy_out([0], ids, out)()
         assert out.numpy().tobytes() == b"".join(bytes(v) for v in reference.block_views(0, blocks))
+
+
+def test_the_pinned_ring_reuses_what_finished_wherever_it_lies_and_refuses_what_cannot_fit() -> None:
+    """Row indices go to the device through a ring of pinned memory: a span is reused once its copy is done, also
+    behind one still in flight; a span whose copy could not be issued is free at once; a list larger than the ring
+    is refused (the caller fails the transfer) rather than clipped."""
+    ring = PinnedRing(0, host=torch.zeros(1024, dtype=torch.uint8))
+    rows = np.arange(32, dtype=np.int64)  # 256 bytes
+    stuck, finished = (lambda: False), (lambda: True)
+    host, freed_by = ring.put(rows)
+    assert host.numpy().view(np.int64).tolist() == rows.tolist()
+    freed_by(stuck)  # a copy that never ends holds its span
+    for _ in range(10):  # the others' spans come back, behind the stuck one
+        _, freed_by = ring.put(rows)
+        freed_by(finished)
+    _, never_issued = ring.put(rows)  # its copy could not be issued: nothing reads it
+    never_issued(done)
+    _, freed_by = ring.put(rows)
+    freed_by(stuck)
+    with pytest.raises(NoPinnedSpace, match="ring is full"):
+        for _ in range(3):
+            ring.put(rows)
+    with pytest.raises(NoPinnedSpace, match="more than the pinned ring holds"):
+        ring.put(np.arange(200, dtype=np.int64))

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from p2pkv.cli.main import build_parser
-from p2pkv.cli.up import build_cluster, listed_refusals, send_demo_request
+from p2pkv.cli.up import DEMO_QUESTION, build_cluster, has_chat_template, listed_refusals, send_demo_request
 from p2pkv.errors import ConfigError
 from p2pkv.proxy.trace import TRANSFER_HEADER
 from tests.helpers.servers import serve
@@ -100,7 +100,29 @@ def test_the_demo_request_says_whether_its_kv_moved(cached: int | None, moved: b
     with serve(app) as address:
         line, did_move = send_demo_request(f"http://{address}", "m")
     assert did_move is moved
-    assert f"prompt_tokens=90 cached_on_decode={cached} completion='abc' transfer=t-1" in line
+    assert f"completion='abc' prompt_tokens=90 cached_on_decode={cached} transfer=t-1" in line
+
+
+def test_a_chat_model_is_asked_the_demo_question_through_the_chat_api(tmp_path: Path) -> None:
+    """A model whose tokenizer has a chat template (SmolLM2's) gets the question as a chat message; the line
+    gives the question and the answer."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert has_chat_template(str(tmp_path)) and not has_chat_template(str(tmp_path / "none"))
+    app = FastAPI()
+    asked: list[dict[str, Any]] = []
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> JSONResponse:
+        asked.append(await request.json())
+        usage = {"prompt_tokens": 40, "completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 39}}
+        return JSONResponse({"choices": [{"message": {"role": "assistant", "content": " Paris. "}}], "usage": usage},
+                            headers={TRANSFER_HEADER: "t-2"})
+
+    with serve(app) as address:
+        line, did_move = send_demo_request(f"http://{address}", "m", chat=True)
+    assert did_move
+    assert asked[0]["messages"] == [{"role": "user", "content": DEMO_QUESTION}]
+    assert f"asked {DEMO_QUESTION!r}: answer='Paris.' prompt_tokens=40 cached_on_decode=39 transfer=t-2" in line
 
 
 def test_refusals_the_proxy_lists_are_said_once_they_come() -> None:
