@@ -81,6 +81,9 @@ class PrefillParams:
     # which start of the decode instance will pull (`p2pkv.config.launch_of`), when the proxy knows it: a refusal
     # of an earlier start of it (before a restart) does not keep the blocks from being held for it
     decode_launch: str = ""
+    # read from vLLM's standard disaggregation params (a router's, not p2pkv's proxy's): the answer adds the
+    # standard fields (`remote_host`, `remote_port`, `remote_engine_id`) to p2pkv's; never sent
+    standard: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {MARKER: PARAMS_VERSION, "transfer_id": self.transfer_id, "do_remote_decode": True}
@@ -225,6 +228,45 @@ class DiscardParams:
 
 
 AnyParams = PrefillParams | DecodeParams | ProbeParams | DiscardParams
+
+
+def standard_prefill(raw: Any) -> bool:
+    """vLLM's standard prefill params, as a router that does not know p2pkv sends them (llm-d's sidecar, vLLM's
+    NIXL test proxy): `do_remote_decode` true, no p2pkv marker. The decode instance is not named: the KV is held
+    for its pull."""
+    return isinstance(raw, dict) and MARKER not in raw and raw.get("do_remote_decode") is True
+
+
+def standard_transfer_id(launch: str, request_id: str) -> str:
+    """The transfer id of a standard prefill request: the same for every hook that reads the request, unique
+    across instances (this start's `launch`, vLLM's request id)."""
+    readable = re.sub(r"[^A-Za-z0-9_.:-]", "_", request_id)
+    tid = f"std-{launch or 'x'}-{readable}"
+    return tid if len(tid) <= 128 else f"std-{launch or 'x'}-{xxhash.xxh3_128_hexdigest(request_id.encode())}"
+
+
+def standard_answer(out: dict[str, Any], engine_id: str, kv: Address) -> dict[str, Any]:
+    """`out` (p2pkv's decode params) with the standard fields a router may log or inspect. Not `do_remote_prefill`:
+    with it vLLM would report the prefill instance's cache hits as the decode instance's cached tokens."""
+    return {**out, "do_remote_decode": False, "remote_engine_id": engine_id or None, "remote_host": kv.host,
+            "remote_port": kv.port}
+
+
+def foreign_params(raw: Any, producer: bool) -> tuple[str, str] | None:
+    """For a request p2pkv does not take as a transfer: why it loads nothing, and from which peer (for warning once
+    per peer); None for a request with nothing to say. `producer`: the instance prefills (standard prefill params
+    are a transfer there)."""
+    if isinstance(raw, dict) and MARKER in raw:
+        return None
+    if not raw:
+        return None if producer else ("none", "")
+    if not isinstance(raw, dict):
+        return "foreign", ""
+    if raw.get("do_remote_decode") is True:
+        return None if producer else ("prefill", "")
+    host, port, engine = raw.get("remote_host"), raw.get("remote_port"), raw.get("remote_engine_id")
+    peer = f"{host}:{port}" if host and port else str(engine or "")
+    return "foreign", peer
 
 
 def legacy_params(request_id: str, producer: bool, num_prompt_tokens: int,

@@ -258,6 +258,14 @@ class Cluster:
         self.processes.append(proc)
         return proc
 
+    def add_router(self, port: int, prefill: Sequence[str], decode: Sequence[str]) -> Process:
+        """`p2pkv.bench.router` (vLLM's standard disaggregation protocol) in front of instances given by base URL."""
+        argv = [sys.executable, "-m", "p2pkv.bench.router", "--host", self.host, "--port", str(port),
+                "--prefill", *prefill, "--decode", *decode]
+        proc = Process("router", argv, self.log_dir / "router.log", self.env(), f"http://{self.host}:{port}/health")
+        self.processes.append(proc)
+        return proc
+
     def start(self, timeout_s: float = 900.0, progress: Callable[[str], None] | None = None) -> None:
         """Start every process not yet running and wait until all are healthy, or raise with the log tail."""
         self.log_dir.mkdir(parents=True, exist_ok=True)

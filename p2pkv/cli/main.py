@@ -85,7 +85,8 @@ def _bench_transfer(args: argparse.Namespace) -> int:
 def _bench_serve(args: argparse.Namespace) -> int:
     from p2pkv.bench.serve import main as bench_serve
 
-    return bench_serve(args.model, args.input_len, args.output_len, args.num_prompts, args.request_rate, args.plot)
+    return bench_serve(args.model, args.input_len, args.output_len, args.num_prompts, args.request_rate, args.plot,
+                       args.via)
 
 
 def _bench_plan(args: argparse.Namespace) -> int:
@@ -232,13 +233,17 @@ def build_parser() -> argparse.ArgumentParser:
                                 "with huge_pages set to false (the default backs it by 2 MiB pages)")
     btransfer.set_defaults(func=_bench_transfer)
 
-    bserve = bench.add_parser("serve", help="vLLM's serving benchmark: 1P1D through the proxy against colocated")
+    bserve = bench.add_parser("serve", help="vLLM's serving benchmark: 1P1D through the proxy and a router of "
+                              "vLLM's standard protocol, against colocated")
     bserve.add_argument("--model", default=None, help="model directory (default: the tiny model)")
     bserve.add_argument("--input-len", type=int, default=512)
     bserve.add_argument("--output-len", type=int, default=32)
     bserve.add_argument("--num-prompts", type=int, default=64)
     bserve.add_argument("--request-rate", type=float, default=4.0, help="requests per second (inf: all at once)")
     bserve.add_argument("--plot", default="bench-serve.png", help="where the PNG plot goes")
+    bserve.add_argument("--via", nargs="+", choices=["proxy", "router"], default=["proxy", "router"],
+                        help="fronts measured on the same 1P1D cluster, in turn: p2pkv's proxy, and a router of "
+                        "vLLM's standard disaggregation protocol (the decode side pulls)")
     bserve.set_defaults(func=_bench_serve)
 
     bplan = bench.add_parser("plan", help="host time to prepare and issue one request's device copies, per GPU "

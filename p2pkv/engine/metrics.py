@@ -33,6 +33,9 @@ class EngineMetrics:
         self.lease_renewals = Counter("p2pkv_lease_renewals", "Transfers whose blocks a decode side asked a prefill "
                                       "side to keep for its waiting requests (asked), and those kept here "
                                       "(renewed)", ["outcome"], registry=r)
+        self.computed_here = Counter("p2pkv_requests_computed_here", "Requests that loaded nothing for want of p2pkv "
+                                     "params: none, another connector's (foreign), or prefill params at a decode "
+                                     "instance (prefill)", ["reason"], registry=r)
         self.transfer_seconds = Histogram("p2pkv_transfer_seconds", "Time per transfer: a push (send) or a pull",
                                           ["direction"], registry=r)
         self._lock = threading.Lock()

@@ -88,3 +88,6 @@ class P2pkvMetadata(KVConnectorMetadata):  # type: ignore[misc]
     # vLLM reset its caches since the last step (a weight update, or on request): what is staged here was computed
     # before, and is dropped before this step's loads.
     reset: bool = False
+    # Requests queued since the last step that load nothing for want of p2pkv params, by reason
+    # (`p2pkv.params.foreign_params`): counted by the workers (`p2pkv_requests_computed_here_total`).
+    computed_here: list[str] = field(default_factory=list)

@@ -19,7 +19,9 @@ from p2pkv.params import (
     PrefillParams,
     ProbeAnswer,
     ProbeParams,
+    foreign_params,
     prompt_digest,
+    standard_answer,
 )
 from p2pkv.vllm.metadata import Discard, LoadSpec, P2pkvMetadata, SaveSpec
 from p2pkv.vllm.request_params import RequestParams
@@ -49,6 +51,7 @@ class _Producer:
     pulled_by: Address | None = None  # GET: the decode instance that will pull (rank 0), when the proxy said
     pullers: int = 0  # its ranks
     puller_launch: str = ""  # GET: which start of that instance will pull, when the proxy said
+    standard: bool = False  # asked in vLLM's standard protocol: the answer carries its fields too
 
 
 @dataclass
@@ -90,6 +93,8 @@ class SchedulerSide:
         self._discards: list[Discard] = []
         self._abandoned: list[str] = []
         self._reset = False  # vLLM reset its caches: the workers drop what is staged at the next step
+        self._computed_here: list[str] = []  # reasons of requests queued since the last step that load nothing
+        self._warned: set[tuple[str, str]] = set()  # (reason, peer) said once each
         # Decode requests waiting for blocks: what is held for their transfers is kept while they wait.
         self._waiting = WaitingRequests(min(config.extra.lease_s, config.extra.staging_expiry_s), tp_size, pp_size)
         # A claim is kept a while after its load, so that late samples of the same request do not wait for KV
@@ -102,13 +107,40 @@ class SchedulerSide:
         return -(-num_tokens // self._block_size)
 
     def on_new_request(self, request: Request) -> None:
-        """A decode request is queued: until it has blocks, what is held for its transfer is kept."""
+        """A decode request is queued: until it has blocks, what is held for its transfer is kept. One that is no
+        transfer of ours is counted, and said once per reason and peer."""
         try:  # invalid parameters are logged once, when the request is scheduled
             params = self._params.parse(request)
         except ConfigError:
             return
         if isinstance(params, DecodeParams) and self._config.role is not Role.PRODUCER:
             self._waiting.add(request.request_id, params)
+        if params is None:
+            self._not_ours(request)
+
+    def _not_ours(self, request: Request) -> None:
+        found = foreign_params(request.kv_transfer_params, self._config.role is not Role.CONSUMER)
+        if found is None:
+            return
+        reason, peer = found
+        self._computed_here.append(reason)
+        if (reason, peer) in self._warned or len(self._warned) > 1000:
+            return
+        self._warned.add((reason, peer))
+        if reason == "foreign":
+            keys = sorted(request.kv_transfer_params) if isinstance(request.kv_transfer_params, dict) else []
+            log.warning("request %s: kv_transfer_params from another connector (keys %s; from %s), not p2pkv's: "
+                        "this instance computes the prompt itself. Run p2pkv's connector on the prefill instances "
+                        "too, and pass their answers' kv_transfer_params on verbatim (said once per peer)",
+                        request.request_id, ", ".join(keys) or "none", peer or "an unnamed peer")
+        elif reason == "prefill":
+            log.warning("request %s: prefill params (do_remote_decode) sent to a decode instance: it computes the "
+                        "request itself; send prefill requests to kv_producer instances (said once)",
+                        request.request_id)
+        else:
+            log.warning("request %s came without kv_transfer_params: this decode instance computes its prompt "
+                        "itself. A router must pass the prefill answer's kv_transfer_params to the decode request "
+                        "(said once; p2pkv_requests_computed_here_total counts them)", request.request_id)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = self._params.get(request)
@@ -178,7 +210,7 @@ class SchedulerSide:
                                  prompt_digest(request.prompt_token_ids or ()),
                                  pulled_by=params.decode_kv if pull else None,
                                  pullers=(params.decode_tp or self._tp_size) * (params.decode_pp or self._pp_size),
-                                 puller_launch=params.decode_launch if pull else "")
+                                 puller_launch=params.decode_launch if pull else "", standard=params.standard)
             self._producers[req_id] = producer
             self._producing[params.transfer_id] = (producer, time.monotonic())
             return
@@ -253,8 +285,9 @@ class SchedulerSide:
         now = time.monotonic()
         meta = P2pkvMetadata(loads=self._loads, discards=self._discards, abandoned=self._abandoned,
                              wanted=self._waiting.due(now), idle=not scheduler_output.total_num_scheduled_tokens,
-                             reset=self._reset)
+                             reset=self._reset, computed_here=self._computed_here)
         self._loads, self._discards, self._abandoned, self._reset = [], [], [], False
+        self._computed_here = []
         self._forget_claims(now)
         if not self._producers:
             return meta
@@ -345,7 +378,8 @@ class SchedulerSide:
     def _answer(self, producer: _Producer) -> dict[str, Any]:
         """The decode side's parameters for a saved prompt. The prefill address goes along in push mode too: a
         decode side without staging space pulls instead."""
-        return DecodeParams(producer.transfer_id, producer.num_prompt_tokens, self._own_address,
-                            pull=producer.peer is None, prefill_tp=self._tp_size, prefill_pp=self._pp_size,
-                            prompt=producer.prompt, lease_s=self._config.extra.lease_s,
-                            prefill_launch=self._config.launch).to_dict()
+        answer = DecodeParams(producer.transfer_id, producer.num_prompt_tokens, self._own_address,
+                              pull=producer.peer is None, prefill_tp=self._tp_size, prefill_pp=self._pp_size,
+                              prompt=producer.prompt, lease_s=self._config.extra.lease_s,
+                              prefill_launch=self._config.launch).to_dict()
+        return standard_answer(answer, self._engine_id, self._own_address) if producer.standard else answer

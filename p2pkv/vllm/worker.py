@@ -175,6 +175,8 @@ class WorkerSide:
             self._abandon(meta.abandoned)
         if meta.wanted:
             self._keep(meta.wanted)
+        for reason in meta.computed_here:
+            self.engine.metrics.of(self.engine.metrics.computed_here, reason).inc()
 
     def _keep(self, wanted: list[Wanted]) -> None:
         """Requests still wait for blocks: their staged pushes are kept on every rank, and rank 0 asks each rank of

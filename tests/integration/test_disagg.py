@@ -18,6 +18,7 @@ from p2pkv.params import Address, DecodeParams, DiscardParams, PrefillParams, pa
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, TRANSFER_HEADER
 from p2pkv.tinymodel import TinyModelSpec, tiny_prompt, write_tiny_model
+from tests.helpers.router import router
 from tests.helpers.servers import serve
 from tests.helpers.stubs import failing_relay
 from tests.integration.conftest import (
@@ -220,6 +221,66 @@ def test_chat_and_streaming_give_the_same_text(up_cluster: UpCluster) -> None:
     assert chat["choices"][0]["message"]["content"] == plain
     chat_streamed, _ = _stream_text(f"{proxy}/v1/chat/completions", {**base, "messages": messages, "stream": True})
     assert chat_streamed == plain
+
+
+LOADED_OK = 'p2pkv_transfers_total{direction="load",outcome="ok"}'
+NIXL_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [0, 1],
+               "remote_engine_id": "nixl-engine", "remote_request_id": "r-1", "remote_host": "10.9.9.9",
+               "remote_port": 5600, "tp_size": 1}
+
+
+def test_a_router_of_vllms_standard_protocol_moves_the_kv(up_cluster: UpCluster) -> None:
+    """Behind a router that knows nothing of p2pkv (`p2pkv.bench.router`: max_tokens 1, `do_remote_decode`, the
+    answer's params passed on verbatim): completions, chat and streams answer as colocated, and every prompt is
+    loaded on the decode side (cached tokens, the load counter), pulled from the prefill instance."""
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    model = up_cluster.model
+    pulled = 'p2pkv_transfers_total{direction="pull",outcome="ok"}'
+    loads, pulls = metric(decode["metrics"], LOADED_OK), metric(decode["metrics"], pulled)
+    with router([f"http://{prefill['http']}"], [f"http://{decode['http']}"]) as base:
+        for i, length in enumerate([60, 129, 400]):
+            text = prompt(f"standard{i}", length)
+            through, alone = greedy(base, model, text), greedy(up_cluster.colocated, model, text)
+            (ids, logprobs), (ref_ids, ref_logprobs) = ids_and_logprobs(through), ids_and_logprobs(alone)
+            assert ids == ref_ids, f"prompt of {length} tokens: token ids differ"
+            assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True)) < 1e-4
+            assert through["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
+        user = prompt("standard-chat", 200)
+        body = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                "messages": [{"role": "user", "content": user}]}
+        chat = complete(base, body, "/v1/chat/completions")
+        expected = complete(up_cluster.colocated, body, "/v1/chat/completions")["choices"][0]["message"]["content"]
+        assert chat["choices"][0]["message"]["content"] == expected
+        assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] == chat["usage"]["prompt_tokens"] - 1
+        streamed, usage = _stream_text(f"{base}/v1/chat/completions", {
+            **body, "messages": [{"role": "user", "content": prompt("standard-stream", 150)}], "stream": True,
+            "stream_options": {"include_usage": True}})
+        colocated = complete(up_cluster.colocated, {**body, "messages": [
+            {"role": "user", "content": prompt("standard-stream", 150)}]}, "/v1/chat/completions")
+        assert streamed == colocated["choices"][0]["message"]["content"]
+        assert usage is not None and usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    assert metric(decode["metrics"], LOADED_OK) == loads + 5
+    assert metric(decode["metrics"], pulled) == pulls + 5  # the router named no decode instance: held, pulled
+
+
+def test_another_connectors_params_or_none_are_computed_on_the_decode_instance_and_counted(
+        up_cluster: UpCluster) -> None:
+    """NIXL's decode params (a prefill instance running NIXL behind the same router), or none: the decode instance
+    answers right, computing the prompt itself, says why once per peer, and counts it by reason."""
+    decode = up_cluster.instance("kv_consumer")
+    series = 'p2pkv_requests_computed_here_total{{reason="{}"}}'
+    before = {reason: metric(decode["metrics"], series.format(reason)) for reason in ("foreign", "none")}
+    text = prompt("nixl-params", 300)
+    body = {"model": up_cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True, "ignore_eos": True}
+    reference = ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, text))[0]
+    for params in (NIXL_PARAMS, NIXL_PARAMS, None):
+        answer = complete(f"http://{decode['http']}", {**body, "kv_transfer_params": params})
+        assert ids_and_logprobs(answer)[0] == reference
+    assert metric(decode["metrics"], series.format("foreign")) == before["foreign"] + 2
+    assert metric(decode["metrics"], series.format("none")) == before["none"] + 1
+    log = (Path(up_cluster.info["log_dir"]) / "decode0.log").read_text(errors="replace")
+    assert log.count("kv_transfer_params from another connector") == 1 and "from 10.9.9.9:5600" in log
 
 
 @pytest.mark.parametrize("chat,interval", [(False, None), (True, None), (False, 3)],
@@ -720,22 +781,28 @@ def test_put_mode_pushes_inline(up_cluster: UpCluster) -> None:
         length / BLOCK_SIZE) * per_block
 
 
-def test_vllm_serving_benchmark_through_the_proxy_and_colocated(up_cluster: UpCluster) -> None:
-    """`p2pkv bench serve`'s parts on the shared cluster: vLLM's benchmark completes every request both ways, and
-    the prefill instance's metrics show one transfer per request."""
-    from p2pkv.bench.serve import histogram_sum_count, table
+def test_vllm_serving_benchmark_through_the_proxy_the_standard_router_and_colocated(up_cluster: UpCluster) -> None:
+    """`p2pkv bench serve`'s parts on the shared cluster: vLLM's benchmark completes every request through p2pkv's
+    proxy, through a router of vLLM's standard protocol and colocated, and the instances' metrics show one transfer
+    per request each way (pushes timed by the prefill side, the router's pulls by the decode side)."""
+    from p2pkv.bench.serve import _transfer_seconds, table
     from p2pkv.vllm.bench_serve import run_vllm_bench_serve
 
-    prefill = up_cluster.instance("kv_producer")
-    metrics = f"http://{prefill['metrics']}/metrics"
-    before = histogram_sum_count(httpx.get(metrics, timeout=10).text, "p2pkv_transfer_seconds")
-    disagg = run_vllm_bench_serve(up_cluster.proxy, up_cluster.model, 200, 8, 6, float("inf"))
-    after = histogram_sum_count(httpx.get(metrics, timeout=10).text, "p2pkv_transfer_seconds")
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    metrics = [f"http://{prefill['metrics']}/metrics", f"http://{decode['metrics']}/metrics"]
+    disagg = {}
+    with router([f"http://{prefill['http']}"], [f"http://{decode['http']}"]) as standard:
+        for front, url in (("proxy", up_cluster.proxy), ("router", standard)):
+            before = _transfer_seconds(metrics)
+            result = run_vllm_bench_serve(url, up_cluster.model, 200, 8, 6, float("inf"))
+            after = _transfer_seconds(metrics)
+            assert after[1] - before[1] == 6, front
+            disagg[front] = result, (after[0] - before[0]) / 6 * 1000
     colocated = run_vllm_bench_serve(up_cluster.colocated, up_cluster.model, 200, 8, 6, float("inf"))
-    assert disagg["completed"] == colocated["completed"] == 6
-    assert after[1] - before[1] == 6
-    assert disagg["mean_ttft_ms"] > 0 and colocated["output_throughput"] > 0
-    lines = table(disagg, colocated, (after[0] - before[0]) / 6 * 1000)
+    assert disagg["proxy"][0]["completed"] == disagg["router"][0]["completed"] == colocated["completed"] == 6
+    assert disagg["router"][0]["mean_ttft_ms"] > 0 and colocated["output_throughput"] > 0
+    lines = table(disagg, colocated)
+    assert "1P1D via proxy" in lines[0] and "1P1D via router" in lines[0]
     assert lines[1].startswith("mean TTFT (ms)") and lines[-1].startswith("mean KV transfer (ms)")
 
 

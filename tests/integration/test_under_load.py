@@ -30,9 +30,10 @@ from typing import Any
 import httpx
 import pytest
 
+from p2pkv.bench.router import STANDARD_PREFILL_PARAMS
 from p2pkv.bench.soak import SoakResult, _drive
 from p2pkv.params import DecodeParams, PrefillParams, parse_transfer_params
-from tests.integration.conftest import MAX_BATCHED_TOKENS, UpCluster, metric, up_with_colocated
+from tests.integration.conftest import MAX_BATCHED_TOKENS, UpCluster, complete, metric, up_with_colocated
 from tests.integration.test_disagg import LOAD_FAILED, MAX_TOKENS, greedy, ids_and_logprobs, prompt, two_steps
 from tests.integration.test_staged import kv_bytes
 
@@ -243,3 +244,21 @@ def test_every_request_shape_is_served_and_nothing_is_left_held(pressed: UpClust
         time.sleep(0.2)
     assert held() == [0, 0, 0]
     assert httpx.get(f"{cluster.proxy}/health", timeout=10).status_code == 200
+
+
+def test_a_standard_prefill_whose_decode_request_never_comes_is_freed_at_lease_expiry(pressed: UpCluster) -> None:
+    """A router's prefill request in vLLM's standard protocol (no p2pkv fields), whose client goes away before the
+    decode request: the prefill instance holds the blocks for a pull, then frees them once its lease runs out."""
+    prefill = pressed.instance("kv_producer")
+    body = {"model": pressed.model, "prompt": prompt("standard-gone", 600), "max_tokens": 1,
+            "max_completion_tokens": 1, "stream": False, "kv_transfer_params": dict(STANDARD_PREFILL_PARAMS)}
+    answer = complete(f"http://{prefill['http']}", body)
+    returned = parse_transfer_params(answer["kv_transfer_params"])
+    assert isinstance(returned, DecodeParams) and returned.pull and returned.lease_s == LEASE_S
+    assert answer["kv_transfer_params"]["remote_port"] == returned.prefill_kv.port  # type: ignore[union-attr]
+    held_at = time.monotonic()
+    assert metric(prefill["http"], USAGE) > 0, "the prefill instance holds nothing for the pull"
+    while metric(prefill["http"], USAGE) > 0:
+        assert time.monotonic() - held_at < LEASE_S + 15, "the blocks outlived the lease"
+        time.sleep(0.2)
+    assert time.monotonic() - held_at > LEASE_S - 1.5, "freed before the lease ran out"

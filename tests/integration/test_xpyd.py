@@ -18,6 +18,7 @@ import pytest
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
 from p2pkv.staging import STAGE_ENV
 from tests.helpers.relay import FlipRelay
+from tests.helpers.router import router
 from tests.integration.conftest import (
     Oracle,
     complete,
@@ -94,6 +95,26 @@ def test_kv_damaged_on_the_wire_is_dropped_and_recomputed(cluster_2p2d: dict[str
         relay.close()
     log = (Path(cluster_2p2d["log_dir"]) / f"{decode['name']}.log").read_text(errors="replace")
     assert "do not match the sender's digest" in log
+
+
+def test_a_router_of_vllms_standard_protocol_spreads_2p2d_and_every_prompt_is_pulled(
+        cluster_2p2d: dict[str, Any]) -> None:
+    """Round robin over both prefill and both decode instances by a router that knows nothing of p2pkv, 8 requests
+    at once: each answers as colocated, and each decode instance pulled and loaded the prompts it was given (over
+    tcp, through host buffers as a GPU cache is, digests checked)."""
+    info = cluster_2p2d
+    prefills = [i for i in info["instances"] if i["role"] == "kv_producer"]
+    decodes = [i for i in info["instances"] if i["role"] == "kv_consumer"]
+    loaded = 'p2pkv_transfers_total{direction="load",outcome="ok"}'
+    before = [metric(d["metrics"], loaded) for d in decodes]
+    texts = [prompt(f"standard-2p2d{i}", 60 + 45 * i) for i in range(8)]
+    with router([f"http://{i['http']}" for i in prefills], [f"http://{i['http']}" for i in decodes]) as base:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            answers = list(pool.map(lambda t: greedy(base, info["model"], t), texts))
+    for text, answer in zip(texts, answers, strict=True):
+        assert ids_and_logprobs(answer)[0] == ids_and_logprobs(greedy(info["colocated"], info["model"], text))[0]
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == answer["usage"]["prompt_tokens"] - 1
+    assert [metric(d["metrics"], loaded) - b for d, b in zip(decodes, before, strict=True)] == [4, 4]
 
 
 def test_2p2d_serves_concurrent_requests_and_survives_a_dead_prefill(cluster_2p2d: dict[str, Any]) -> None:

@@ -143,7 +143,7 @@ def test_every_p2pkv_command_line_in_the_docs_and_examples_uses_options_that_com
     are vLLM's), outside quotes, is one that command takes."""
     by_command = options(build_parser())
     wrong = []
-    for path in [*PAGES, *sorted((ROOT / "examples").iterdir())]:
+    for path in [*PAGES, *sorted(p for p in (ROOT / "examples").rglob("*") if p.is_file())]:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             for command, rest in _COMMAND_LINE.findall(line):
                 own = _QUOTED.sub("", rest).split(" -- ")[0]
