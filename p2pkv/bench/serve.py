@@ -1,22 +1,59 @@
 """`p2pkv bench serve`: vLLM's serving benchmark against a local 1P1D cluster and against one colocated instance of
-the same model, one after the other on this host; time to first token, inter-token latency and throughput side by
-side, with the mean KV transfer time per request from p2pkv's metrics, and a PNG plot.
+the same model, on this host, in interleaved rounds measured from the moment every instance is ready (each run
+once the previous one's workers have stopped spinning).
 
-The cluster is measured through each front asked for (`--via`), one after the other on the same instances: p2pkv's
-proxy (it names the decode instance: the prefill side pushes), and a router of vLLM's standard disaggregation
-protocol (`p2pkv.bench.router`: it names none, so the decode side always pulls)."""
+The cluster is measured through each front asked for (`--via`): p2pkv's proxy (it names the decode instance: the
+prefill side pushes), and a router of vLLM's standard disaggregation protocol (`p2pkv.bench.router`: it names none,
+so the decode side always pulls). Each round runs the colocated instance, then each front, on the same live
+instances. Printed: each round's TTFT, the medians over the rounds side by side with their ratios to colocated,
+where a request's time to first token goes (from the proxy's, the instances' and vLLM's own metrics, as means over
+the round's requests), and whether each target is met: mean TTFT <= 1.3x colocated, p99 TTFT <= 2x, mean ITL
+within 10%. Exit status 1 if a request failed or a target was missed.
+"""
 
 from __future__ import annotations
 
+import statistics
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from p2pkv.cli.cluster import Cluster, InstanceSpec, free_ports, wait_for_huge_pages
 from p2pkv.models import resolve_model
+
+FRONTS = {"proxy": "1P1D via proxy", "router": "1P1D via router"}
+# The ratios to colocated a front must stay under; ITL within 10% (a shorter one, disaggregation's point, is met).
+TARGETS = (("mean TTFT", "mean_ttft_ms", 1.3), ("p99 TTFT", "p99_ttft_ms", 2.0), ("mean ITL", "mean_itl_ms", 1.1))
+DISAGREE = 2.0  # rounds whose mean TTFT differ by more than this factor are said to disagree
+SETTLE_S = 1.0  # vLLM records a request's metrics just after its answer: waited for before a run's last scrape
+# vLLM's CPU workers spin for about a second after their last step, on the cores the next run's instances use
+# (the colocated instance and the prefill instance share one here): each run starts once that is over.
+IDLE_S = 2.0
+ROWS = (("mean TTFT (ms)", "mean_ttft_ms"), ("median TTFT (ms)", "median_ttft_ms"), ("p99 TTFT (ms)", "p99_ttft_ms"),
+        ("mean ITL (ms)", "mean_itl_ms"), ("p99 ITL (ms)", "p99_itl_ms"), ("mean TPOT (ms)", "mean_tpot_ms"),
+        ("output tokens/s", "output_throughput"), ("requests/s", "request_throughput"),
+        ("completed requests", "completed"))
+# (label, source, histogram): the parts of a request's time to first token, in ms, means over a round's requests.
+# Sources: "proxy" (its /metrics), "prefill"/"decode" (vLLM's /metrics on the instance; p2pkv's on its workers:
+# "prefill-kv", "decode-kv"), "colocated".
+PARTS = (
+    ("client TTFT at the proxy", "proxy", "p2pkv_proxy_time_to_first_token_seconds"),
+    ("prefill request, as the proxy saw it", "proxy", "p2pkv_proxy_prefill_seconds"),
+    ("prefill instance: arrival to first token", "prefill", "vllm:time_to_first_token_seconds"),
+    ("prefill instance: queued", "prefill", "vllm:request_queue_time_seconds"),
+    ("prefill instance: its prefill step", "prefill", "vllm:request_prefill_time_seconds"),
+    ("KV push (prefill side) or pull (decode side)", "kv", "p2pkv_transfer_seconds"),
+    ("decode instance: arrival to first token", "decode", "vllm:time_to_first_token_seconds"),
+    ("decode instance: queued, KV loading included", "decode", "vllm:request_queue_time_seconds"),
+    ("decode instance: its prefill step", "decode", "vllm:request_prefill_time_seconds"),
+    ("colocated: arrival to first token", "colocated", "vllm:time_to_first_token_seconds"),
+    ("colocated: its prefill step", "colocated", "vllm:request_prefill_time_seconds"),
+)
 
 
 @dataclass(frozen=True)
@@ -26,13 +63,9 @@ class ServeSettings:
     output_len: int = 32
     num_prompts: int = 64
     request_rate: float = 4.0
-
-
-FRONTS = {"proxy": "1P1D via proxy", "router": "1P1D via router"}
-ROWS = (("mean TTFT (ms)", "mean_ttft_ms"), ("median TTFT (ms)", "median_ttft_ms"), ("p99 TTFT (ms)", "p99_ttft_ms"),
-        ("mean ITL (ms)", "mean_itl_ms"), ("p99 ITL (ms)", "p99_itl_ms"), ("mean TPOT (ms)", "mean_tpot_ms"),
-        ("output tokens/s", "output_throughput"), ("requests/s", "request_throughput"),
-        ("completed requests", "completed"))
+    rounds: int = 3
+    warmups: int = 16
+    extra: dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config for both instances
 
 
 def histogram_sum_count(text: str, name: str) -> tuple[float, float]:
@@ -53,72 +86,172 @@ def _transfer_seconds(metrics: Sequence[str]) -> tuple[float, float]:
     return sum(total for total, _ in found), sum(count for _, count in found)
 
 
-def bench_disaggregated(s: ServeSettings, log_dir: Path,
-                        fronts: Sequence[str] = ("proxy",)) -> dict[str, tuple[dict[str, float], float]]:
-    """Results through each of `fronts` in front of one 1P1D cluster, each with its mean transfer time (ms)."""
-    from p2pkv.vllm.bench_serve import run_vllm_bench_serve
+@dataclass
+class Endpoints:
+    """Where the running instances' metrics are: by source name, the /metrics URLs whose histograms add up."""
 
-    cluster = Cluster(model=s.model, log_dir=log_dir / "disaggregated")
-    p_http, p_kv, p_metrics, d_http, d_kv, d_metrics, proxy_port, router_port = free_ports(8)
-    instances = [cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv, {"metrics_port": p_metrics})),
-                 cluster.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_kv, {"metrics_port": d_metrics}))]
+    metrics: dict[str, list[str]]
+    fronts: dict[str, str]  # front -> base URL
+    colocated: str
+    caches: tuple[str, ...] = ()  # base URLs of the vLLM instances (in dev mode) whose prefix caches each run empties
+
+    def reset_caches(self) -> None:
+        """Every instance's prefix cache emptied: each run finds its prompts in no cache, as the first one did."""
+        for url in self.caches:
+            answer = httpx.post(f"{url}/reset_prefix_cache", timeout=30)
+            if answer.status_code != 200:
+                raise RuntimeError(f"{url}/reset_prefix_cache answered {answer.status_code}: the benchmark needs "
+                                   "the instances in vLLM's dev mode (VLLM_SERVER_DEV_MODE=1)")
+
+    def scrape(self) -> dict[tuple[str, str], tuple[float, float]]:
+        texts = {source: [httpx.get(url, timeout=10).text for url in urls] for source, urls in self.metrics.items()}
+        out = {}
+        for _, source, name in PARTS:
+            found = [histogram_sum_count(text, name) for text in texts.get(source, [])]
+            out[(source, name)] = (sum(s for s, _ in found), sum(c for _, c in found))
+        return out
+
+
+def breakdown(before: dict[tuple[str, str], tuple[float, float]], after: dict[tuple[str, str], tuple[float, float]]
+              ) -> dict[str, float]:
+    """Each part's mean in ms over what was observed between two scrapes (NaN where nothing was)."""
+    out = {}
+    for label, source, name in PARTS:
+        total = after[(source, name)][0] - before[(source, name)][0]
+        count = after[(source, name)][1] - before[(source, name)][1]
+        out[label] = total / count * 1000 if count else float("nan")
+    return out
+
+
+def start(s: ServeSettings, log_dir: Path, fronts: Sequence[str]) -> tuple[list[Cluster], Endpoints]:
+    """The 1P1D cluster with its fronts, and the colocated instance, started together; back once all serve."""
+    # vLLM's dev mode serves /reset_prefix_cache, which empties the caches before each run (`Endpoints.caches`).
+    dev = {"VLLM_SERVER_DEV_MODE": "1"}
+    disagg = Cluster(model=s.model, log_dir=log_dir / "disaggregated", extra_env=dev)
+    colocated = Cluster(model=s.model, log_dir=log_dir / "colocated", extra_env=dev)
+    p_http, p_kv, p_metrics, d_http, d_kv, d_metrics, proxy_port, router_port, c_http = free_ports(9)
+    disagg.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv, {**s.extra, "metrics_port": p_metrics}))
+    disagg.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_kv, {**s.extra, "metrics_port": d_metrics}))
+    colocated.add_vllm("colocated", InstanceSpec("", c_http))
     urls = {}
     if "proxy" in fronts:
-        cluster.add_proxy(proxy_port, [f"127.0.0.1:{p_http}"], [f"127.0.0.1:{d_http}@127.0.0.1:{d_kv}"])
+        disagg.add_proxy(proxy_port, [f"127.0.0.1:{p_http}"], [f"127.0.0.1:{d_http}@127.0.0.1:{d_kv}"])
         urls["proxy"] = f"http://127.0.0.1:{proxy_port}"
     if "router" in fronts:
-        cluster.add_router(router_port, [f"http://127.0.0.1:{p_http}"], [f"http://127.0.0.1:{d_http}"])
+        disagg.add_router(router_port, [f"http://127.0.0.1:{p_http}"], [f"http://127.0.0.1:{d_http}"])
         urls["router"] = f"http://127.0.0.1:{router_port}"
-    metrics = [f"http://127.0.0.1:{port}/metrics" for port in (p_metrics, d_metrics)]
-    out = {}
+    local = "http://127.0.0.1:{}/metrics".format
+    endpoints = Endpoints({"proxy": [local(proxy_port)] if "proxy" in fronts else [], "prefill": [local(p_http)],
+                           "decode": [local(d_http)], "kv": [local(p_metrics), local(d_metrics)],
+                           "colocated": [local(c_http)]}, urls, f"http://127.0.0.1:{c_http}",
+                          tuple(f"http://127.0.0.1:{port}" for port in (p_http, d_http, c_http)))
+    clusters = [disagg, colocated]
     try:
-        cluster.start(progress=lambda line: print(f"[serve] {line}", flush=True))
-        # The colocated instance has no connector: nothing of its own on the host while it is measured.
-        wait_for_huge_pages(instances, progress=lambda line: print(f"[serve] {line}", flush=True))
-        for front in fronts:
-            print(f"[serve] through the {front}", flush=True)
-            before = _transfer_seconds(metrics)
-            result = run_vllm_bench_serve(urls[front], s.model, s.input_len, s.output_len, s.num_prompts,
-                                          s.request_rate)
-            after = _transfer_seconds(metrics)
-            transfers = after[1] - before[1]
-            out[front] = result, (after[0] - before[0]) / transfers * 1000 if transfers else float("nan")
-        return out
-    finally:
-        cluster.stop()
+        for cluster in clusters:  # every process starts at once; then each cluster is waited for
+            cluster.log_dir.mkdir(parents=True, exist_ok=True)
+            for proc in cluster.processes:
+                proc.start()
+        for cluster in clusters:
+            cluster.start(progress=lambda line: print(f"[serve] {line}", flush=True))
+        # Ready as `p2pkv up` says it: once the workers' KV caches are faulted in again in huge pages.
+        wait_for_huge_pages([p for p in disagg.processes if p.ranks],
+                            progress=lambda line: print(f"[serve] {line}", flush=True))
+    except BaseException:
+        for cluster in clusters:
+            cluster.stop()
+        raise
+    return clusters, endpoints
 
 
-def bench_colocated(s: ServeSettings, log_dir: Path) -> dict[str, float]:
+Run = tuple[dict[str, float], dict[str, float]]  # vLLM's benchmark results, the breakdown
+
+
+def measure(s: ServeSettings, endpoints: Endpoints, fronts: Sequence[str],
+            say: Callable[[str], None] = print) -> dict[str, list[Run]]:
+    """`s.rounds` rounds of vLLM's benchmark, each the colocated instance then each front, on live instances."""
     from p2pkv.vllm.bench_serve import run_vllm_bench_serve
 
-    cluster = Cluster(model=s.model, log_dir=log_dir / "colocated")
-    (port,) = free_ports(1)
-    cluster.add_vllm("colocated", InstanceSpec("", port))
-    try:
-        cluster.start(progress=lambda line: print(f"[serve] {line}", flush=True))
-        return run_vllm_bench_serve(f"http://127.0.0.1:{port}", s.model, s.input_len, s.output_len, s.num_prompts,
-                                    s.request_rate)
-    finally:
-        cluster.stop()
+    order = ["colocated", *fronts]
+    base = {"colocated": endpoints.colocated, **endpoints.fronts}
+    if s.warmups:
+        for name in order:
+            say(f"[serve] warming up {name} ({s.warmups} requests)")
+            endpoints.reset_caches()
+            run_vllm_bench_serve(base[name], s.model, s.input_len, s.output_len, s.warmups, float("inf"), seed=99)
+    runs: dict[str, list[Run]] = {name: [] for name in order}
+    for r in range(s.rounds):
+        # Each round starts with the next one: no front is always measured right after the same other one.
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            time.sleep(IDLE_S)
+            # The fronts of a round get the same prompts at the same moments (one seed), each run on empty prefix
+            # caches: the fronts share the cluster's instances, which would otherwise hold the prompts already.
+            endpoints.reset_caches()
+            before = endpoints.scrape()
+            result = run_vllm_bench_serve(base[name], s.model, s.input_len, s.output_len, s.num_prompts,
+                                          s.request_rate, seed=1 + r)
+            time.sleep(SETTLE_S)
+            runs[name].append((result, breakdown(before, endpoints.scrape())))
+            say(f"[serve] round {r + 1} {name}: TTFT mean {result.get('mean_ttft_ms', float('nan')):.1f} / median "
+                f"{result.get('median_ttft_ms', float('nan')):.1f} / p99 {result.get('p99_ttft_ms', float('nan')):.1f}"
+                f" ms, ITL mean {result.get('mean_itl_ms', float('nan')):.2f} ms, "
+                f"{int(result.get('completed', 0))} completed")
+    return runs
 
 
-def table(disagg: dict[str, tuple[dict[str, float], float]], colocated: dict[str, float]) -> list[str]:
-    """One column per front and the colocated one, each front's ratio to colocated after it."""
-    head = f"{'metric':<26}" + "".join(f"{FRONTS[f]:>17}{'ratio':>7}" for f in disagg) + f"{'colocated':>12}"
-    lines = [head]
+def median_of(runs: Sequence[Run], key: str) -> float:
+    values = [result.get(key, float("nan")) for result, _ in runs]
+    return statistics.median(values) if values else float("nan")
+
+
+def table(runs: dict[str, list[Run]]) -> list[str]:
+    """Medians over the rounds: one column per front with its ratio to colocated, then colocated."""
+    fronts = [name for name in runs if name != "colocated"]
+    lines = [f"{'metric (median of rounds)':<28}" + "".join(f"{FRONTS[f]:>17}{'ratio':>7}" for f in fronts)
+             + f"{'colocated':>12}"]
     for label, key in ROWS:
-        b = colocated.get(key, float("nan"))
-        cells = []
-        for result, _ in disagg.values():
-            a = result.get(key, float("nan"))
-            cells.append(f"{a:>17.2f}{(a / b if b else float('nan')):>7.2f}")
-        lines.append(f"{label:<26}" + "".join(cells) + f"{b:>12.2f}")
-    lines.append(f"{'mean KV transfer (ms)':<26}" + "".join(f"{ms:>17.2f}{'':>7}" for _, ms in disagg.values())
-                 + f"{'-':>12}")
+        b = median_of(runs["colocated"], key)
+        cells = "".join(f"{median_of(runs[f], key):>17.2f}{median_of(runs[f], key) / b if b else float('nan'):>7.2f}"
+                        for f in fronts)
+        lines.append(f"{label:<28}{cells}{b:>12.2f}")
     return lines
 
 
-def write_plot(disagg: dict[str, tuple[dict[str, float], float]], colocated: dict[str, float], path: Path) -> None:
+def breakdown_table(runs: dict[str, list[Run]]) -> list[str]:
+    """Where a request's time to first token goes, per front (medians over rounds of each part's mean)."""
+    names = list(runs)
+    lines = [f"{'where TTFT goes (ms, mean per request)':<46}" + "".join(f"{n:>12}" for n in names)]
+    for label, source, _ in PARTS:
+        cells = []
+        for name in names:
+            # Each column from its own path: the cluster's instances also answer the proxy's probes meanwhile.
+            ours = (source == "colocated") == (name == "colocated")
+            values = [parts[label] for _, parts in runs[name] if ours and parts[label] == parts[label]]
+            cells.append(f"{statistics.median(values):>12.2f}" if values else f"{'-':>12}")
+        if any(c.strip() != "-" for c in cells):
+            lines.append(f"{label:<46}" + "".join(cells))
+    return lines
+
+
+def verdicts(runs: dict[str, list[Run]]) -> tuple[list[str], bool]:
+    """Each front's targets against colocated (medians over rounds), and rounds that disagree; whether all met."""
+    lines, met = [], True
+    colocated = runs["colocated"]
+    for front in (name for name in runs if name != "colocated"):
+        for label, key, limit in TARGETS:
+            ratio = median_of(runs[front], key) / median_of(colocated, key)
+            ok = ratio <= limit
+            met &= ok
+            lines.append(f"{FRONTS[front]}: {label} {ratio:.2f}x colocated (target <= {limit:g}x): "
+                         f"{'met' if ok else 'NOT met'}")
+    for name, front_runs in runs.items():
+        means = [result.get("mean_ttft_ms", float("nan")) for result, _ in front_runs]
+        if len(means) > 1 and min(means) > 0 and max(means) / min(means) > DISAGREE:
+            lines.append(f"{name}: the rounds disagree: mean TTFT {', '.join(f'{m:.1f}' for m in means)} ms "
+                         f"(more than {DISAGREE:g}x apart); take the medians with care")
+    return lines, met
+
+
+def write_plot(runs: dict[str, list[Run]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,36 +262,49 @@ def write_plot(disagg: dict[str, tuple[dict[str, float], float]], colocated: dic
         ("inter-token latency (ms)", (("mean", "mean_itl_ms"), ("p99", "p99_itl_ms"))),
         ("throughput", (("output tok/s", "output_throughput"),)),
     )
-    fig, axes = plt.subplots(1, len(panels), figsize=(11, 3.8))
-    series = [(FRONTS[front], result) for front, (result, _) in disagg.items()] + [("colocated", colocated)]
+    series = [(FRONTS.get(name, name), front_runs) for name, front_runs in runs.items() if name != "colocated"]
+    series.append(("colocated", runs["colocated"]))
     width = 0.8 / len(series)
+    fig, axes = plt.subplots(1, len(panels), figsize=(11, 3.8))
     for ax, (title, keys) in zip(axes, panels, strict=True):
         xs = range(len(keys))
-        for n, (label, result) in enumerate(series):
-            ax.bar([x - 0.4 + width * (n + 0.5) for x in xs], [result.get(k, 0.0) for _, k in keys], width,
+        for n, (label, front_runs) in enumerate(series):
+            ax.bar([x - 0.4 + width * (n + 0.5) for x in xs], [median_of(front_runs, k) for _, k in keys], width,
                    label=label)
         ax.set_xticks(list(xs), [label for label, _ in keys])
         ax.set_title(title)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend()
-    fig.suptitle("p2pkv bench serve (vLLM's serving benchmark, one host)")
+    fig.suptitle("p2pkv bench serve (vLLM's serving benchmark, one host; medians of rounds)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def main(model: str | None, input_len: int, output_len: int, num_prompts: int, request_rate: float,
-         plot: str, via: Sequence[str] = ("proxy", "router")) -> int:
+         plot: str, via: Sequence[str] = ("proxy", "router"), rounds: int = 3, warmups: int = 16,
+         extra: dict[str, Any] | None = None) -> int:
     model = resolve_model(model)
-    s = ServeSettings(model, input_len, output_len, num_prompts, request_rate)
+    s = ServeSettings(model, input_len, output_len, num_prompts, request_rate, rounds, warmups, extra or {})
+    fronts = tuple(dict.fromkeys(via))
     log_dir = Path(tempfile.mkdtemp(prefix="p2pkv-serve-"))
-    disagg = bench_disaggregated(s, log_dir, tuple(dict.fromkeys(via)))
-    colocated = bench_colocated(s, log_dir)
-    print(f"random dataset: {input_len} input and {output_len} output tokens, {num_prompts} prompts, "
-          f"{request_rate} requests/s; logs in {log_dir}")
-    for line in table(disagg, colocated):
+    clusters, endpoints = start(s, log_dir, fronts)
+    try:
+        runs = measure(s, endpoints, fronts)
+    finally:
+        for cluster in clusters:
+            cluster.stop()
+    print(f"random dataset: {input_len} input and {output_len} output tokens, {num_prompts} prompts at "
+          f"{request_rate} requests/s, {rounds} rounds after {warmups} warm-up requests, measured from ready; "
+          f"logs in {log_dir}")
+    for line in [*table(runs), "", *breakdown_table(runs), ""]:
         print(line)
-    write_plot(disagg, colocated, Path(plot))
+    lines, met = verdicts(runs)
+    for line in lines:
+        print(line)
+    write_plot(runs, Path(plot))
     print(f"plot written to {plot}")
-    failed = sum(num_prompts - int(result.get("completed", 0)) for result, _ in disagg.values())
-    return 1 if failed else 0
+    failed = sum(num_prompts - int(result.get("completed", 0)) for front in runs.values() for result, _ in front)
+    if failed:
+        print(f"{failed} requests failed")
+    return 0 if met and not failed else 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -85,8 +86,14 @@ def _bench_transfer(args: argparse.Namespace) -> int:
 def _bench_serve(args: argparse.Namespace) -> int:
     from p2pkv.bench.serve import main as bench_serve
 
+    try:
+        extra = json.loads(args.extra_config)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"p2pkv bench serve: --extra-config is not JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise SystemExit("p2pkv bench serve: --extra-config must be a JSON object")
     return bench_serve(args.model, args.input_len, args.output_len, args.num_prompts, args.request_rate, args.plot,
-                       args.via)
+                       args.via, args.rounds, args.warmups, extra)
 
 
 def _bench_plan(args: argparse.Namespace) -> int:
@@ -244,6 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--via", nargs="+", choices=["proxy", "router"], default=["proxy", "router"],
                         help="fronts measured on the same 1P1D cluster, in turn: p2pkv's proxy, and a router of "
                         "vLLM's standard disaggregation protocol (the decode side pulls)")
+    bserve.add_argument("--rounds", type=_at_least_one, default=3,
+                        help="interleaved rounds (colocated, then each front); medians are reported")
+    bserve.add_argument("--warmups", type=int, default=16, help="warm-up requests per front before the rounds")
+    bserve.add_argument("--extra-config", default="{}",
+                        help="JSON added to both instances' kv_connector_extra_config (e.g. to compare a setting)")
     bserve.set_defaults(func=_bench_serve)
 
     bplan = bench.add_parser("plan", help="host time to prepare and issue one request's device copies, per GPU "

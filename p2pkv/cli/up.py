@@ -15,7 +15,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port, free_ports
+from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port, free_ports, wait_for_huge_pages
 from p2pkv.config import parse_extra_config
 from p2pkv.errors import ConfigError, P2pkvError
 from p2pkv.models import ModelUnavailable, resolve_model
@@ -206,6 +206,9 @@ def run_up(args: argparse.Namespace) -> int:
     _say(f"starting {args.prefill} prefill and {args.decode} decode vLLM instances; logs in {log_dir}")
     try:
         cluster.start(args.ready_timeout, progress=_say)
+        # A worker's KV cache in host memory is faulted in again in 2 MiB pages on a thread of its own (huge_pages):
+        # ready once that is over, so that it does not share the cores with the first requests.
+        wait_for_huge_pages([p for p in cluster.processes if p.ranks], progress=_say)
         # Each data-parallel engine announces itself: the proxy routes to each.
         engines = args.prefill * args.prefill_dp + args.decode * args.decode_dp
         wait_discovered(proxy_url, engines, DISCOVERY_TIMEOUT_S)

@@ -35,11 +35,13 @@ log = logging.getLogger(__name__)
 _MAX_HEAD = 1 << 16  # bytes of a stream read, at most, before its answer is known to have begun
 
 
-def stream_start(head: bytes) -> int | None:
+def stream_start(head: bytes, by_ids: bool = False) -> int | None:
     """What the first bytes of a stream say: the error code (5xx) of an error event sent in place of the first
     token; 0 once the answer has begun (a token, the end, a 4xx, or bytes that are not such events, passed on as
     they are); None while only a preamble has come (chat's first chunk, which names the role before any token,
-    or an empty text): read on."""
+    or an empty text): read on. `by_ids` (a resumable stream, which carries its token ids): a chunk with token ids
+    begins the answer even where their text is empty (held back inside a character, or a special token), so that
+    the client's first chunk is not held for the next token's."""
     *events, _ = head.split(b"\n\n")  # the last piece is an event not yet complete (or nothing)
     for event in events:
         for line in event.split(b"\n"):
@@ -55,7 +57,7 @@ def stream_start(head: bytes) -> int | None:
             code = _error_code(message)
             if code:
                 return code if code >= 500 else 0
-            if not _preamble(message):
+            if not _preamble(message) or (by_ids and _has_token_ids(message)):
                 return 0
     return None if len(head) < _MAX_HEAD else 0
 
@@ -99,6 +101,11 @@ def _preamble(message: Any) -> bool:
         if not isinstance(delta, dict) or any(delta.get(k) for k in _DELTA_OUTPUT):
             return False
     return True
+
+
+def _has_token_ids(message: Any) -> bool:
+    choices = message.get("choices") if isinstance(message, dict) else None
+    return isinstance(choices, list) and any(isinstance(c, dict) and c.get("token_ids") for c in choices)
 
 
 def error_response(status: int, message: str, kind: str = "proxy_error",
@@ -310,7 +317,7 @@ class Decoder:
         head: list[bytes] = []
         if not last:  # read until the answer has begun before answering: a failure there may still go again
             try:
-                error = await self._stream_start(raw, head)
+                error = await self._stream_start(raw, head, resume is not None)
             except BaseException:
                 await _close(upstream)
                 state.in_flight -= 1
@@ -327,9 +334,9 @@ class Decoder:
         return RelayResponse(relay, [relay.aclose], trace.headers())
 
     @staticmethod
-    async def _stream_start(raw: AsyncIterator[bytes], head: list[bytes]) -> int:
+    async def _stream_start(raw: AsyncIterator[bytes], head: list[bytes], by_ids: bool) -> int:
         """Read a stream's chunks into `head` until its answer has begun (0) or an error came in its place (the
-        code; 502 for a stream that ended, or broke off, with nothing)."""
+        code; 502 for a stream that ended, or broke off, with nothing); `by_ids`: see `stream_start`."""
         while True:
             try:
                 chunk = await anext(raw, b"")
@@ -339,7 +346,7 @@ class Decoder:
             if not chunk:
                 return 0 if head else 502
             head.append(chunk)
-            verdict = stream_start(b"".join(head))
+            verdict = stream_start(b"".join(head), by_ids)
             if verdict is not None:
                 return verdict
 

@@ -783,27 +783,36 @@ def test_put_mode_pushes_inline(up_cluster: UpCluster) -> None:
 
 def test_vllm_serving_benchmark_through_the_proxy_the_standard_router_and_colocated(up_cluster: UpCluster) -> None:
     """`p2pkv bench serve`'s parts on the shared cluster: vLLM's benchmark completes every request through p2pkv's
-    proxy, through a router of vLLM's standard protocol and colocated, and the instances' metrics show one transfer
-    per request each way (pushes timed by the prefill side, the router's pulls by the decode side)."""
-    from p2pkv.bench.serve import _transfer_seconds, table
-    from p2pkv.vllm.bench_serve import run_vllm_bench_serve
+    proxy, through a router of vLLM's standard protocol and colocated, in two rounds; the instances' metrics show
+    one transfer per request each way (pushes timed by the prefill side, the router's pulls by the decode side);
+    the tables and the breakdown of a request's time to first token come out of those runs."""
+    from p2pkv.bench.serve import Endpoints, ServeSettings, breakdown_table, measure, table, verdicts
 
     prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
-    metrics = [f"http://{prefill['metrics']}/metrics", f"http://{decode['metrics']}/metrics"]
-    disagg = {}
+    local = "http://{}/metrics".format
+    kv = [local(prefill["metrics"]), local(decode["metrics"])]
     with router([f"http://{prefill['http']}"], [f"http://{decode['http']}"]) as standard:
-        for front, url in (("proxy", up_cluster.proxy), ("router", standard)):
-            before = _transfer_seconds(metrics)
-            result = run_vllm_bench_serve(url, up_cluster.model, 200, 8, 6, float("inf"))
-            after = _transfer_seconds(metrics)
-            assert after[1] - before[1] == 6, front
-            disagg[front] = result, (after[0] - before[0]) / 6 * 1000
-    colocated = run_vllm_bench_serve(up_cluster.colocated, up_cluster.model, 200, 8, 6, float("inf"))
-    assert disagg["proxy"][0]["completed"] == disagg["router"][0]["completed"] == colocated["completed"] == 6
-    assert disagg["router"][0]["mean_ttft_ms"] > 0 and colocated["output_throughput"] > 0
-    lines = table(disagg, colocated)
-    assert "1P1D via proxy" in lines[0] and "1P1D via router" in lines[0]
-    assert lines[1].startswith("mean TTFT (ms)") and lines[-1].startswith("mean KV transfer (ms)")
+        endpoints = Endpoints({"proxy": [f"{up_cluster.proxy}/metrics"], "prefill": [local(prefill["http"])],
+                               "decode": [local(decode["http"])], "kv": kv,
+                               "colocated": [f"{up_cluster.colocated}/metrics"]},
+                              {"proxy": up_cluster.proxy, "router": standard}, up_cluster.colocated,
+                              (f"http://{prefill['http']}", f"http://{decode['http']}", up_cluster.colocated))
+        settings = ServeSettings(up_cluster.model, input_len=200, output_len=8, num_prompts=6,
+                                 request_rate=float("inf"), rounds=2, warmups=0)
+        runs = measure(settings, endpoints, ("proxy", "router"), say=lambda line: None)
+    assert sorted(runs) == ["colocated", "proxy", "router"]
+    for name, front_runs in runs.items():
+        assert [result["completed"] for result, _ in front_runs] == [6, 6], name
+    for front in ("proxy", "router"):
+        for _, parts in runs[front]:
+            assert parts["KV push (prefill side) or pull (decode side)"] > 0, front
+            assert parts["decode instance: arrival to first token"] > 0, front
+    assert all(parts["prefill request, as the proxy saw it"] > 0 for _, parts in runs["proxy"])
+    lines = table(runs)
+    assert "1P1D via proxy" in lines[0] and "1P1D via router" in lines[0] and lines[1].startswith("mean TTFT (ms)")
+    assert any(line.startswith("decode instance: arrival to first token") for line in breakdown_table(runs))
+    said, _ = verdicts(runs)
+    assert sum("target" in line for line in said) == 6
 
 
 def test_an_old_proxys_requests_move_their_kv(up_cluster: UpCluster) -> None:

@@ -79,6 +79,12 @@ def test_a_streams_start_tells_an_error_in_place_of_the_first_token() -> None:
     assert stream_start(b"data: [DONE]\n\n") == 0
     assert stream_start(b": a comment, no data\n\n") is None
     assert stream_start(b"data: not json\n\n") == 0  # passed on as it is
+    # A token whose text is held back (it ends inside a character): a stream that can be resumed from its token ids
+    # has begun with it; another reads on, so that an error in its place may still go again.
+    held = b'data: {"choices": [{"text": "", "token_ids": [7]}]}\n\n'
+    assert stream_start(held) is None and stream_start(held + error) == 500
+    assert stream_start(held, by_ids=True) == 0 and stream_start(held + error, by_ids=True) == 0
+    assert stream_start(preamble, by_ids=True) is None  # the role is no token
 
 
 def _event(kind: str, data: dict[str, Any]) -> bytes:

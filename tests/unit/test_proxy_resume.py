@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator
 from contextlib import ExitStack
 from typing import Any
@@ -145,6 +146,37 @@ def test_a_broken_stream_goes_on_from_the_tokens_it_streamed(client_ids: bool) -
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     assert metrics["stream_resumes_total"] == 1
     assert metrics['requests_total{outcome="ok"}'] == 1 and metrics['requests_total{outcome="decode_error"}'] == 0
+
+
+def test_a_first_token_without_text_reaches_the_client_before_the_next_token() -> None:
+    """vLLM holds back the text of a token that ends inside a character, and streams the token with an empty text
+    (vLLM's serving benchmark times the first token from that chunk). A resumable stream's first chunk goes to the
+    client as it comes, not with the next token's: the decode instance here sends its second token only once the
+    client has the first."""
+    client_has_first = threading.Event()
+    waited_in_vain: list[bool] = []
+
+    async def events(path: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        assert body.get("return_token_ids") is True
+        yield chunk("cmpl-held", "", [10], PROMPT_IDS)
+        waited_in_vain.append(not await asyncio.to_thread(client_has_first.wait, 5))
+        yield chunk("cmpl-held", "\u00e9", [11], finish="length")
+        yield b"data: [DONE]\n\n"
+
+    with ExitStack() as stack:
+        p = stack.enter_context(serve(stub_prefill([])))
+        d = stack.enter_context(serve(streaming_decode(("/v1/completions",), events)))
+        proxy = stack.enter_context(serve(create_app(ProxyConfig(prefill=(Instance.parse(p),),
+                                                                 decode=(Instance.parse(d),)))))
+        with httpx.stream("POST", f"http://{proxy}/v1/completions", json={**BODY, "max_tokens": 2},
+                          timeout=30) as resp:
+            lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+            first = json.loads(next(lines).removeprefix("data: "))
+            client_has_first.set()
+            rest = list(lines)
+    assert waited_in_vain == [False], "the first chunk was held for the second token"
+    assert first["choices"][0]["text"] == "" and "token_ids" not in first["choices"][0]
+    assert json.loads(rest[0].removeprefix("data: "))["choices"][0]["text"] == "\u00e9" and rest[-1] == "data: [DONE]"
 
 
 def test_a_stream_breaks_off_again_and_goes_on_again_within_the_limit() -> None:
