@@ -18,7 +18,7 @@ import uuid
 from multiprocessing.connection import Connection
 from typing import Any
 
-from p2pkv.cli.cluster import free_ports
+from p2pkv.bench.cluster import free_ports
 from p2pkv.params import Address, PrefillParams
 
 PROMPTS = [

@@ -11,10 +11,10 @@ import time
 def main():
     import torch
 
-    from p2pkv import ipc
     from p2pkv.bench import ipc_check
-    from p2pkv.device_copy import settle
     from p2pkv.engine.device import pair_ranges
+    from p2pkv.kv import ipc
+    from p2pkv.kv.device_copy import settle
 
     prof = cProfile.Profile()
     orig = ipc_check._rate

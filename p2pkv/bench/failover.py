@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from p2pkv.cli.cluster import Cluster, InstanceSpec, free_ports
+from p2pkv.bench.cluster import Cluster, InstanceSpec, free_ports
 from p2pkv.models import resolve_model
 
 

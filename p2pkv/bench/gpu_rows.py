@@ -14,11 +14,11 @@ from collections.abc import Callable
 import torch
 
 from p2pkv.bench.plan import Geometry, vllm_like_cache
-from p2pkv.device_copy import Marker, wait_marker
-from p2pkv.kv_layers import prepare_layers
-from p2pkv.layout import head_slice
+from p2pkv.kv.device_copy import Marker, wait_marker
+from p2pkv.kv.layers import prepare_layers
+from p2pkv.kv.layout import head_slice
+from p2pkv.kv.staging import DeviceKv, TransferBuffers
 from p2pkv.memory import HostPool
-from p2pkv.staging import DeviceKv, TransferBuffers
 
 LLAMA = Geometry()  # 32 layers, 8 KV heads of 128, 16-token blocks, bf16; requests of 512 blocks (1 GiB)
 ORDERS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
@@ -322,8 +322,8 @@ def nccl_self() -> str:
     library), one rank sending to itself (NCCL refuses two ranks on one GPU): the communicator made without
     blocking, a send and a receive in one group, byte for byte; its rate against a device copy is reported."""
     from p2pkv.bench.nccl_library import library
-    from p2pkv.device_copy import event_marker
-    from p2pkv.nccl import Communicator, unique_id
+    from p2pkv.kv.device_copy import event_marker
+    from p2pkv.kv.nccl import Communicator, unique_id
 
     lib, which = library()
     device = torch.device("cuda", torch.cuda.current_device())

@@ -21,16 +21,16 @@ import torch
 
 from p2pkv.bench.nccl_library import library
 from p2pkv.config import ExtraConfig, Transport
-from p2pkv.device_copy import wait_marker
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.device import Placed, RemoteCache
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import PULL_INSTEAD, StageState
-from p2pkv.ipc import CacheAccess, CudaRemote
+from p2pkv.kv.device_copy import wait_marker
+from p2pkv.kv.ipc import CacheAccess, CudaRemote
+from p2pkv.kv.pipes import GlooPipes, NcclPipes
+from p2pkv.kv.staging import DeviceKv, TransferBuffers
 from p2pkv.params import Address
-from p2pkv.pipes import GlooPipes, NcclPipes
-from p2pkv.staging import DeviceKv, TransferBuffers
 
 BLOCK_BYTES = 64 << 10  # 16 tokens x 8 heads x 128 dims x K and V, bf16
 CHECK_BLOCKS = 64

@@ -1,6 +1,6 @@
 """The NCCL library the GPU check and `bench transfer` use: vLLM's binding where vLLM is installed (as on every
 deployment of a CUDA build); else, on a GPU machine that carries no vLLM, a stand-in with the same surface over the
-same library torch loads. The connector itself uses vLLM's binding only (`p2pkv.nccl.load_library`)."""
+same library torch loads. The connector itself uses vLLM's binding only (`p2pkv.kv.nccl.load_library`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from p2pkv.errors import P2pkvError
-from p2pkv.nccl import UNIQUE_ID_BYTES, NcclLibrary, load_library
+from p2pkv.kv.nccl import UNIQUE_ID_BYTES, NcclLibrary, load_library
 
 
 class _Uid(ctypes.Structure):

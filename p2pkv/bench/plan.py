@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from p2pkv.device_copy import HostOps, Marker, Rows, done
 from p2pkv.engine.device import Fence
-from p2pkv.layout import head_slice
+from p2pkv.kv.device_copy import HostOps, Marker, Rows, done
+from p2pkv.kv.layout import head_slice
+from p2pkv.kv.pipes import ChannelPipe
+from p2pkv.kv.staging import DeviceKv, TransferBuffers
 from p2pkv.memory import HostPool
-from p2pkv.pipes import ChannelPipe
-from p2pkv.staging import DeviceKv, TransferBuffers
 
 TARGET_MS = 2.0
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}

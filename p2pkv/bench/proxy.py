@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from p2pkv.cli.cluster import Cluster, Process, free_ports
+from p2pkv.bench.cluster import Cluster, Process, free_ports
 from p2pkv.proxy.transport import upstream_client
 
 BODY = {"model": "stub", "prompt": "hello", "max_tokens": 4}

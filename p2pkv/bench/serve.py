@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from p2pkv.cli.cluster import Cluster, InstanceSpec, free_ports, wait_for_huge_pages
+from p2pkv.bench.cluster import Cluster, InstanceSpec, free_ports, wait_for_huge_pages
 from p2pkv.models import resolve_model
 
 FRONTS = {"proxy": "1P1D via proxy", "router": "1P1D via router"}

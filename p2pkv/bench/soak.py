@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from p2pkv.cli.cluster import Cluster, InstanceSpec, Process, free_ports, wait_for_huge_pages
+from p2pkv.bench.cluster import Cluster, InstanceSpec, Process, free_ports, wait_for_huge_pages
 from p2pkv.models import resolve_model
 
 RSS_GROWTH_LIMIT = 0.05

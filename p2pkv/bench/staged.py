@@ -1,4 +1,4 @@
-"""KV caches on a device, moved through host buffers (`p2pkv.staging`): the GPU check's rows for TCP with GPU
+"""KV caches on a device, moved through host buffers (`p2pkv.kv.staging`): the GPU check's rows for TCP with GPU
 tensors. Written against a `device` so that the same code runs on CPU tensors in the unit tests.
 
 - `round_trip`: two engines over tcp, a cache on `device` on each side; blocks pushed (PUT) and pulled (GET) land
@@ -17,14 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from p2pkv.config import ExtraConfig, Transport
-from p2pkv.device_copy import Marker, wait_marker
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import StageState
+from p2pkv.kv.device_copy import Marker, wait_marker
+from p2pkv.kv.staging import DeviceKv, TransferBuffers
 from p2pkv.memory import HostPool
 from p2pkv.params import Address
-from p2pkv.staging import DeviceKv, TransferBuffers
 
 # vLLM's FlashAttention view per layer: [blocks, heads, tokens, K and V]; 16-token blocks, 8 heads, 128 dims, bf16.
 HEADS, TOKENS, KV_DIMS = 8, 16, 256

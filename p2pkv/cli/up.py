@@ -15,7 +15,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from p2pkv.cli.cluster import Cluster, InstanceSpec, free_port, free_ports, wait_for_huge_pages
+from p2pkv.bench.cluster import Cluster, InstanceSpec, free_port, free_ports, wait_for_huge_pages
 from p2pkv.config import parse_extra_config
 from p2pkv.errors import ConfigError, P2pkvError
 from p2pkv.models import ModelUnavailable, resolve_model

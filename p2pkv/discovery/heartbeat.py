@@ -19,10 +19,10 @@ import zmq
 
 from p2pkv.config import ConnectorConfig, HeartbeatFormat, Role
 from p2pkv.engine.refused import Refusal
-from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import ConfigError
 from p2pkv.params import Address
 from p2pkv.protocol import Heartbeat, PeerRefused, encode_datagram
+from p2pkv.transport.threads import engine_thread
 
 log = logging.getLogger(__name__)
 # A heartbeat names this many refused peers at most (the latest), each reason cut to this many bytes: a

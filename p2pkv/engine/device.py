@@ -1,6 +1,6 @@
 """The engine's view of KV caches that it moves without carrying their bytes itself: caches that peers on one host
 open and copy from directly (cuda_ipc: this worker's cache, exported once, and peers' exports, opened once per
-link), and pipes, communicators shared with one peer each (nccl). `p2pkv.staging` implements it with torch; the
+link), and pipes, communicators shared with one peer each (nccl). `p2pkv.kv.staging` implements it with torch; the
 engine itself stays free of torch."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ Run = tuple[int, int]  # (byte offset in a layer's storage, length)
 
 
 class Fence:
-    """Where the work queued on vLLM's stream had got to when vLLM's thread recorded it (`p2pkv.device_copy`):
+    """Where the work queued on vLLM's stream had got to when vLLM's thread recorded it (`p2pkv.kv.device_copy`):
     copies into or out of the blocks are issued after it. `event`: the device's record of it (a CUDA event), None
     where work is done as it is issued (the host)."""
 

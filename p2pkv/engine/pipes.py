@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from p2pkv.engine.device import Pipe
 from p2pkv.engine.metrics import EngineMetrics
-from p2pkv.engine.threads import engine_thread
+from p2pkv.transport.threads import engine_thread
 
 log = logging.getLogger(__name__)
 _JOIN_S = 1.0  # join() waits at least this long for a set-up thread (and at most to its deadline, plus this)

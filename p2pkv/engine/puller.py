@@ -14,7 +14,6 @@ from p2pkv.engine.links import Connect, Links
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import UNKNOWN_TRANSFER, ViewSource
 from p2pkv.engine.pipes import PipeSlot
-from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
 from p2pkv.integrity import frame_mismatch, hasher, mismatch
 from p2pkv.params import Address
@@ -30,6 +29,7 @@ from p2pkv.protocol import (
     RenewLeases,
 )
 from p2pkv.transport.base import Connection
+from p2pkv.transport.threads import engine_thread
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2

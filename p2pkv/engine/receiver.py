@@ -15,7 +15,6 @@ from p2pkv.engine.offers import Offer, OfferTable, ViewSource
 from p2pkv.engine.pipes import PipeSlot
 from p2pkv.engine.refused import RefusedPeers
 from p2pkv.engine.store import HEADS_DIFFER, PULL_INSTEAD, ReceiveStore
-from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
 from p2pkv.integrity import digest, frame_mismatch, hasher
 from p2pkv.protocol import (
@@ -38,6 +37,7 @@ from p2pkv.protocol import (
 )
 from p2pkv.transport.base import Connection, Listener
 from p2pkv.transport.shm import ShmConnection
+from p2pkv.transport.threads import engine_thread
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from p2pkv.engine.links import Connect, Links
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.store import PULL_INSTEAD
-from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, ProtocolError
 from p2pkv.integrity import digest
 from p2pkv.params import Address
 from p2pkv.protocol import Hello, Message, PayloadCopied, PullInstead, PushAbort, PushAck, PushBlocks
 from p2pkv.transport.base import Connection
 from p2pkv.transport.shm import ShmConnection
+from p2pkv.transport.threads import engine_thread
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2

@@ -11,9 +11,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import TransferError
 from p2pkv.transport import cma
+from p2pkv.transport.threads import engine_thread
 
 SPLIT_FROM = 8 << 20
 _ALIGN = 4096

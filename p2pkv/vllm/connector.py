@@ -13,7 +13,7 @@ from p2pkv.config import parse_connector_config
 from p2pkv.discovery.heartbeat import HeartbeatSender, sender_for
 from p2pkv.engine.metrics import StepStats
 from p2pkv.errors import UnsupportedCacheError
-from p2pkv.stages import StageLayers
+from p2pkv.kv.stages import StageLayers
 from p2pkv.vllm.metadata import P2pkvMetadata
 from p2pkv.vllm.model_factors import model_factors, weights_factor
 from p2pkv.vllm.refusals import InstanceRefusals, RefusalNotes

@@ -10,18 +10,18 @@ from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 
-from p2pkv.blocks import BlockAccess
 from p2pkv.config import ConnectorConfig
-from p2pkv.device_copy import Marker, PartialCopy, done
 from p2pkv.engine import TransferEngine
 from p2pkv.engine.device import Fence
 from p2pkv.engine.puller import HeadSlice, PullState
 from p2pkv.engine.store import HEADS_DIFFER, NO_SPACE, PULL_INSTEAD, StageState
 from p2pkv.errors import ConfigError, P2pkvError
+from p2pkv.kv.blocks import BlockAccess
+from p2pkv.kv.device_copy import Marker, PartialCopy, done
+from p2pkv.kv.slices import HeadSlices
+from p2pkv.kv.stages import StageLayers, StagePart, plan_stages, stage_split
+from p2pkv.kv.tp import plan_pulls
 from p2pkv.params import Address
-from p2pkv.slices import HeadSlices
-from p2pkv.stages import StageLayers, StagePart, plan_stages, stage_split
-from p2pkv.tp import plan_pulls
 from p2pkv.vllm.metadata import Discard, LoadSpec
 
 log = logging.getLogger(__name__)

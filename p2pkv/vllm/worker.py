@@ -12,23 +12,23 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from p2pkv.blocks import BlockAccess, InPlaceBlocks
 from p2pkv.config import ConnectorConfig, Transport
-from p2pkv.device_copy import DeviceOps, NoPinnedSpace
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.device import Fence, PlaceSource
 from p2pkv.engine.offers import OfferState
 from p2pkv.engine.sender import OutState
 from p2pkv.errors import IncompatiblePeerError
-from p2pkv.ipc import CacheAccess
-from p2pkv.kv_layers import prepare_layers
-from p2pkv.layout import KvBlocks
+from p2pkv.kv.blocks import BlockAccess, InPlaceBlocks
+from p2pkv.kv.device_copy import DeviceOps, NoPinnedSpace
+from p2pkv.kv.ipc import CacheAccess
+from p2pkv.kv.layers import prepare_layers
+from p2pkv.kv.layout import KvBlocks
+from p2pkv.kv.pipes import make_pipes
+from p2pkv.kv.slices import HeadSlices
+from p2pkv.kv.stages import StageLayers
+from p2pkv.kv.staging import STAGE_ENV, DeviceKv, TransferBuffers
 from p2pkv.memory.huge import HugePageFiller
 from p2pkv.params import Address
-from p2pkv.pipes import make_pipes
-from p2pkv.slices import HeadSlices
-from p2pkv.stages import StageLayers
-from p2pkv.staging import STAGE_ENV, DeviceKv, TransferBuffers
 from p2pkv.vllm.loads import Loads, Placement
 from p2pkv.vllm.metadata import P2pkvMetadata, SaveSpec, Wanted
 from p2pkv.vllm.refusals import RefusalNotes, RefusalReporter

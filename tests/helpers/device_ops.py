@@ -1,4 +1,4 @@
-"""Device layers for the tests (`p2pkv.device_copy.DeviceOps`), over host tensors: one records every operation it
+"""Device layers for the tests (`p2pkv.kv.device_copy.DeviceOps`), over host tensors: one records every operation it
 was asked for (which thread, after which fences), one runs the copies late, on a thread of its own, as a GPU's
 stream would."""
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from p2pkv.device_copy import HostOps, Marker, Rows
 from p2pkv.engine.device import Fence
+from p2pkv.kv.device_copy import HostOps, Marker, Rows
 
 
 @dataclass(frozen=True)

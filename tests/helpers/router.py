@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from p2pkv.cli.cluster import free_port
+from p2pkv.bench.cluster import free_port
 
 
 @contextmanager

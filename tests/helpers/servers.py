@@ -10,7 +10,7 @@ from typing import Any
 
 import uvicorn
 
-from p2pkv.cli.cluster import free_port
+from p2pkv.bench.cluster import free_port
 
 
 @contextmanager

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from p2pkv.config import parse_connector_config
-from p2pkv.device_copy import DeviceOps
+from p2pkv.kv.device_copy import DeviceOps
 from p2pkv.params import Address
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
 from p2pkv.vllm.worker import WorkerSide

@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from p2pkv.cli.cluster import Cluster, InstanceSpec, Process, free_port
+from p2pkv.bench.cluster import Cluster, InstanceSpec, Process, free_port
 from p2pkv.params import Address
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from p2pkv.tinymodel import TinyModelSpec, write_tiny_model

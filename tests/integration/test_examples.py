@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from p2pkv.cli.cluster import free_ports
+from p2pkv.bench.cluster import free_ports
 from tests.integration.conftest import Oracle, complete
 from tests.integration.test_disagg import prompt, vllm_series
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from p2pkv.cli.cluster import Cluster, InstanceSpec, free_ports
+from p2pkv.bench.cluster import Cluster, InstanceSpec, free_ports
 from p2pkv.params import DecodeParams, PrefillParams, parse_transfer_params
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from p2pkv.proxy.trace import PREFILL_HEADER

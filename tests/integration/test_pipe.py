@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from p2pkv.kv.pipes import PIPE_ENV
+from p2pkv.kv.staging import STAGE_ENV
 from p2pkv.params import PrefillParams
-from p2pkv.pipes import PIPE_ENV
-from p2pkv.staging import STAGE_ENV
 from tests.integration.conftest import (
     BLOCK_SIZE,
     Oracle,

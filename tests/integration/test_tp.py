@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from p2pkv.kv.staging import STAGE_ENV
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
-from p2pkv.staging import STAGE_ENV
 from tests.integration.conftest import Oracle, complete, instance_of, multi_rank_cluster, per_rank
 from tests.integration.test_disagg import MAX_TOKENS, greedy, ids_and_logprobs, prompt
 from tests.integration.test_staged import served_like_colocated

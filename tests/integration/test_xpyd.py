@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from p2pkv.kv.staging import STAGE_ENV
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
-from p2pkv.staging import STAGE_ENV
 from tests.helpers.relay import FlipRelay
 from tests.helpers.router import router
 from tests.integration.conftest import (

@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from p2pkv.cli.cluster import free_ports
+from p2pkv.bench.cluster import free_ports
 from p2pkv.errors import UnsupportedCacheError
 from p2pkv.tinymodel import write_tiny_model
 from p2pkv.vllm.connector import P2pNcclConnector, check_batching, check_cache_groups

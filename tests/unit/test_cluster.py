@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pkv.cli.cluster import Cluster, Process, vllm_cpu_build
+from p2pkv.bench.cluster import Cluster, Process, vllm_cpu_build
 
 # The child starts a grandchild (as vLLM's server starts its engine and workers), prints its pid, and waits.
 _FAMILY = ("import subprocess, sys, time; "

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from p2pkv.cli.cluster import InstanceSpec, vllm_argv
+from p2pkv.bench.cluster import InstanceSpec, vllm_argv
 from p2pkv.config import launch_of, parse_connector_config
 from p2pkv.discovery import HeartbeatSender, parse_announcement
 from p2pkv.discovery.heartbeat import sender_for

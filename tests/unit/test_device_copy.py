@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from p2pkv import device_copy
-from p2pkv.device_copy import settle, wait_marker
+from p2pkv.kv import device_copy
+from p2pkv.kv.device_copy import settle, wait_marker
 
 
 def _done_after(seconds: float) -> tuple[device_copy.Marker, list[float]]:

@@ -18,10 +18,10 @@ import torch
 
 pytest.importorskip("vllm", reason="the worker side's metadata is vLLM's connector metadata class")
 
-from p2pkv.cli.cluster import free_ports
+from p2pkv.bench.cluster import free_ports
 from p2pkv.engine.sender import OutState
+from p2pkv.kv.staging import STAGE_ENV
 from p2pkv.params import Address
-from p2pkv.staging import STAGE_ENV
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
 from p2pkv.vllm.worker import WorkerSide
 from tests.helpers.device_ops import Call, FailingOps, RecordingOps, SlowOps

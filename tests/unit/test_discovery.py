@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from p2pkv.cli.cluster import free_port
+from p2pkv.bench.cluster import free_port
 from p2pkv.config import launch_of, parse_connector_config
 from p2pkv.discovery import HeartbeatSender, parse_announcement
 from p2pkv.discovery.announcement import MAX_ANNOUNCEMENT_BYTES

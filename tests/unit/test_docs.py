@@ -183,7 +183,7 @@ def test_the_design_gives_every_message_with_its_fields_in_order() -> None:
 
 def test_the_design_names_every_module_of_the_package_in_its_parts() -> None:
     """Each module directly under `p2pkv/` (a package counts as one) has a row in the parts table, or is named in
-    one (`p2pkv.tp`, `p2pkv.stages`, `p2pkv.slices` share a row)."""
+    one (`p2pkv.kv.tp`, `p2pkv.kv.stages`, `p2pkv.kv.slices` share a row)."""
     rows = table_after(DESIGN.read_text(), "## Parts")
     named = {name for row in rows for name in _CODE.findall(row[0])}
     package = ROOT / "p2pkv"

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from p2pkv.layout import KvBlocks
+from p2pkv.kv.layout import KvBlocks
 
 L, B, H, N, C = 3, 12, 4, 16, 8  # layers, blocks, KV heads, tokens per block, K+V elements per token
 PHYSICAL_ORDERS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from p2pkv import hostaddr
-from p2pkv.cli.cluster import free_ports
+from p2pkv.bench.cluster import free_ports
 from p2pkv.config import ExtraConfig, parse_connector_config
 from p2pkv.discovery.heartbeat import sender_for
 from p2pkv.engine import EngineSettings, TransferEngine

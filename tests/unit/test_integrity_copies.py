@@ -13,9 +13,9 @@ import torch
 
 from p2pkv.engine.device import Fence, Placed, RemoteCache
 from p2pkv.engine.puller import PullResult, PullState
-from p2pkv.ipc import CacheAccess
-from p2pkv.layout import placed_ranges
-from p2pkv.pipes import Channel, ChannelPipe
+from p2pkv.kv.ipc import CacheAccess
+from p2pkv.kv.layout import placed_ranges
+from p2pkv.kv.pipes import Channel, ChannelPipe
 from p2pkv.protocol import DeviceExport
 from p2pkv.transport import cma
 from tests.unit import test_ipc, test_pipes

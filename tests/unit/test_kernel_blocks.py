@@ -23,11 +23,11 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from p2pkv.cli.cluster import free_ports
+from p2pkv.bench.cluster import free_ports
 from p2pkv.engine.puller import PullState
-from p2pkv.layout import KvBlocks
+from p2pkv.kv.layout import KvBlocks
+from p2pkv.kv.staging import STAGE_ENV
 from p2pkv.params import Address
-from p2pkv.staging import STAGE_ENV
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
 from p2pkv.vllm.worker import WorkerSide
 from tests.helpers.workers import LOCAL, offer_and_pull, push_and_load, settle, worker_side

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from p2pkv.errors import IncompatiblePeerError
-from p2pkv.layout import KvBlocks, runs
+from p2pkv.kv.layout import KvBlocks, runs
 
 
 def test_runs_coalesce_consecutive_blocks() -> None:
@@ -75,7 +75,7 @@ def test_layers_of_different_shape_are_refused() -> None:
 def test_long_transfers_ranges_equal_the_block_by_block_rule(inner: tuple[tuple[int, int], ...], stride: int) -> None:
     """From VECTOR_FROM blocks the ranges are worked out with numpy: the same ranges, in the same order, as block
     after block with touching ranges merged, for blocks in order, shuffled, repeated and in runs."""
-    from p2pkv.layout import VECTOR_FROM, LayerGeometry, merge_adjacent
+    from p2pkv.kv.layout import VECTOR_FROM, LayerGeometry, merge_adjacent
 
     geometry = LayerGeometry(96, stride, inner)
     rng = np.random.default_rng(7)

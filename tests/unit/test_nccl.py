@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from p2pkv.errors import P2pkvError, TransferTimeout
-from p2pkv.nccl import IN_PROGRESS, SUCCESS, UINT8, UNIQUE_ID_BYTES, Communicator, NcclConfig, unique_id
+from p2pkv.kv.nccl import IN_PROGRESS, SUCCESS, UINT8, UNIQUE_ID_BYTES, Communicator, NcclConfig, unique_id
 
 
 class Uid(ctypes.Structure):

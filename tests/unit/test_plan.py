@@ -11,7 +11,7 @@ import pytest
 
 from p2pkv.bench.plan import Geometry, measure
 from p2pkv.cli.main import main as cli
-from p2pkv.staging import SCRATCH_BYTES
+from p2pkv.kv.staging import SCRATCH_BYTES
 
 
 def test_device_operations_do_not_grow_with_the_blocks() -> None:

@@ -17,7 +17,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from p2pkv.cli.cluster import free_port
+from p2pkv.bench.cluster import free_port
 from p2pkv.params import Address
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from p2pkv.proxy.registry import Policy, Pool

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from p2pkv.bench.cluster import Process, wait_for_huge_pages
 from p2pkv.bench.soak import SoakResult, _drive, _noting_mark
-from p2pkv.cli.cluster import Process, wait_for_huge_pages
 
 
 class _Handler(BaseHTTPRequestHandler):

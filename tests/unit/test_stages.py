@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from p2pkv.errors import ConfigError
-from p2pkv.stages import check_split, plan_stages, stage_split
+from p2pkv.kv.stages import check_split, plan_stages, stage_split
 
 
 def even(total: int, pp: int) -> list[range]:

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from p2pkv.config import ExtraConfig, Transport
-from p2pkv.device_copy import NoPinnedSpace, PinnedRing, as_rows, done, word_bytes
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import StageState
-from p2pkv.layout import KvBlocks
+from p2pkv.kv.device_copy import NoPinnedSpace, PinnedRing, as_rows, done, word_bytes
+from p2pkv.kv.layout import KvBlocks
+from p2pkv.kv.staging import DeviceKv, HostBuffer, TransferBuffers
 from p2pkv.memory import HostPool
 from p2pkv.params import Address
-from p2pkv.staging import DeviceKv, HostBuffer, TransferBuffers
 from tests.unit.test_gpu_layouts import PHYSICAL_ORDERS, views
 
 SIZES = {"L": 3, "B": 12, "H": 4, "N": 16, "C": 8}

@@ -17,10 +17,10 @@ from p2pkv.engine.puller import HeadSlice, PullState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import HEADS_DIFFER
 from p2pkv.errors import ConfigError
-from p2pkv.layout import KvBlocks
+from p2pkv.kv.layout import KvBlocks
+from p2pkv.kv.slices import HeadSlices
+from p2pkv.kv.tp import heads_of, plan_pulls
 from p2pkv.params import Address
-from p2pkv.slices import HeadSlices
-from p2pkv.tp import heads_of, plan_pulls
 
 LAYERS, BLOCKS, TOKENS, DIM = 3, 6, 16, 32  # blocks of [heads, tokens, 2 * head_dim] float32, as on CPU
 TOTAL_HEADS = 4
@@ -81,7 +81,7 @@ class Worker:
     def __init__(self, heads: int, seed: int, transport: str) -> None:
         self.layers = [cache(heads, seed * 10 + i) for i in range(LAYERS)]
         blocks = KvBlocks.from_tensors(self.layers, TOKENS, "test", TOTAL_HEADS)
-        from p2pkv.blocks import InPlaceBlocks
+        from p2pkv.kv.blocks import InPlaceBlocks
 
         self.whole = InPlaceBlocks(blocks)
         self.slices = HeadSlices(self.layers, TOKENS, "test", self.whole)

@@ -14,16 +14,16 @@ import torch
 
 pytest.importorskip("vllm", reason="the worker side's metadata is vLLM's connector metadata class")
 
-from p2pkv.cli.cluster import free_ports
+from p2pkv.bench.cluster import free_ports
 from p2pkv.config import launch_of, parse_connector_config
 from p2pkv.engine.offers import OfferState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import HEADS_DIFFER, PULL_INSTEAD, StageState
+from p2pkv.kv.pipes import PIPE_ENV
+from p2pkv.kv.staging import STAGE_ENV
 from p2pkv.memory.huge import HUGE, thp_mode
 from p2pkv.memory.huge import _huge_bytes as huge_bytes
 from p2pkv.params import Address
-from p2pkv.pipes import PIPE_ENV
-from p2pkv.staging import STAGE_ENV
 from p2pkv.vllm.metadata import Discard, LoadSpec, P2pkvMetadata, SaveSpec, Wanted
 from p2pkv.vllm.worker import WorkerSide
 

@@ -1,5 +1,5 @@
 """The KV caches vLLM hands a worker (`register_kv_caches`), made ready to move, once, at registration: ordered by
-the model's layers, kernel blocks regrouped into vLLM blocks (`p2pkv.layout.manager_blocks`), layers that share one
+the model's layers, kernel blocks regrouped into vLLM blocks (`p2pkv.kv.layout.manager_blocks`), layers that share one
 cache (vLLM's KV sharing) folded into one, and anything p2pkv cannot move refused with an error that names the
 layer and what it is. Every plane then works from this one description."""
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from p2pkv.errors import UnsupportedCacheError
-from p2pkv.layout import manager_blocks
+from p2pkv.kv.layout import manager_blocks
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ scratch and scatters its rows. Both sides cut the payload at the same byte offse
 their chunks match whatever the two caches' layouts; the number of operations grows with the bytes (one gather and
 one send per chunk), not with the blocks.
 
-- `NcclPipes` makes them over NCCL (`p2pkv.nccl`, vLLM's binding of torch's libnccl) for a cache on a GPU: the
+- `NcclPipes` makes them over NCCL (`p2pkv.kv.nccl`, vLLM's binding of torch's libnccl) for a cache on a GPU: the
   nccl transport. The gathers, sends, receives and scatters of a pipe run on the pipe's own stream, after the fence
   the caller names.
 - `GlooPipes` makes them over torch's gloo process group for a cache in host memory. It is the stand-in that lets
@@ -30,11 +30,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from p2pkv.device_copy import WORDS, Marker, all_done, as_rows, event_marker, wait_marker, word_bytes
 from p2pkv.engine.device import Fence, Pipe, Placed
-from p2pkv.engine.threads import engine_thread
 from p2pkv.errors import P2pkvError, TransferError, TransferTimeout
-from p2pkv.staging import DeviceKv, RowPiece
+from p2pkv.kv.device_copy import WORDS, Marker, all_done, as_rows, event_marker, wait_marker, word_bytes
+from p2pkv.kv.staging import DeviceKv, RowPiece
+from p2pkv.transport.threads import engine_thread
 
 log = logging.getLogger(__name__)
 PIPE_ENV = "P2PKV_PIPE"
@@ -191,7 +191,7 @@ class NcclChannel:
     """An NCCL communicator of two ranks and the stream its operations run on."""
 
     def __init__(self, comm: Any, peer: int, device: torch.device) -> None:
-        from p2pkv.nccl import Communicator
+        from p2pkv.kv.nccl import Communicator
 
         self._comm: Communicator = comm
         self._peer = peer
@@ -232,21 +232,21 @@ class NcclPipes(_Maker):
     kind = "nccl"
 
     def __init__(self, kv: DeviceKv, channels: int, lib: Any) -> None:
-        """`lib`: vLLM's NCCL binding (`p2pkv.nccl.load_library`)."""
+        """`lib`: vLLM's NCCL binding (`p2pkv.kv.nccl.load_library`)."""
         super().__init__(kv)
         self._channels = channels
         self._lib = lib
         self._device = kv.flat[0].device
 
     def _open(self, uid: bytes, rank: int, deadline: float) -> Pipe:
-        from p2pkv.nccl import Communicator
+        from p2pkv.kv.nccl import Communicator
 
         with torch.cuda.device(self._device):
             comm = Communicator(self._lib, 2, uid, rank, self._channels, deadline)
         return self._pipe(NcclChannel(comm, 1 - rank, self._device))
 
     def create(self) -> tuple[bytes, Callable[[float], Pipe]]:
-        from p2pkv.nccl import unique_id
+        from p2pkv.kv.nccl import unique_id
 
         uid = unique_id(self._lib)
         return uid, lambda deadline: self._open(uid, 0, deadline)
@@ -348,7 +348,7 @@ def make_pipes(kv: DeviceKv, host: str, channels: int) -> NcclPipes | GlooPipes 
         return GlooPipes(kv, host)
     if not kv.on_gpu:
         return None
-    from p2pkv.nccl import load_library
+    from p2pkv.kv.nccl import load_library
 
     try:
         return NcclPipes(kv, channels, load_library())

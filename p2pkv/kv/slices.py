@@ -1,7 +1,7 @@
 """Some heads of some layers of every block: what moves between instances of different tensor- or
 pipeline-parallel sizes. Each (heads, layers) pair is a `BlockAccess` of its own, over views of the same cache
-(`p2pkv.layout.head_slice`), made on first use and kept; a cache in host memory is read and written in place, a
-GPU's through host buffers (`p2pkv.staging`), or, pulled by reference, by the byte runs of the slice in the cache's
+(`p2pkv.kv.layout.head_slice`), made on first use and kept; a cache in host memory is read and written in place, a
+GPU's through host buffers (`p2pkv.kv.staging`), or, pulled by reference, by the byte runs of the slice in the cache's
 storages (`BlockAccess.runs`, `ranges`)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from p2pkv.blocks import BlockAccess, InPlaceBlocks
 from p2pkv.errors import IncompatiblePeerError
-from p2pkv.layout import KvBlocks, head_slice, heads_axis
-from p2pkv.staging import DeviceKv, TransferBuffers
+from p2pkv.kv.blocks import BlockAccess, InPlaceBlocks
+from p2pkv.kv.layout import KvBlocks, head_slice, heads_axis
+from p2pkv.kv.staging import DeviceKv, TransferBuffers
 
 if TYPE_CHECKING:
     import torch

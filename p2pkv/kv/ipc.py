@@ -17,12 +17,12 @@ from collections.abc import Sequence
 
 import torch
 
-from p2pkv.device_copy import Marker, PartialCopy, done, settle, wait_marker
 from p2pkv.engine.device import Fence, Placed, RemoteCache
 from p2pkv.errors import P2pkvError, TransferTimeout
-from p2pkv.layout import ids_array, placed_ranges
+from p2pkv.kv.device_copy import Marker, PartialCopy, done, settle, wait_marker
+from p2pkv.kv.layout import ids_array, placed_ranges
+from p2pkv.kv.staging import DeviceKv
 from p2pkv.protocol import DeviceExport, DeviceHome
-from p2pkv.staging import DeviceKv
 from p2pkv.transport import cma
 from p2pkv.transport.split_read import SplitReader
 

@@ -6,7 +6,7 @@
 - Copies run on a side stream, each batch after the fences it names (`issue`), and a `Marker` says when a batch
   is done (a CUDA event, queried; never waited on by vLLM's thread).
 - Blocks move as rows of a `[rows, row bytes]` view of a cache's storage: one `gather` or `scatter` moves every
-  block of a request, with indices built by numpy (`p2pkv.layout.LayerGeometry.rows`) and handed over with
+  block of a request, with indices built by numpy (`p2pkv.kv.layout.LayerGeometry.rows`) and handed over with
   `index`.
 
 `TorchOps` does this with torch: CUDA streams and events on a GPU; on the host every operation completes when it

@@ -1,5 +1,5 @@
 """How a worker's KV blocks reach the engine: `BlockAccess`, with two implementations. `InPlaceBlocks` (a cache in
-host memory: the engine reads and writes the blocks themselves) and `p2pkv.staging.TransferBuffers` (a GPU
+host memory: the engine reads and writes the blocks themselves) and `p2pkv.kv.staging.TransferBuffers` (a GPU
 cache: host buffers per transfer, and pulls by reference). The worker uses only this seam."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from p2pkv.device_copy import Marker, Ready, done
 from p2pkv.engine.device import Fence, Placed, PlaceSource
 from p2pkv.engine.offers import ViewSource
-from p2pkv.layout import KvBlocks
+from p2pkv.kv.device_copy import Marker, Ready, done
+from p2pkv.kv.layout import KvBlocks
 from p2pkv.protocol import LayoutDigest
 
 

@@ -34,7 +34,12 @@ from typing import TypeVar, cast
 import numpy as np
 import torch
 
-from p2pkv.device_copy import (
+from p2pkv.engine.device import Fence, Placed, PlaceSource
+from p2pkv.engine.metrics import EngineMetrics
+from p2pkv.engine.offers import ViewSource
+from p2pkv.errors import P2pkvError
+from p2pkv.integrity import digest
+from p2pkv.kv.device_copy import (
     WORDS,
     DeviceOps,
     Marker,
@@ -50,12 +55,7 @@ from p2pkv.device_copy import (
     wait_marker,
     word_bytes,
 )
-from p2pkv.engine.device import Fence, Placed, PlaceSource
-from p2pkv.engine.metrics import EngineMetrics
-from p2pkv.engine.offers import ViewSource
-from p2pkv.errors import P2pkvError
-from p2pkv.integrity import digest
-from p2pkv.layout import LayerGeometry, describe, ids_bytes, place, placed_ranges, placed_row, placed_rows, row_bytes
+from p2pkv.kv.layout import LayerGeometry, describe, ids_bytes, place, placed_ranges, placed_row, placed_rows, row_bytes
 from p2pkv.memory import HostPool
 from p2pkv.memory.pool import PoolBuffer
 from p2pkv.protocol import LayoutDigest
