@@ -14,10 +14,11 @@ from collections.abc import Callable
 import torch
 
 from p2pkv.bench.plan import Geometry, vllm_like_cache
+from p2pkv.kv.buffers import TransferBuffers
 from p2pkv.kv.device_copy import Marker, wait_marker
 from p2pkv.kv.layers import prepare_layers
 from p2pkv.kv.layout import head_slice
-from p2pkv.kv.staging import DeviceKv, TransferBuffers
+from p2pkv.kv.staging import DeviceKv
 from p2pkv.memory import HostPool
 
 LLAMA = Geometry()  # 32 layers, 8 KV heads of 128, 16-token blocks, bf16; requests of 512 blocks (1 GiB)

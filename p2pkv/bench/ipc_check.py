@@ -26,10 +26,11 @@ from p2pkv.engine.device import Placed, RemoteCache
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import PULL_INSTEAD, StageState
+from p2pkv.kv.buffers import TransferBuffers
 from p2pkv.kv.device_copy import wait_marker
 from p2pkv.kv.ipc import CacheAccess, CudaRemote
 from p2pkv.kv.pipes import GlooPipes, NcclPipes
-from p2pkv.kv.staging import DeviceKv, TransferBuffers
+from p2pkv.kv.staging import DeviceKv
 from p2pkv.params import Address
 
 BLOCK_BYTES = 64 << 10  # 16 tokens x 8 heads x 128 dims x K and V, bf16

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from p2pkv.engine.device import Fence
+from p2pkv.kv.buffers import TransferBuffers
 from p2pkv.kv.device_copy import HostOps, Marker, Rows, done
 from p2pkv.kv.layout import head_slice
 from p2pkv.kv.pipes import ChannelPipe
-from p2pkv.kv.staging import DeviceKv, TransferBuffers
+from p2pkv.kv.staging import DeviceKv
 from p2pkv.memory import HostPool
 
 TARGET_MS = 2.0

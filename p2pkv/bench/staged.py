@@ -21,8 +21,9 @@ from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import StageState
+from p2pkv.kv.buffers import TransferBuffers
 from p2pkv.kv.device_copy import Marker, wait_marker
-from p2pkv.kv.staging import DeviceKv, TransferBuffers
+from p2pkv.kv.staging import DeviceKv
 from p2pkv.memory import HostPool
 from p2pkv.params import Address
 

@@ -1,5 +1,5 @@
 """How a worker's KV blocks reach the engine: `BlockAccess`, with two implementations. `InPlaceBlocks` (a cache in
-host memory: the engine reads and writes the blocks themselves) and `p2pkv.kv.staging.TransferBuffers` (a GPU
+host memory: the engine reads and writes the blocks themselves) and `p2pkv.kv.buffers.TransferBuffers` (a GPU
 cache: host buffers per transfer, and pulls by reference). The worker uses only this seam."""
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 
 from p2pkv.errors import IncompatiblePeerError
 from p2pkv.kv.blocks import BlockAccess, InPlaceBlocks
+from p2pkv.kv.buffers import TransferBuffers
 from p2pkv.kv.layout import KvBlocks, head_slice, heads_axis
-from p2pkv.kv.staging import DeviceKv, TransferBuffers
+from p2pkv.kv.staging import DeviceKv
 
 if TYPE_CHECKING:
     import torch

@@ -19,6 +19,7 @@ from p2pkv.engine.offers import OfferState
 from p2pkv.engine.sender import OutState
 from p2pkv.errors import IncompatiblePeerError
 from p2pkv.kv.blocks import BlockAccess, InPlaceBlocks
+from p2pkv.kv.buffers import TransferBuffers
 from p2pkv.kv.device_copy import DeviceOps, NoPinnedSpace
 from p2pkv.kv.ipc import CacheAccess
 from p2pkv.kv.layers import prepare_layers
@@ -26,7 +27,7 @@ from p2pkv.kv.layout import KvBlocks
 from p2pkv.kv.pipes import make_pipes
 from p2pkv.kv.slices import HeadSlices
 from p2pkv.kv.stages import StageLayers
-from p2pkv.kv.staging import STAGE_ENV, DeviceKv, TransferBuffers
+from p2pkv.kv.staging import STAGE_ENV, DeviceKv
 from p2pkv.memory.huge import HugePageFiller
 from p2pkv.params import Address
 from p2pkv.vllm.loads import Loads, Placement

@@ -21,9 +21,10 @@ from p2pkv.engine.puller import PullResult, PullState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import PULL_INSTEAD, StageState
 from p2pkv.errors import P2pkvError
+from p2pkv.kv.buffers import TransferBuffers
 from p2pkv.kv.ipc import CacheAccess
 from p2pkv.kv.layout import ids_bytes
-from p2pkv.kv.staging import DeviceKv, TransferBuffers
+from p2pkv.kv.staging import DeviceKv
 from p2pkv.memory import HostPool
 from p2pkv.params import Address
 from p2pkv.protocol import DeviceExport, DeviceHome, LayerPlace

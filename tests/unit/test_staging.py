@@ -15,9 +15,10 @@ from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import StageState
+from p2pkv.kv.buffers import TransferBuffers
 from p2pkv.kv.device_copy import NoPinnedSpace, PinnedRing, as_rows, done, word_bytes
 from p2pkv.kv.layout import KvBlocks
-from p2pkv.kv.staging import DeviceKv, HostBuffer, TransferBuffers
+from p2pkv.kv.staging import DeviceKv, HostBuffer
 from p2pkv.memory import HostPool
 from p2pkv.params import Address
 from tests.unit.test_gpu_layouts import PHYSICAL_ORDERS, views
