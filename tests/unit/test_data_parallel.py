@@ -23,7 +23,7 @@ from p2pkv.proxy.registry import Policy, Pool
 from p2pkv.vllm.connector import _data_parallel, _start_of
 from tests.helpers.servers import serve
 from tests.helpers.stubs import stub_decode, stub_prefill
-from tests.unit.test_discovery import discovering_proxy, listed, wait_for
+from tests.helpers.unit import discovering_proxy, listed, wait_for
 
 
 def test_each_engine_of_an_instance_binds_ports_of_its_own() -> None:

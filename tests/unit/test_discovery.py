@@ -4,8 +4,6 @@ instance-side sender, against stub OpenAI backends that are real HTTP servers.""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -23,9 +21,9 @@ from p2pkv.errors import ConfigError, ProtocolError
 from p2pkv.hostaddr import advertised_host
 from p2pkv.params import Address
 from p2pkv.protocol import Heartbeat, PeerRefused, PushAbort, encode_datagram, encode_frame
-from p2pkv.proxy import ProxyConfig, create_app
 from tests.helpers.servers import serve
 from tests.helpers.stubs import stub_decode, stub_prefill
+from tests.helpers.unit import discovering_proxy, listed, wait_for
 
 SECRET = b"s3cret"
 
@@ -82,37 +80,6 @@ def test_both_formats_parse() -> None:
 def test_malformed_or_unauthenticated_messages_are_refused(raw: bytes, secret: bytes, error: str) -> None:
     with pytest.raises(ProtocolError, match=error):
         parse_announcement(raw, secret)
-
-
-@contextmanager
-def discovering_proxy(secret: str = "", misses: float = 3.0) -> Iterator[tuple[str, Callable[[bytes], None], int]]:
-    """A proxy with discovery only (no static instances), a ZMQ DEALER that sends it raw messages, and the
-    discovery port."""
-    port = free_port()
-    config = ProxyConfig(prefill=(), decode=(), discovery_port=port, secret=secret, heartbeat_misses=misses)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        with serve(create_app(config)) as proxy:
-            sock.connect(f"tcp://127.0.0.1:{port}")
-            yield proxy, lambda raw: sock.send(raw), port
-    finally:
-        sock.close()
-        ctx.term()
-
-
-def listed(proxy: str) -> list[dict[str, Any]]:
-    instances: list[dict[str, Any]] = httpx.get(f"http://{proxy}/instances").json()["instances"]
-    return instances
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
 
 
 def metric(proxy: str, name: str) -> float:

@@ -4,29 +4,13 @@ copied from one cache to another with the same layout land exactly, nothing else
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from p2pkv.kv.layout import KvBlocks
+from tests.helpers.unit import PHYSICAL_ORDERS, views
 
 L, B, H, N, C = 3, 12, 4, 16, 8  # layers, blocks, KV heads, tokens per block, K+V elements per token
-PHYSICAL_ORDERS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
-
-
-def views(order: str, dtype: torch.dtype, sizes: dict[str, int], fill: bool) -> list[torch.Tensor]:
-    """Per-layer logical [B, H, N, C] views of one flat buffer laid out in `order` (as vLLM's
-    create_kv_cache_views does)."""
-    numel = math.prod(sizes.values())
-    flat = torch.randn(numel).to(dtype) if fill else torch.zeros(numel, dtype=dtype)
-    stride = {}
-    step = 1
-    for dim in reversed(order):
-        stride[dim] = step
-        step *= sizes[dim]
-    shape = [sizes[d] for d in "BHNC"]
-    return [flat.as_strided(shape, [stride[d] for d in "BHNC"], layer * stride["L"]) for layer in range(sizes["L"])]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -18,8 +18,8 @@ from p2pkv.kv.layout import placed_ranges
 from p2pkv.kv.pipes import Channel, ChannelPipe
 from p2pkv.protocol import DeviceExport
 from p2pkv.transport import cma
+from tests.helpers.unit import SIZES
 from tests.unit import test_ipc, test_pipes
-from tests.unit.test_staging import SIZES
 
 pytestmark = pytest.mark.skipif(not cma.available(), reason="needs cross-memory attach (Linux)")
 MISMATCH = "do not match the sender's digest"

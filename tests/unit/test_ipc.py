@@ -30,8 +30,7 @@ from p2pkv.params import Address
 from p2pkv.protocol import DeviceExport, DeviceHome, LayerPlace
 from p2pkv.transport import cma
 from p2pkv.transport.split_read import SPLIT_FROM
-from tests.unit.test_gpu_layouts import views
-from tests.unit.test_staging import SIZES, caches
+from tests.helpers.unit import SIZES, caches, views
 
 pytestmark = pytest.mark.skipif(not cma.available(), reason="needs cross-memory attach (Linux)")
 

@@ -31,8 +31,7 @@ from p2pkv.kv.pipes import ChannelPipe, GlooPipes
 from p2pkv.kv.staging import DeviceKv
 from p2pkv.memory import HostPool
 from p2pkv.params import Address
-from tests.unit.test_gpu_layouts import views
-from tests.unit.test_staging import SIZES
+from tests.helpers.unit import SIZES, views
 
 TIMEOUT_S = 5.0
 SETUP_S = 1.5  # a pipe's set-up deadline (connect_timeout_s)

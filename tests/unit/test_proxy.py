@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import json
-import socket
-import struct
 import threading
 import time
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from p2pkv.errors import ConfigError
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from tests.helpers.servers import serve
 from tests.helpers.stubs import USAGE, Observed, stub_decode, stub_prefill, stub_slow
-
-
-def proxy_for(prefill: str, decode: str) -> FastAPI:
-    return create_app(ProxyConfig(prefill=(Instance.parse(prefill),), decode=(Instance.parse(decode),)))
+from tests.helpers.unit import DropsFirstRequest, proxy_for, proxy_with, stub_prefill_status
 
 
 def test_prefill_then_decode_with_the_returned_params(backends: Any) -> None:
@@ -194,7 +187,7 @@ def test_a_client_leaving_a_streamed_batch_cancels_every_decode_request(backends
 def test_a_batch_answers_with_a_failure_of_any_of_its_prompts() -> None:
     from contextlib import ExitStack
 
-    from tests.unit.test_proxy_reroute import Setup
+    from tests.helpers.unit import Setup
 
     with ExitStack() as stack:
         setup = Setup(stack, 1, [["400"]])  # the first decode request (of whichever prompt) is refused
@@ -223,22 +216,6 @@ def test_chat_max_completion_tokens_and_streaming(backends: Any) -> None:
     assert p_seen[0]["body"]["max_completion_tokens"] == 1
     assert lines[-1] == "data: [DONE]"
     assert "".join(json.loads(line[6:])["choices"][0].get("text", "") for line in lines[:-1]) == "abc"
-
-
-def stub_prefill_status(status: int, seen: list[dict[str, Any]]) -> FastAPI:
-    app = FastAPI()
-
-    @app.post("/v1/completions")
-    async def complete(request: Request) -> JSONResponse:
-        seen.append(await request.json())
-        return JSONResponse({"error": {"message": f"status {status}"}}, status_code=status)
-
-    return app
-
-
-def proxy_with(prefill: list[str], decode: str, **options: Any) -> FastAPI:
-    return create_app(ProxyConfig(prefill=tuple(Instance.parse(p) for p in prefill),
-                                  decode=(Instance.parse(decode),), **options))
 
 
 def test_failed_prefill_is_retried_on_another_instance(backends: Any) -> None:
@@ -494,75 +471,6 @@ def wait_idle(proxy: str, timeout_s: float = 5.0) -> None:
     while any(i["in_flight"] for i in httpx.get(f"http://{proxy}/instances").json()["instances"]):
         assert time.monotonic() < deadline, "requests still counted in flight"
         time.sleep(0.05)
-
-
-class DropsFirstRequest:
-    """A decode backend on a raw socket: the first completion request's connection is closed right after the
-    request is read, without an answer (as a server closing an idle keep-alive connection while the request goes
-    out); other requests (the proxy's KV-address probe too) are answered. `after_headers`: the first one gets the
-    headers of an event stream, then the connection closes before any event."""
-
-    ANSWER = {"choices": [{"text": "abc"}]}
-    PROBE = {"choices": [{"text": ""}], "kv_transfer_params": {"p2pkv": 1, "kv_port": 23456, "kv_host": ""}}
-
-    def __init__(self, after_headers: bool = False, reset: bool = False) -> None:
-        """`reset`: the first request's connection is reset (RST), not closed."""
-        self.after_headers = after_headers
-        self.reset = reset
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.server.settimeout(0.2)
-        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
-        self.requests = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def _read_body(conn: socket.socket) -> bytes | None:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = conn.recv(65536)
-            if not chunk:
-                return None
-            data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length")), 0)
-        while len(body) < length:
-            body += conn.recv(65536)
-        return body
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.server.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                conn.settimeout(5)
-                body = self._read_body(conn)
-                if body is None:
-                    continue
-                sent = json.loads(body) if body else {}  # GET /v1/models has none
-                probe = bool((sent.get("kv_transfer_params") or {}).get("probe"))
-                if body and not probe:
-                    self.requests += 1
-                    if self.requests == 1:
-                        if self.after_headers:
-                            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                                         b"Transfer-Encoding: chunked\r\n\r\n")
-                        if self.reset:
-                            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                        continue  # closed (or reset) without an answer (or any event)
-                reply = self.ANSWER if body and not probe else self.PROBE if probe else {"data": [{"id": "tiny"}]}
-                answer = json.dumps(reply).encode()
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                             + f"Content-Length: {len(answer)}\r\n\r\n".encode() + answer)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.server.close()
 
 
 @pytest.mark.parametrize("reset", [False, True])

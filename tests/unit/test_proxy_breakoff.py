@@ -17,6 +17,7 @@ import pytest
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from tests.helpers.servers import serve
 from tests.helpers.stubs import streaming_decode, stub_prefill
+from tests.helpers.unit import metric
 
 # A first event that carries a token, as each API streams one.
 FIRST = {
@@ -45,13 +46,6 @@ class Backend:
         if self.stall_s:
             await asyncio.sleep(self.stall_s)
         raise RuntimeError("the decode instance died")  # uvicorn closes the connection mid-stream
-
-
-def metric(proxy: str, name: str) -> float:
-    for line in httpx.get(f"http://{proxy}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return 0.0
 
 
 def stream(proxy: str, path: str) -> tuple[int, list[tuple[float, bytes]]]:

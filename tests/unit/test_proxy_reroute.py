@@ -13,51 +13,13 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
-from p2pkv.proxy import Instance, ProxyConfig, create_app
+from p2pkv.proxy import Instance
 from p2pkv.proxy.registry import SHUNNED_S, Policy, static_pool
 from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, TRANSFER_HEADER
 from p2pkv.proxy.upstream import stream_start
-from tests.helpers.servers import serve
-from tests.helpers.stubs import CHAT_PREAMBLE, ENGINE_ERROR, stub_decode, stub_prefill
-from tests.unit.test_proxy import DropsFirstRequest
-from tests.unit.test_proxy_trace import request_lines
-
-
-class Setup:
-    """Stub prefill and decode instances (decode i fails as `failures[i]` says) behind one proxy."""
-
-    def __init__(self, stack: ExitStack, prefills: int, failures: list[list[str]], dead: tuple[str, ...] = (),
-                 **options: Any) -> None:
-        """`dead`: decode instances listed first, where nothing listens."""
-        self.p_seen: list[list[dict[str, Any]]] = [[] for _ in range(prefills)]
-        self.d_seen: list[list[dict[str, Any]]] = [[] for _ in failures]
-        self.prefill = [stack.enter_context(serve(stub_prefill(seen))) for seen in self.p_seen]
-        self.decode = [*dead, *(stack.enter_context(serve(stub_decode(seen, failures=f)))
-                                for seen, f in zip(self.d_seen, failures, strict=True))]
-        app: FastAPI = create_app(ProxyConfig(prefill=tuple(Instance.parse(p) for p in self.prefill),
-                                              decode=tuple(Instance.parse(d) for d in self.decode), **options))
-        self.proxy = stack.enter_context(serve(app))
-
-    def post(self, stream: bool = False, chat: bool = False) -> tuple[int, dict[str, str], str]:
-        body: dict[str, Any] = {"model": "tiny", "max_tokens": 3, "stream": stream}
-        body.update({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"})
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        with httpx.stream("POST", f"http://{self.proxy}{path}", json=body, timeout=30) as resp:
-            return resp.status_code, dict(resp.headers), resp.read().decode()
-
-    def metric(self, name: str) -> float:
-        for line in httpx.get(f"http://{self.proxy}/metrics").text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[-1])
-        return 0.0
-
-    def prefilled(self, i: int) -> list[str]:
-        return [s["body"]["kv_transfer_params"]["transfer_id"] for s in self.p_seen[i]]
-
-    def decoded(self, i: int) -> list[str | None]:
-        return [(b.get("kv_transfer_params") or {}).get("transfer_id") for b in self.d_seen[i]]
+from tests.helpers.stubs import CHAT_PREAMBLE, ENGINE_ERROR
+from tests.helpers.unit import DropsFirstRequest, Setup, request_lines
 
 
 def streamed_text(text: str) -> str:

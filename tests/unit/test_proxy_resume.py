@@ -21,7 +21,7 @@ from p2pkv.proxy.chat_resume import as_completion
 from p2pkv.proxy.resume import Progress, resumable
 from tests.helpers.servers import serve
 from tests.helpers.stubs import streaming_decode, stub_prefill
-from tests.unit.test_proxy_breakoff import metric
+from tests.helpers.unit import metric
 
 PROMPT_IDS = [1, 2, 3]
 

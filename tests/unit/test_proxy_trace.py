@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from typing import Any
 
 import httpx
@@ -13,18 +12,7 @@ import pytest
 
 from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, PREFILL_MS_HEADER, TRANSFER_HEADER
 from tests.helpers.servers import serve
-from tests.unit.test_proxy import proxy_for, proxy_with, stub_prefill_status
-
-
-def request_lines(caplog: pytest.LogCaptureFixture, transfer_id: str, timeout_s: float = 5.0) -> list[str]:
-    """The proxy's log lines for this transfer (a stream's is logged as it ends, just after the client read it)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        lines = [r.getMessage() for r in caplog.records
-                 if r.name == "p2pkv.proxy.requests" and f"transfer={transfer_id} " in r.getMessage()]
-        if lines or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.02)
+from tests.helpers.unit import proxy_for, proxy_with, request_lines, stub_prefill_status
 
 
 def test_an_answer_names_its_transfer_and_instances_and_is_logged_once(

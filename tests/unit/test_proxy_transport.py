@@ -18,7 +18,7 @@ import pytest
 
 from p2pkv.proxy.transport import upstream_client
 from tests.helpers.servers import serve
-from tests.unit.test_proxy import proxy_for
+from tests.helpers.unit import proxy_for
 
 T = TypeVar("T")
 

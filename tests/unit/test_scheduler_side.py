@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
@@ -24,42 +22,7 @@ from p2pkv.params import (
 from p2pkv.proxy.poll import read_probe
 from p2pkv.vllm.metadata import Discard
 from p2pkv.vllm.scheduler import SchedulerSide
-
-BS = 128
-
-
-@dataclass(eq=False)
-class Req:
-    request_id: str
-    prompt_token_ids: list[int]
-    kv_transfer_params: dict[str, Any] | None
-    status: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(name="WAITING"))
-
-    def set_status(self, name: str) -> None:
-        self.status = SimpleNamespace(name=name)
-
-
-@dataclass
-class Blocks:
-    ids: list[int]
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return (self.ids,)
-
-
-@dataclass
-class Cached:
-    req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
-    resumed_req_ids: set[str] = field(default_factory=set)
-    num_computed_tokens: list[int] = field(default_factory=list)
-
-
-def step(new: list[SimpleNamespace] = (), cached: Cached | None = None,
-         scheduled: dict[str, int] | None = None) -> SimpleNamespace:
-    scheduled = scheduled or {}
-    return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached or Cached(),
-                           num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()))
+from tests.helpers.unit import BS, Blocks, Cached, Req, step
 
 
 def side(role: str) -> SchedulerSide:

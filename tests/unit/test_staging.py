@@ -21,14 +21,9 @@ from p2pkv.kv.layout import KvBlocks
 from p2pkv.kv.staging import DeviceKv, HostBuffer
 from p2pkv.memory import HostPool
 from p2pkv.params import Address
-from tests.unit.test_gpu_layouts import PHYSICAL_ORDERS, views
+from tests.helpers.unit import PHYSICAL_ORDERS, SIZES, caches
 
-SIZES = {"L": 3, "B": 12, "H": 4, "N": 16, "C": 8}
 BLOCK_BYTES = SIZES["H"] * SIZES["N"] * SIZES["C"] * 2  # bfloat16
-
-
-def caches(order: str, fill: bool) -> list[torch.Tensor]:
-    return views(order, torch.bfloat16, SIZES, fill)
 
 
 def host_kv(order: str, fill: bool) -> DeviceKv:

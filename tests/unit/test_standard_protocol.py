@@ -24,7 +24,7 @@ from p2pkv.params import Address, DecodeParams, foreign_params, parse_transfer_p
 from p2pkv.vllm.scheduler import SchedulerSide
 from tests.helpers.router import router
 from tests.helpers.servers import serve
-from tests.unit.test_scheduler_side import BS, Blocks, Req, step
+from tests.helpers.unit import BS, Blocks, Req, step
 
 NIXL_ANSWER = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
                "remote_engine_id": "e-1", "remote_request_id": "r-1", "remote_host": "10.0.0.1", "remote_port": 5600,
