@@ -100,9 +100,11 @@ class Process:
     health_url: str
     ranks: int = 0  # vLLM worker processes (tensor- x pipeline- x data-parallel size); 0 for the proxy
     popen: subprocess.Popen[bytes] | None = None
+    log_start: int = 0  # where this start's lines begin in its log (a log folder used again is appended to)
 
     def start(self) -> None:
         log = self.log_path.open("ab")
+        self.log_start = log.tell()
         try:
             self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                           stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
@@ -333,7 +335,9 @@ def wait_for_huge_pages(procs: list[Process], timeout_s: float = HUGE_PAGES_WAIT
 
 def _faulted_in(proc: Process) -> bool:
     try:
-        text = proc.log_path.read_text(errors="replace")
+        with proc.log_path.open("rb") as log:
+            log.seek(proc.log_start)
+            text = log.read().decode(errors="replace")
     except OSError:  # no log yet: nothing said to wait for
         return True
     return sum(text.count(line) for line in _ENDED) >= text.count(_ADVISED)

