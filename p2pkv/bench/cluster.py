@@ -165,6 +165,8 @@ class InstanceSpec:
     tp_size: int = 1  # tensor-parallel size: ranks bind kv_port + rank (and metrics_port + rank)
     pp_size: int = 1  # pipeline-parallel size: stage s's ranks come after the earlier stages' (s * tp_size + rank)
     dp_size: int = 1  # data-parallel size: engine d's ranks come after the earlier engines' (d * tp * pp + ...)
+    # "p2pkv", or "nixl": vLLM's own NixlConnector (kv_both; its side channel on kv_port), a peer to measure against
+    connector: str = "p2pkv"
 
     @property
     def ranks(self) -> int:
@@ -175,7 +177,11 @@ class InstanceSpec:
 def vllm_argv(model: str, spec: InstanceSpec, host: str, dtype: str) -> list[str]:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
             "--port", str(spec.http_port), "--dtype", dtype, "--enable-prompt-tokens-details"]
-    if spec.role:
+    if spec.role and spec.connector == "nixl":
+        nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                "kv_buffer_device": "cpu" if vllm_cpu_build() else "cuda"}
+        argv += ["--kv-transfer-config", json.dumps(nixl)]
+    elif spec.role:
         config = {"kv_connector": "P2pNcclConnector", "kv_connector_module_path": "p2pkv.vllm",
                   "kv_role": spec.role, "kv_port": spec.kv_port, "kv_load_failure_policy": spec.failure_policy,
                   "kv_connector_extra_config": {"kv_host": host, **spec.extra}}
@@ -238,6 +244,8 @@ class Cluster:
             index = sum(p.ranks for p in self.processes)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[(index + r) % len(cores)])
                                                         for r in range(spec.ranks))
+        if spec.connector == "nixl":  # NIXL's handshake listens on its side channel, one port per instance
+            env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=self.host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(spec.kv_port))
         proc = Process(name, vllm_argv(self.model, spec, self.host, self.dtype), self.log_dir / f"{name}.log",
                        env, f"http://{self.host}:{spec.http_port}/health", spec.ranks)
         self.processes.append(proc)

@@ -25,13 +25,14 @@ from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.device import Placed, RemoteCache
 from p2pkv.engine.puller import PullState
 from p2pkv.engine.sender import OutState
-from p2pkv.engine.store import PULL_INSTEAD, StageState
+from p2pkv.engine.store import StageState
 from p2pkv.kv.buffers import TransferBuffers
 from p2pkv.kv.device_copy import wait_marker
 from p2pkv.kv.ipc import CacheAccess, CudaRemote
 from p2pkv.kv.pipes import GlooPipes, NcclPipes
 from p2pkv.kv.staging import DeviceKv
 from p2pkv.params import Address
+from p2pkv.way import WhyPull
 
 BLOCK_BYTES = 64 << 10  # 16 tokens x 8 heads x 128 dims x K and V, bf16
 CHECK_BLOCKS = 64
@@ -125,7 +126,7 @@ def _push_left(engine: TransferEngine, buffers: TransferBuffers, peer: str, tid:
         views, ready = buffers.push_views(tid, layer, ids)
         engine.push_layer(tid, Address.parse(peer), layer, len(ids), views, deadline, ready)
     out = engine.wait_outgoing(tid, 120)
-    if out is None or out.state is not OutState.REFUSED or out.reason != PULL_INSTEAD:
+    if out is None or out.state is not OutState.REFUSED or out.reason != WhyPull.DEVICE_PATH.value:
         return f"the push ended {out.state.value if out else 'unknown'}: {out.reason if out else ''}"
     buffers.release(tid)
     engine.offer(tid, len(ids), buffers.source(tid, ids), 600, buffers.offered_places(tid, ids))
@@ -320,7 +321,7 @@ def _check_left(engine: TransferEngine, parent: Connection, peer: Address, cache
     if outcome != "left":
         raise AssertionError(f"the push was not left for a pull: {outcome}")
     state = engine.wait_staged("left", 30)
-    if state is not StageState.FAILED or engine.store.reason("left") != PULL_INSTEAD:
+    if state is not StageState.FAILED or engine.store.reason("left") != WhyPull.DEVICE_PATH.value:
         raise AssertionError(f"the receiving side saw {state}: {engine.store.reason('left')}")
     dst = list(range(40, 56))
     transport = _pull(engine, peer, "left", dst)

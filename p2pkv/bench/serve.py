@@ -5,14 +5,19 @@ once the previous one's workers have stopped spinning).
 The cluster is measured through each front asked for (`--via`): p2pkv's proxy (it names the decode instance: the
 prefill side pushes), and a router of vLLM's standard disaggregation protocol (`p2pkv.bench.router`: it names none,
 so the decode side always pulls). Each round runs the colocated instance, then each front, on the same live
-instances. Printed: each round's TTFT, the medians over the rounds side by side with their ratios to colocated,
-where a request's time to first token goes (from the proxy's, the instances' and vLLM's own metrics, as means over
-the round's requests), and whether each target is met: mean TTFT <= 1.3x colocated, p99 TTFT <= 2x, mean ITL
-within 10%. Exit status 1 if a request failed or a target was missed.
+instances. With `nixl` among the fronts (NIXL installed: `pip install nixl`), vLLM's own NixlConnector 1P1D behind
+that router is measured after them as a peer, not a target: in a phase of its own, against the colocated instance
+measured in the same phase, since NIXL's progress thread keeps a core busy.
+
+Printed: each round's TTFT, the medians over the rounds side by side with their ratios to colocated, where a
+request's time to first token goes (from the proxy's, the instances' and vLLM's own metrics, as means over the
+round's requests), and whether each target is met: mean TTFT <= 1.3x colocated, p99 TTFT <= 2x, mean ITL within
+10%. Exit status 1 if a request failed or a target of p2pkv's fronts was missed.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import tempfile
 import time
@@ -26,7 +31,8 @@ import httpx
 from p2pkv.bench.cluster import Cluster, InstanceSpec, free_ports, wait_for_huge_pages
 from p2pkv.models import resolve_model
 
-FRONTS = {"proxy": "1P1D via proxy", "router": "1P1D via router"}
+FRONTS = {"proxy": "1P1D via proxy", "router": "1P1D via router", "nixl": "NIXL via router"}
+PEERS = ("nixl",)  # measured in a phase of their own, beside p2pkv's fronts, with no target
 # The ratios to colocated a front must stay under; ITL within 10% (a shorter one, disaggregation's point, is met).
 TARGETS = (("mean TTFT", "mean_ttft_ms", 1.3), ("p99 TTFT", "p99_ttft_ms", 2.0), ("mean ITL", "mean_itl_ms", 1.1))
 DISAGREE = 2.0  # rounds whose mean TTFT differ by more than this factor are said to disagree
@@ -145,7 +151,7 @@ def start(s: ServeSettings, log_dir: Path, fronts: Sequence[str]) -> tuple[list[
                            "decode": [local(d_http)], "kv": [local(p_metrics), local(d_metrics)],
                            "colocated": [local(c_http)]}, urls, f"http://127.0.0.1:{c_http}",
                           tuple(f"http://127.0.0.1:{port}" for port in (p_http, d_http, c_http)))
-    clusters = [disagg, colocated]
+    clusters = [disagg, colocated] if fronts else [colocated]
     try:
         for cluster in clusters:  # every process starts at once; then each cluster is waited for
             cluster.log_dir.mkdir(parents=True, exist_ok=True)
@@ -154,8 +160,9 @@ def start(s: ServeSettings, log_dir: Path, fronts: Sequence[str]) -> tuple[list[
         for cluster in clusters:
             cluster.start(progress=lambda line: print(f"[serve] {line}", flush=True))
         # Ready as `p2pkv up` says it: once the workers' KV caches are faulted in again in huge pages.
-        wait_for_huge_pages([p for p in disagg.processes if p.ranks],
-                            progress=lambda line: print(f"[serve] {line}", flush=True))
+        if fronts:
+            wait_for_huge_pages([p for p in disagg.processes if p.ranks],
+                                progress=lambda line: print(f"[serve] {line}", flush=True))
     except BaseException:
         for cluster in clusters:
             cluster.stop()
@@ -281,30 +288,72 @@ def write_plot(runs: dict[str, list[Run]], path: Path) -> None:
     plt.close(fig)
 
 
+def start_nixl(s: ServeSettings, log_dir: Path, colocated: str) -> tuple[Cluster, Endpoints]:
+    """vLLM's NixlConnector 1P1D behind the standard-protocol router, beside the running colocated instance."""
+    dev = {"VLLM_SERVER_DEV_MODE": "1"}
+    nixl = Cluster(model=s.model, log_dir=log_dir / "nixl", extra_env=dev)
+    p_http, p_side, d_http, d_side, router_port = free_ports(5)
+    nixl.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_side, connector="nixl"))
+    nixl.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_side, connector="nixl"))
+    nixl.add_router(router_port, [f"http://127.0.0.1:{p_http}"], [f"http://127.0.0.1:{d_http}"])
+    local = "http://127.0.0.1:{}/metrics".format
+    endpoints = Endpoints({"prefill": [local(p_http)], "decode": [local(d_http)],
+                           "colocated": [f"{colocated}/metrics"]},
+                          {"nixl": f"http://127.0.0.1:{router_port}"}, colocated,
+                          (f"http://127.0.0.1:{p_http}", f"http://127.0.0.1:{d_http}", colocated))
+    try:
+        nixl.start(progress=lambda line: print(f"[serve] {line}", flush=True))
+    except BaseException:
+        nixl.stop()
+        raise
+    return nixl, endpoints
+
+
 def main(model: str | None, input_len: int, output_len: int, num_prompts: int, request_rate: float,
          plot: str, via: Sequence[str] = ("proxy", "router"), rounds: int = 3, warmups: int = 16,
          extra: dict[str, Any] | None = None) -> int:
+    fronts = tuple(f for f in dict.fromkeys(via) if f not in PEERS)
+    peers = tuple(f for f in dict.fromkeys(via) if f in PEERS)
+    if "nixl" in peers and importlib.util.find_spec("nixl") is None:
+        print("p2pkv bench serve: --via nixl needs NIXL, which is not installed here: pip install nixl")
+        return 1
     model = resolve_model(model)
     s = ServeSettings(model, input_len, output_len, num_prompts, request_rate, rounds, warmups, extra or {})
-    fronts = tuple(dict.fromkeys(via))
     log_dir = Path(tempfile.mkdtemp(prefix="p2pkv-serve-"))
     clusters, endpoints = start(s, log_dir, fronts)
+    peer_runs: dict[str, list[Run]] = {}
     try:
-        runs = measure(s, endpoints, fronts)
+        runs = measure(s, endpoints, fronts) if fronts else {}
+        if peers:
+            if fronts:
+                clusters.pop(0).stop()  # p2pkv's instances go: the peer runs on the same cores
+            nixl, nixl_endpoints = start_nixl(s, log_dir, endpoints.colocated)
+            clusters.append(nixl)
+            peer_runs = measure(s, nixl_endpoints, peers)
     finally:
         for cluster in clusters:
             cluster.stop()
     print(f"random dataset: {input_len} input and {output_len} output tokens, {num_prompts} prompts at "
           f"{request_rate} requests/s, {rounds} rounds after {warmups} warm-up requests, measured from ready; "
           f"logs in {log_dir}")
-    for line in [*table(runs), "", *breakdown_table(runs), ""]:
-        print(line)
-    lines, met = verdicts(runs)
+    met = True
+    lines: list[str] = []
+    if runs:
+        for line in [*table(runs), "", *breakdown_table(runs), ""]:
+            print(line)
+        lines, met = verdicts(runs)
+    if peer_runs:
+        print("peer, in a phase of its own against the colocated instance measured in that phase (no target):")
+        for line in [*table(peer_runs), "", *breakdown_table(peer_runs), ""]:
+            print(line)
+        lines += [f"peer, no target: {line}" for line in verdicts(peer_runs)[0]]
     for line in lines:
         print(line)
-    write_plot(runs, Path(plot))
+    write_plot({**runs, **{name: r for name, r in peer_runs.items() if name != "colocated"}}
+               if runs else peer_runs, Path(plot))
     print(f"plot written to {plot}")
-    failed = sum(num_prompts - int(result.get("completed", 0)) for front in runs.values() for result, _ in front)
+    failed = sum(num_prompts - int(result.get("completed", 0))
+                 for measured in (runs, peer_runs) for front in measured.values() for result, _ in front)
     if failed:
         print(f"{failed} requests failed")
     return 0 if met and not failed else 1

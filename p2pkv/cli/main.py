@@ -248,9 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--num-prompts", type=int, default=64)
     bserve.add_argument("--request-rate", type=float, default=4.0, help="requests per second (inf: all at once)")
     bserve.add_argument("--plot", default="bench-serve.png", help="where the PNG plot goes")
-    bserve.add_argument("--via", nargs="+", choices=["proxy", "router"], default=["proxy", "router"],
+    bserve.add_argument("--via", nargs="+", choices=["proxy", "router", "nixl"], default=["proxy", "router"],
                         help="fronts measured on the same 1P1D cluster, in turn: p2pkv's proxy, and a router of "
-                        "vLLM's standard disaggregation protocol (the decode side pulls)")
+                        "vLLM's standard disaggregation protocol (the decode side pulls); nixl: vLLM's NixlConnector "
+                        "1P1D behind that router, as a peer, in a phase of its own (needs `pip install nixl`)")
     bserve.add_argument("--rounds", type=_at_least_one, default=3,
                         help="interleaved rounds (colocated, then each front); medians are reported")
     bserve.add_argument("--warmups", type=int, default=16, help="warm-up requests per front before the rounds")

@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from p2pkv.config import ExtraConfig, Transport
 from p2pkv.engine.device import CacheDigest, DeviceAccess, Fence, PipeMaker, PlaceSource
@@ -25,6 +26,7 @@ from p2pkv.params import Address
 from p2pkv.protocol import DeviceHome, FrameLimits, Hello, LayoutDigest
 from p2pkv.transport.base import Connection
 from p2pkv.transport.tcp import TcpConnection, TcpListener
+from p2pkv.way import WhyPull
 
 log = logging.getLogger(__name__)
 _LOOPBACK = ("127.", "::1", "localhost")
@@ -75,9 +77,10 @@ class TransferEngine:
     """`start()` binds and starts threads; `close()` stops them in reverse order and is idempotent."""
 
     def __init__(self, settings: EngineSettings, layout: LayoutDigest, rank: int = 0,
-                 device: DeviceAccess | None = None, pipes: PipeMaker | None = None) -> None:
+                 device: DeviceAccess | None = None, pipes: PipeMaker | None = None, intervals: bool = False) -> None:
         """`device`: this worker's KV cache as peers on this host may open it (cuda_ipc), when it is on a GPU;
-        `pipes`: what makes a communicator with a peer (nccl), when this worker can."""
+        `pipes`: what makes a communicator with a peer (nccl), when this worker can; `intervals`: someone takes
+        `take_interval` (vLLM's per-step stats)."""
         self.settings = settings
         self.device = device
         self.pipes = pipes
@@ -85,6 +88,7 @@ class TransferEngine:
         self.rank = rank
         self.engine_id = uuid.uuid4().hex[:12]
         self.metrics = EngineMetrics()
+        self.metrics.intervals = intervals
         # The pool's memory is taken on first use only, when staging first overflows kv_buffer_size.
         self.pool = HostPool(settings.pool_bytes) if settings.pool_bytes >= 4096 else None
         self.store = ReceiveStore(settings.staging_budget_bytes, settings.staging_expiry_s, layout.block_bytes,
@@ -124,9 +128,11 @@ class TransferEngine:
         if s.transport is Transport.NCCL and pipes is None:
             log.warning("transport nccl: this worker cannot make NCCL pipes (no GPU KV, or no CuPy); using shm or tcp")
         cache_digest = self._cache_digest(device, pipes)
-        self._receiver = Receiver(listener, self.store, self.offers, self.layout, self.metrics, s.transfer_timeout_s,
-                                  offer, export, pipes, s.connect_timeout_s, self._pull_rule(device, pipes),
-                                  s.integrity_check, cache_digest, self.refused)
+        self._receiver = Receiver(listener, store=self.store, offers=self.offers, layout=self.layout,
+                                  metrics=self.metrics, frame_timeout_s=s.transfer_timeout_s, offer=offer,
+                                  device=export, pipes=pipes, pipe_setup_s=s.connect_timeout_s,
+                                  pulls_over_device=self._pull_rule(device, pipes), digests=s.integrity_check,
+                                  cache_digest=cache_digest, refused=self.refused)
         self._receiver.start()
         hello = Hello(engine_id=self.engine_id, rank=self.rank, layout=self.layout, cma=offer,
                       device_kind=device.kind if device is not None else "",
@@ -178,6 +184,18 @@ class TransferEngine:
         deadline = min(deadline, time.monotonic() + self.settings.connect_timeout_s)
         return TcpConnection.connect(peer, deadline, self.settings.secret, self.settings.limits)
 
+    @property
+    def _out(self) -> Sender:
+        if self._sender is None:
+            raise RuntimeError("engine not started")
+        return self._sender
+
+    @property
+    def _lanes(self) -> PullLanes:
+        if self._puller is None:
+            raise RuntimeError("engine not started")
+        return self._puller
+
     # Sending side.
     def push_layer(self, transfer_id: str, peer: Address, layer: int, total_blocks: int,
                    views: tuple[memoryview, ...], deadline: float,
@@ -185,47 +203,39 @@ class TransferEngine:
         """Queue one layer; `ready` (staged device KV) is called with the deadline before it is sent, and must
         return True once `views` hold the layer's bytes. `pull_instead` (no views): the transfer is not pushed;
         the peer is told to pull it (`pulls_instead`), and the transfer ends refused, holding the blocks."""
-        assert self._sender is not None, "engine not started"
-        self._sender.submit(PushJob(transfer_id, peer, layer, self.layout.num_layers, total_blocks, views, deadline,
+        self._out.submit(PushJob(transfer_id, peer, layer, self.layout.num_layers, total_blocks, views, deadline,
                                     ready, pull_instead))
 
     def push_layers(self, transfer_id: str, peer: Address, first_layer: int, total_blocks: int,
                     layer_views: Sequence[tuple[memoryview, ...]], deadline: float) -> None:
         """Queue consecutive layers at once, from `first_layer`, whose bytes are ready (KV in host memory): one job
         and one frame for them, where `push_layer` costs a job each."""
-        assert self._sender is not None, "engine not started"
         if not layer_views:
             return
-        self._sender.submit(PushJob(transfer_id, peer, first_layer, self.layout.num_layers, total_blocks,
+        self._out.submit(PushJob(transfer_id, peer, first_layer, self.layout.num_layers, total_blocks,
                                     tuple(v for views in layer_views for v in views), deadline,
                                     layers=len(layer_views)))
 
     def pulls_instead(self, peer: Address) -> bool:
         """The link to `peer` is up and its receiver pulls over a device path: push nothing, leave the blocks."""
-        assert self._sender is not None, "engine not started"
-        return self._sender.pulls_instead(peer)
+        return self._out.pulls_instead(peer)
 
     def peer_reads_in_place(self, peer: Address) -> bool:
         """The link to `peer` is up and the peer reads our payloads from our memory (shm): a push costs us a frame."""
-        assert self._sender is not None, "engine not started"
-        return self._sender.peer_reads_in_place(peer)
+        return self._out.peer_reads_in_place(peer)
 
     def wait_sent(self, deadline: float) -> bool:
-        assert self._sender is not None, "engine not started"
-        return self._sender.wait_idle(deadline)
+        return self._out.wait_idle(deadline)
 
     def outgoing(self, transfer_id: str) -> Outgoing | None:
-        assert self._sender is not None, "engine not started"
-        return self._sender.poll(transfer_id)
+        return self._out.poll(transfer_id)
 
     def wait_outgoing(self, transfer_id: str, timeout_s: float) -> Outgoing | None:
         """Block until the transfer has finished (or `timeout_s` passed); None for an unknown id."""
-        assert self._sender is not None, "engine not started"
-        return self._sender.wait(transfer_id, time.monotonic() + timeout_s)
+        return self._out.wait(transfer_id, time.monotonic() + timeout_s)
 
     def forget_outgoing(self, transfer_id: str) -> None:
-        assert self._sender is not None, "engine not started"
-        self._sender.forget(transfer_id)
+        self._out.forget(transfer_id)
 
     # GET mode.
     def offer(self, transfer_id: str, total_blocks: int, source: ViewSource, lease_s: float,
@@ -248,6 +258,19 @@ class TransferEngine:
     def offer_state(self, transfer_id: str) -> OfferState | None:
         return self.offers.poll(transfer_id)
 
+    def withdraw_offer(self, transfer_id: str, until: float) -> bool:
+        """No pull may read this offer's blocks any more: False while one still does (it may until `until`)."""
+        return self.offers.withdraw(transfer_id, until)
+
+    def renew_offers(self, transfer_ids: list[str]) -> None:
+        """These offers' requests have not been answered yet: their leases count from now."""
+        self.offers.renew(transfer_ids)
+
+    def forget_offer(self, transfer_id: str, why: str | None = None) -> None:
+        """The transfer's blocks are no longer held: if it was offered (or `why` says why it never will be), a later
+        pull of it is refused at once."""
+        self.offers.forget(transfer_id, why)
+
     def pull(self, transfer_id: str, peer: Address, first_block: int, num_blocks: int, sink: ViewSource,
              deadline: float, device_blocks: tuple[int, ...] | None = None, part: HeadSlice | None = None,
              after: Fence | None = None) -> None:
@@ -255,28 +278,23 @@ class TransferEngine:
         them straight into those blocks of this worker's cache (the result says `by_reference`), after `after`.
         With `part`, only some of the peer's heads, into `sink` (a slice of the blocks); the result is then kept
         under `part.key`."""
-        assert self._puller is not None, "engine not started"
-        self._puller.submit(PullJob(transfer_id, peer, first_block, num_blocks, sink, deadline, device_blocks, part,
+        self._lanes.submit(PullJob(transfer_id, peer, first_block, num_blocks, sink, deadline, device_blocks, part,
                                     after))
 
     def renew_leases(self, peer: Address, transfer_ids: tuple[str, ...], deadline: float) -> None:
         """Ask `peer` to keep holding the blocks of these transfers that it holds for a pull (their requests still
         wait here); sent in the background, by `deadline`."""
-        assert self._puller is not None, "engine not started"
-        self._puller.renew(Renewal(peer, transfer_ids, deadline))
+        self._lanes.renew(Renewal(peer, transfer_ids, deadline))
 
     def pull_result(self, transfer_id: str) -> PullResult | None:
-        assert self._puller is not None, "engine not started"
-        return self._puller.poll(transfer_id)
+        return self._lanes.poll(transfer_id)
 
     def wait_pull(self, transfer_id: str, timeout_s: float) -> PullResult | None:
         """Block until the pull is done or failed (or `timeout_s` passed); None for an unknown id."""
-        assert self._puller is not None, "engine not started"
-        return self._puller.wait(transfer_id, time.monotonic() + timeout_s)
+        return self._lanes.wait(transfer_id, time.monotonic() + timeout_s)
 
     def forget_pull(self, transfer_id: str) -> None:
-        assert self._puller is not None, "engine not started"
-        self._puller.forget(transfer_id)
+        self._lanes.forget(transfer_id)
 
     # Receiving side.
     def refusal(self, peer: Address, launch: str = "") -> str | None:
@@ -288,6 +306,18 @@ class TransferEngine:
     def staged_state(self, transfer_id: str) -> StageState | None:
         return self.store.state(transfer_id)
 
+    def staged_reason(self, transfer_id: str) -> str:
+        """Why a staged transfer failed ("" if it did not)."""
+        return self.store.reason(transfer_id)
+
+    def keep_staged(self, transfer_ids: tuple[str, ...]) -> None:
+        """These transfers' requests still wait: their staging's expiry counts from now."""
+        self.store.touch(transfer_ids)
+
+    def drop_staged(self, reason: str) -> int:
+        """Fail every transfer staged or arriving now, freeing its bytes; how many."""
+        return self.store.drop_all(reason)
+
     def wait_staged(self, transfer_id: str, timeout_s: float) -> StageState | None:
         """Block until a pushed transfer is complete or failed (or `timeout_s` passed); its state then."""
         return self.store.wait(transfer_id, time.monotonic() + timeout_s)
@@ -297,6 +327,28 @@ class TransferEngine:
 
     def release_staged(self, item: StagedTransfer) -> None:
         self.store.release(item)
+
+    def refused_for(self, transfer_id: str) -> WhyPull | None:
+        """Why this side refused a push of this transfer, where the refusal asks the sender to hold it for a pull."""
+        return WhyPull.of(self.store.reason(transfer_id))
+
+    def discard_staged(self, transfer_id: str, until: float) -> None:
+        """No request here loads this pushed transfer: its staging is freed as soon as it settles."""
+        self.store.discard(transfer_id, until)
+
+    # What the vLLM side counts.
+    def count_load(self, ok: bool, nbytes: int = 0) -> None:
+        if ok:
+            self.metrics.count_bytes("loaded", nbytes)
+        self.metrics.count_transfer("load", "ok" if ok else "failed")
+
+    def count_computed_here(self, reason: str) -> None:
+        """A request loaded nothing for want of p2pkv (`reason`): its decode instance computed the prompt."""
+        self.metrics.of(self.metrics.computed_here, reason).inc()
+
+    def take_interval(self) -> dict[str, Any] | None:
+        """What was counted since the last call: transfers, bytes, transfer times (vLLM's per-step stats)."""
+        return self.metrics.take_interval()
 
     def housekeeping(self) -> None:
         """Expire stale staging and overdue sends; cheap, called once per step by the owner."""

@@ -47,6 +47,20 @@ class PullState(enum.Enum):
 
 
 @dataclass(frozen=True)
+class PullKey:
+    """What a pull's result is kept under when one transfer is pulled in several pulls: from the peer rank at
+    `slot` (None: the transfer's one peer), and `release`, a pull of no heads that only frees the peer's blocks."""
+
+    transfer_id: str
+    slot: int | None = None
+    release: bool = False
+
+    def __str__(self) -> str:
+        at = "" if self.slot is None else f"@{self.slot}"
+        return f"{self.transfer_id}{at}{'#release' if self.release else ''}"
+
+
+@dataclass(frozen=True, kw_only=True)
 class HeadSlice:
     """Pull only heads `heads` of the peer's blocks (its numbering; empty: none, the pull just tells the peer its
     blocks may go), `block_bytes` per block, of the model's layers `layers` (None: every layer, as many as here).

@@ -14,7 +14,7 @@ from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import Offer, OfferTable, ViewSource
 from p2pkv.engine.pipes import PipeSlot
 from p2pkv.engine.refused import RefusedPeers
-from p2pkv.engine.store import HEADS_DIFFER, PULL_INSTEAD, ReceiveStore
+from p2pkv.engine.store import ReceiveStore
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
 from p2pkv.integrity import digest, frame_mismatch, hasher
 from p2pkv.protocol import (
@@ -38,6 +38,7 @@ from p2pkv.protocol import (
 from p2pkv.transport.base import Connection, Listener
 from p2pkv.transport.shm import ShmConnection
 from p2pkv.transport.threads import engine_thread
+from p2pkv.way import WhyPull
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
@@ -47,7 +48,7 @@ _MAX_RENEWALS = 65536  # transfers renewed per frame at most (a decode instance'
 class Receiver:
     """Owns the listener thread and the reader threads it starts; `close()` stops and joins them all."""
 
-    def __init__(self, listener: Listener, store: ReceiveStore, offers: OfferTable, layout: LayoutDigest,
+    def __init__(self, listener: Listener, *, store: ReceiveStore, offers: OfferTable, layout: LayoutDigest,
                  metrics: EngineMetrics, frame_timeout_s: float, offer: CmaOffer | None = None,
                  device: DeviceExport | None = None, pipes: PipeMaker | None = None,
                  pipe_setup_s: float = 5.0, pulls_over_device: Callable[[Hello], bool] | None = None,
@@ -173,7 +174,7 @@ class Receiver:
                     slot = self._join_pipe(conn, message, slot)
                 elif isinstance(message, PullInstead):
                     conn.discard_payload(payload_len, deadline)
-                    self._store.refer(message.transfer_id, PULL_INSTEAD)
+                    self._store.refer(message.transfer_id, WhyPull.DEVICE_PATH.value)
                 elif isinstance(message, RenewLeases):
                     conn.discard_payload(payload_len, deadline)
                     renewed = self._offers.renew(message.transfer_ids[:_MAX_RENEWALS])
@@ -233,8 +234,8 @@ class Receiver:
         if push.transfer_id in refused:
             return
         refused.add(push.transfer_id)
-        self._store.fail(push.transfer_id, HEADS_DIFFER)
-        conn.queue_frame(PushAck(push.transfer_id, False, HEADS_DIFFER))
+        self._store.fail(push.transfer_id, WhyPull.HEADS_DIFFER.value)
+        conn.queue_frame(PushAck(push.transfer_id, False, WhyPull.HEADS_DIFFER.value))
 
     def _sliced_source(self, pull: PullRequest, claim: Offer, sliced: bool) -> ViewSource | str:
         """What a pull reads: the whole blocks, or the heads it asked for; or why it cannot be served."""

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 from p2pkv.engine.links import Connect, Links
 from p2pkv.engine.metrics import EngineMetrics
-from p2pkv.engine.store import PULL_INSTEAD
 from p2pkv.errors import P2pkvError, ProtocolError
 from p2pkv.integrity import digest
 from p2pkv.params import Address
@@ -22,6 +21,7 @@ from p2pkv.protocol import Hello, Message, PayloadCopied, PullInstead, PushAbort
 from p2pkv.transport.base import Connection
 from p2pkv.transport.shm import ShmConnection
 from p2pkv.transport.threads import engine_thread
+from p2pkv.way import WhyPull, push_or_pull
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
@@ -269,7 +269,7 @@ class Sender:
             for notice in notices:
                 if (item := self._sending.get(notice.transfer_id)) is not None:
                     item.transport = name
-                    self._finish_locked(item, OutState.REFUSED, PULL_INSTEAD)
+                    self._finish_locked(item, OutState.REFUSED, WhyPull.DEVICE_PATH.value)
             sent: dict[str, Outgoing] = {}  # each transfer checked once, after all its layers here are counted
             for job, item in live:
                 nbytes = 0
@@ -298,7 +298,7 @@ class Sender:
                 continue
             if item.layers_sent and job.pull_instead:
                 broken.add(job.transfer_id)
-            elif not item.layers_sent and (job.pull_instead or conn.pull_instead):
+            elif not item.layers_sent and push_or_pull(device_path=job.pull_instead or conn.pull_instead).pulled:
                 notices[job.transfer_id] = PullInstead(job.transfer_id)
         if broken:
             with self._lock:
@@ -392,7 +392,7 @@ class Sender:
         self._changed.notify_all()
         ms = (time.monotonic() - item.started) * 1000
         outcome = {OutState.DONE: "ok", OutState.REFUSED: "refused"}.get(state, "failed")
-        if reason == PULL_INSTEAD:
+        if reason == WhyPull.DEVICE_PATH.value:
             outcome = "pull_instead"
         self._metrics.count_transfer("send", outcome, ms / 1000)
         log.info("transfer %s send %s peer=%s bytes=%d ms=%.1f transport=%s%s", item.transfer_id, outcome,

@@ -11,12 +11,10 @@ from dataclasses import dataclass, field
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.memory import HostPool, PoolBuffer
 from p2pkv.protocol import PushAck, PushBlocks
+from p2pkv.way import WhyPull
 
 log = logging.getLogger(__name__)
-NO_SPACE = "no staging space (kv_buffer_size and the host pool are full)"
-HEADS_DIFFER = ("the sender holds other KV heads or layers (another tensor-parallel or pipeline-parallel size): "
-                "pull them by slices")
-PULL_INSTEAD = "the receiver pulls over a device path (cuda_ipc or a pipe): the sender holds the blocks for it"
+DISCARDED = "discarded: no request here loads it"
 _EMPTY = memoryview(b"")
 _MIN_HEAP = 4096
 
@@ -75,6 +73,9 @@ class ReceiveStore:
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)  # a transfer completed or failed
         self._items: dict[str, StagedTransfer] = {}
+        # Transfers no request here will load, until when: freed as they settle, without waiting for vLLM's next
+        # step (an idle instance takes none); one not begun yet is taken in and dropped, so its sender holds nothing.
+        self._discarded: dict[str, float] = {}
         self._in_use = 0
 
     @property
@@ -99,6 +100,11 @@ class ReceiveStore:
         ack = None
         with self._lock:
             item = self._items.get(push.transfer_id)
+            if item is None and push.transfer_id in self._discarded:
+                item = self._new(push, source, _EMPTY)
+                item.state, item.reason = StageState.FAILED, DISCARDED
+                del self._discarded[push.transfer_id]
+                return None, PushAck(push.transfer_id, True, "")
             if item is None:
                 item = self._admit(push, source)
                 item.transport = transport
@@ -141,7 +147,7 @@ class ReceiveStore:
                     push.transfer_id, size)
         self._metrics.add("refused", 1)
         item = self._new(push, source, _EMPTY)
-        item.state, item.reason = StageState.FAILED, NO_SPACE
+        item.state, item.reason = StageState.FAILED, WhyPull.NO_SPACE.value
         return item
 
     def _new(self, push: PushBlocks, source: str, buffer: memoryview) -> StagedTransfer:
@@ -159,7 +165,24 @@ class ReceiveStore:
             item.touched = time.monotonic()
             if item.blocks_received == item.num_layers * item.total_blocks:
                 item.state = StageState.COMPLETE
+                if transfer_id in self._discarded:
+                    self._drop_locked(item)
                 self._settled.notify_all()
+
+    def discard(self, transfer_id: str, until: float) -> None:
+        """No request here loads this transfer: its bytes are freed now if it has settled, else as soon as it does
+        (a failure frees them anyway); chunks of it that begin before `until` are taken in and dropped."""
+        with self._lock:
+            item = self._items.get(transfer_id)
+            if item is not None and item.state is StageState.COMPLETE:
+                self._drop_locked(item)
+            elif item is None or item.state is StageState.RECEIVING:
+                self._discarded[transfer_id] = until
+
+    def _drop_locked(self, item: StagedTransfer) -> None:
+        item.state, item.reason, item.touched = StageState.FAILED, DISCARDED, time.monotonic()
+        self._release_locked(item)
+        self._discarded.pop(item.transfer_id, None)
 
     def fail(self, transfer_id: str, reason: str, create: bool = True) -> None:
         """Fail a transfer; with `create`, record the failure even for an unknown id so its load fails fast."""
@@ -210,6 +233,7 @@ class ReceiveStore:
         log.warning("transfer %s failed while receiving: %s", item.transfer_id, reason)
         item.state, item.reason, item.touched = StageState.FAILED, reason, time.monotonic()
         self._release_locked(item)
+        self._discarded.pop(item.transfer_id, None)
         self._settled.notify_all()
 
     def _release_locked(self, item: StagedTransfer) -> None:
@@ -282,6 +306,8 @@ class ReceiveStore:
         now = time.monotonic()
         with self._lock:
             stale = [t for t, item in self._items.items() if now - item.touched > self._expiry_s]
+            for tid in [t for t, until in self._discarded.items() if now > until]:
+                del self._discarded[tid]
             for tid in stale:
                 item = self._items.pop(tid)
                 if item.state is not StageState.FAILED:

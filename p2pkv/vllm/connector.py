@@ -171,11 +171,12 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
         else:
             tp_rank, pp_rank = _ranks()
             total_layers, stage_layers = _stage_layers(vllm_config)
-            self._worker = WorkerSide(self.config, tp_rank, block_size, tp_size, _total_kv_heads(vllm_config),
-                                      pp_rank, pp_size, total_layers, stage_layers, model_factors(vllm_config),
-                                      functools.partial(weights_factor, vllm_config)
-                                      if self.config.extra.weights_check else None,
-                                      num_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0))
+            self._worker = WorkerSide(
+                self.config, rank=tp_rank, block_size=block_size, tp_size=tp_size,
+                total_heads=_total_kv_heads(vllm_config), pp_rank=pp_rank, pp_size=pp_size, total_layers=total_layers,
+                stage_layers=stage_layers, model=model_factors(vllm_config),
+                weights=functools.partial(weights_factor, vllm_config) if self.config.extra.weights_check else None,
+                num_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0))
 
     @property
     def scheduler(self) -> SchedulerSide:

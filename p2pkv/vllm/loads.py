@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 from p2pkv.config import ConnectorConfig
 from p2pkv.engine import TransferEngine
 from p2pkv.engine.device import Fence
-from p2pkv.engine.puller import HeadSlice, PullState
-from p2pkv.engine.store import HEADS_DIFFER, NO_SPACE, PULL_INSTEAD, StageState
+from p2pkv.engine.puller import HeadSlice, PullKey, PullState
+from p2pkv.engine.store import StageState
 from p2pkv.errors import ConfigError, P2pkvError
 from p2pkv.kv.blocks import BlockAccess
 from p2pkv.kv.device_copy import Marker, PartialCopy, done
@@ -23,10 +23,10 @@ from p2pkv.kv.stages import StageLayers, StagePart, plan_stages, stage_split
 from p2pkv.kv.tp import plan_pulls
 from p2pkv.params import Address
 from p2pkv.vllm.metadata import Discard, LoadSpec
+from p2pkv.way import push_or_pull
 
 log = logging.getLogger(__name__)
 # Why this side refused a push, for which the prefill instance then holds the blocks for a pull instead.
-_PULL_REASONS = (NO_SPACE, HEADS_DIFFER, PULL_INSTEAD)
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,10 @@ class Loads:
         self._at = at
         self._loads: dict[str, _Load] = {}
         self._errors: set[int] = set()
-        # transfer id (or pull key) -> until when to look for its staging, and where the prefill instance holds
-        # the blocks should this side refuse the push (None: it does not, or they are being released)
+        # Discarded pushes: transfer id -> until when to look for its staging, and where the prefill instance holds
+        # the blocks should this side refuse the push (None: it does not)
         self._discards: dict[str, tuple[float, Address | None]] = {}
+        self._releases: set[PullKey] = set()  # pulls of no heads under way, each with its own deadline
 
     @property
     def pending(self) -> bool:
@@ -106,17 +107,18 @@ class Loads:
                 self._fall_back_to_pull(load)  # a step sooner than finished() would
 
     def discard(self, discards: list[Discard]) -> None:
-        """Transfers no request here loads (the prompt was in the local cache): their staging is freed once it has
-        arrived, or left to the store's expiry after the transfer's deadline; blocks held for our pull are released
+        """Transfers no request here loads (the prompt was in the local cache): their staging is freed by the store
+        as soon as it has arrived, with or without a next step; blocks held for our pull are released
         at once (a pull of no heads). Never reported as a finished load: vLLM, which asserts that a reported request
         waits for its KV, does not wait for these."""
         deadline = time.monotonic() + self._config.extra.transfer_timeout_s
         for discard in discards:
             if discard.release_from is None:
                 self._discards[discard.transfer_id] = deadline, discard.fallback_from
+                self._engine.discard_staged(discard.transfer_id, deadline)
             else:
                 self._release_safely(discard, discard.release_from, deadline)
-        if self._discards:
+        if self._discards or self._releases:
             self._drop_discarded()
 
     def _release_safely(self, discard: Discard, peer: Address, deadline: float) -> None:
@@ -130,30 +132,31 @@ class Loads:
         announced (pullers and puller), so that each rank's offer counts it as served."""
         tid = discard.transfer_id
         if not (discard.prefill_tp or discard.prefill_pp):  # our sizes: one whole offer per rank, ours
-            key = f"{tid}#release"
-            self._discards[key] = deadline, None
+            key = PullKey(tid, release=True)
+            self._releases.add(key)
             self._engine.pull(tid, peer.offset(self._at.slot), 0, 1, _no_sink, deadline, None,
-                              HeadSlice((0, 0), 0, 1, 0, key))
+                              HeadSlice(heads=(0, 0), block_bytes=0, pullers=1, puller=0, key=str(key)))
             return
         prefill_tp = discard.prefill_tp or self._at.tp_size
         for stage in self._stages(discard.prefill_pp or self._at.pp_size):
             for part in plan_pulls(self._at.rank, self._at.tp_size, prefill_tp, self._at.total_heads):
                 slot = stage.prefill_stage * prefill_tp + part.prefill_rank
-                key = f"{tid}@{slot}#release"
-                self._discards[key] = deadline, None
+                key = PullKey(tid, slot, release=True)
+                self._releases.add(key)
                 self._engine.pull(tid, peer.offset(slot), 0, 1, _no_sink, deadline, None,
-                                  HeadSlice((0, 0), 0, part.pullers * stage.pullers, self._at.slot, key, stage.layers))
+                                  HeadSlice(heads=(0, 0), block_bytes=0, pullers=part.pullers * stage.pullers,
+                                            puller=self._at.slot, key=str(key), layers=stage.layers))
 
     def _drop_discarded(self) -> None:
+        for release in list(self._releases):
+            result = self._engine.pull_result(str(release))
+            if result is None or result.state is not PullState.PENDING:
+                self._engine.forget_pull(str(release))
+                self._releases.discard(release)
         now = time.monotonic()
         for key, (deadline, fallback) in list(self._discards.items()):
-            if key.endswith("#release"):
-                result = self._engine.pull_result(key)
-                if result is not None and result.state is PullState.PENDING:
-                    continue
-                self._engine.forget_pull(key)
-            elif (state := self._engine.staged_state(key)) in (StageState.COMPLETE, StageState.FAILED):
-                refused = state is StageState.FAILED and self._engine.store.reason(key) in _PULL_REASONS
+            if (state := self._engine.staged_state(key)) in (StageState.COMPLETE, StageState.FAILED):
+                refused = state is StageState.FAILED and push_or_pull(refused=self._engine.refused_for(key)).pulled
                 item = self._engine.take_staged(key)
                 if item is not None:
                     self._engine.release_staged(item)
@@ -249,13 +252,14 @@ class Loads:
                 for part in plan_pulls(self._at.rank, self._at.tp_size, prefill_tp, self._at.total_heads):
                     # Prefill stage s's ranks follow its earlier stages' ranks.
                     slot = stage.prefill_stage * prefill_tp + part.prefill_rank
-                    key = f"{tid}@{slot}"
+                    key = str(PullKey(tid, slot))
                     access = None if part.release_only else self._slices.get(part.decode_heads, local)
                     block_bytes = access.digest.block_bytes if access is not None else 0
                     sink = access.sink(key, spec.block_ids) if access is not None else _no_sink
                     places = access.places(spec.block_ids) if access is not None else None
-                    jobs.append((slot, sink, HeadSlice(part.prefill_heads, block_bytes, part.pullers * stage.pullers,
-                                                       self._at.slot, key, stage.layers, places), access))
+                    jobs.append((slot, sink, HeadSlice(heads=part.prefill_heads, block_bytes=block_bytes,
+                                                       pullers=part.pullers * stage.pullers, puller=self._at.slot,
+                                                       key=key, layers=stage.layers, places=places), access))
         except P2pkvError:
             for _, _, head_slice, access in jobs:
                 if access is not None:
@@ -271,7 +275,7 @@ class Loads:
         """The requests whose load settled (landed, or failed as load errors); `finished_req_ids`: the requests
         vLLM ended since the last step (aborted ones among them)."""
         abandoned = self._abandon(finished_req_ids & self._loads.keys()) if finished_req_ids else set()
-        if self._discards:
+        if self._discards or self._releases:
             self._drop_discarded()
         done: set[str] = set()
         now = time.monotonic()
@@ -293,7 +297,7 @@ class Loads:
                     done.add(req_id)
             elif state is StageState.FAILED or now > load.deadline or (refused := self._refusal(load.spec)):
                 if state is StageState.FAILED:  # the store's reason: the sender's abort, a lost link, a bad digest
-                    self._fail_load(load.spec, f"transfer failed: {self._engine.store.reason(load.spec.transfer_id)}")
+                    self._fail_load(load.spec, f"transfer failed: {self._engine.staged_reason(load.spec.transfer_id)}")
                 elif now > load.deadline:
                     self._fail_load(load.spec, "deadline passed")
                 else:
@@ -336,13 +340,14 @@ class Loads:
         """This side refused the push (no staging space, or the sender holds other heads or layers), or asked for
         pulls over a device path: pull the blocks straight into the cache instead."""
         spec = load.spec
-        reason = self._engine.store.reason(spec.transfer_id)
-        if reason not in _PULL_REASONS or spec.fallback_from is None or not spec.block_ids:
+        decision = push_or_pull(refused=self._engine.refused_for(spec.transfer_id))
+        if not decision.pulled or spec.fallback_from is None or not spec.block_ids:
             return False
         item = self._engine.take_staged(spec.transfer_id)
         if item is not None:
             self._engine.release_staged(item)
-        log.info("transfer %s: not pushed (%s); pulling from %s", spec.transfer_id, reason, spec.fallback_from)
+        why = decision.why.value if decision.why else ""
+        log.info("transfer %s: not pushed (%s); pulling from %s", spec.transfer_id, why, spec.fallback_from)
         load.spec = replace(spec, pull_from=spec.fallback_from)
         self._start_pull(load, spec.fallback_from)
         return True
@@ -424,8 +429,7 @@ class Loads:
                 self._blocks.write_blocks(0, first, memoryview(data))
             finally:
                 self._blocks.release(key)
-        self._engine.metrics.count_bytes("loaded", nbytes)
-        self._engine.metrics.count_transfer("load", "ok")
+        self._engine.count_load(True, nbytes)
 
     def _land(self, load: _Load) -> None:
         """Issue the copies of a complete staged push into the load's blocks; `finished` reports it once they are
@@ -440,8 +444,7 @@ class Loads:
         def finish() -> None:
             self._engine.release_staged(item)
             if n:
-                self._engine.metrics.count_bytes("loaded", nbytes)
-                self._engine.metrics.count_transfer("load", "ok")
+                self._engine.count_load(True, nbytes)
                 log.info("transfer %s landed peer=%s blocks=%d bytes=%d ms=%.1f transport=%s", spec.transfer_id,
                          item.source.split("#")[0], n, nbytes, (time.monotonic() - item.created) * 1000,
                          item.transport)
@@ -466,4 +469,4 @@ class Loads:
         log.warning("transfer %s: load failed (%s); reporting %d blocks", spec.transfer_id, reason,
                     len(spec.block_ids))
         self._errors.update(spec.block_ids)
-        self._engine.metrics.count_transfer("load", "failed")
+        self._engine.count_load(False)

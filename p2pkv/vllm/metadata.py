@@ -9,7 +9,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from p2pkv.params import Address
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SaveSpec:
     """Push the first `len(block_ids)` blocks of a finished prefill to the decode instance at `peer` (rank 0),
     or, when `peer` is None (GET mode), hold them for the decode instance to pull."""
@@ -30,7 +30,7 @@ class SaveSpec:
     puller_launch: str = ""  # which start of that instance will pull (its refusals before that start do not count)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoadSpec:
     """Land staged blocks `first_block ..` of a transfer in the local `block_ids`; empty means just discard.
     With `pull_from` (GET mode) the blocks are pulled from that prefill engine (rank 0) instead."""

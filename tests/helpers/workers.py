@@ -24,8 +24,8 @@ def worker_side(role: str, port: int, kv: Mapping[str, torch.Tensor], block_size
     `kv` registered."""
     extra: dict[str, object] = {"kv_host": LOCAL, "transfer_timeout_s": 10, "metrics_port": 0, **(keys or {})}
     config = parse_connector_config(role, port, "recompute", extra, "")
-    side = WorkerSide(config, rank, block_size, tp_size, total_heads, 0, 1, total_layers, None,
-                      num_blocks=num_blocks, device_ops=device_ops)
+    side = WorkerSide(config, rank=rank, block_size=block_size, tp_size=tp_size, total_heads=total_heads,
+                      total_layers=total_layers, num_blocks=num_blocks, device_ops=device_ops)
     side.register_kv_caches(dict(kv))
     return side
 
@@ -48,9 +48,10 @@ def offer_and_pull(prefill: WorkerSide, decode: WorkerSide, tid: str, src: tuple
                    p_port: int) -> None:
     """GET: the prefill worker offers blocks `src` once its forward is done; the decode worker pulls them into
     `dst`. Both settle, with no load errors."""
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", tid, None, src)]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id=tid, peer=None, block_ids=src)]))
     prefill.wait_for_save()
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", tid, 0, dst, pull_from=Address(LOCAL, p_port))]))
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id=tid, first_block=0, block_ids=dst,
+                                              pull_from=Address(LOCAL, p_port))]))
     settle(decode, "d-req", sending=False)
     assert decode.take_load_errors() == set()
     settle(prefill, "p-req", sending=True)
@@ -60,8 +61,10 @@ def push_and_load(prefill: WorkerSide, decode: WorkerSide, tid: str, src: tuple[
                   layer_names: Iterable[str], p_port: int, d_port: int) -> None:
     """PUT_ASYNC: the decode worker's load is bound; the prefill worker's forward saves layer after layer, then
     `wait_for_save`; both step until the load is reported, with no load errors."""
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", tid, 0, dst, fallback_from=Address(LOCAL, p_port))]))
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", tid, Address(LOCAL, d_port), src)]))
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id=tid, first_block=0, block_ids=dst,
+                                              fallback_from=Address(LOCAL, p_port))]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id=tid, peer=Address(LOCAL, d_port),
+                                               block_ids=src)]))
     for name in layer_names:
         prefill.save_layer(name)
     prefill.wait_for_save()

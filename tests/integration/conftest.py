@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,9 +22,9 @@ import psutil
 import pytest
 
 from p2pkv.bench.cluster import Cluster, InstanceSpec, Process, free_port
-from p2pkv.params import Address
+from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
 from p2pkv.proxy import Instance, ProxyConfig, create_app
-from p2pkv.tinymodel import TinyModelSpec, write_tiny_model
+from p2pkv.tinymodel import TinyModelSpec, tiny_prompt, write_tiny_model
 from tests.helpers.relay import CutRelay
 from tests.helpers.servers import serve
 
@@ -339,3 +341,66 @@ def cut_stream(info: dict[str, Any], path: str, body: dict[str, Any], events: in
     assert relay.flipped.is_set(), "the stream was cut"
     assert lines[-1] == "[DONE]" and lines.count("[DONE]") == 1
     return [json.loads(line) for line in lines[:-1]], metrics
+
+
+# Shared by the integration modules.
+LAYERS = 4
+MAX_TOKENS = 16
+prompt = tiny_prompt  # the name every integration test imports
+LOAD_FAILED = 'p2pkv_transfers_total{direction="load",outcome="failed"}'
+LEFT = 'p2pkv_transfers_total{direction="send",outcome="pull_instead"}'
+
+
+def greedy(base: str, model: str, text: str) -> dict[str, Any]:
+    body = {"model": model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True, "ignore_eos": True}
+    return complete(base, body)
+
+
+def ids_and_logprobs(answer: dict[str, Any]) -> tuple[list[int], list[float]]:
+    choice = answer["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def two_steps(cluster: UpCluster, text: str, params: PrefillParams | None = None,
+               corrupt: bool = False) -> tuple[DecodeParams, dict[str, Any]]:
+    """The proxy's two steps done by hand, so a request can choose its mode or ask for corrupted KV."""
+    prefill, decode = cluster.instance("kv_producer"), cluster.instance("kv_consumer")
+    params = params or PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]))
+    body = {"model": cluster.model, "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
+    returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
+    assert isinstance(returned, DecodeParams)
+    if corrupt:
+        returned = DecodeParams(returned.transfer_id, returned.num_prompt_tokens, None, test_corrupt=True)
+    body = {"model": cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": returned.to_dict()}
+    return returned, complete(f"http://{decode['http']}", body)
+
+
+def vllm_series(address: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s series on a vLLM instance's own /metrics whose labels include `labels`."""
+    total = 0.0
+    for line in httpx.get(f"http://{address}/metrics", timeout=10).text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        have = dict(pair.split("=", 1) for pair in head[len(name) + 1:-1].split(","))
+        if all(have.get(k) == f'"{v}"' for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def served_like_colocated(info: dict[str, Any], tag: str, length: int) -> int:
+    """One greedy request through the proxy (`info`: a ready file's description with `model` and `colocated`),
+    checked against the colocated instance and for its prompt's KV loaded from the transfer; the bytes that
+    transfer moved."""
+    text = prompt(tag, length)
+    answer = greedy(info["proxy"], info["model"], text)
+    reference = greedy(info["colocated"], info["model"], text)
+    assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
+    return kv_bytes(length)
+
+
+def kv_bytes(length: int) -> int:
+    return math.ceil((length - 1) / BLOCK_SIZE) * kv_bytes_per_block_and_layer() * LAYERS

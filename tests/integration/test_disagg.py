@@ -17,38 +17,30 @@ import pytest
 from p2pkv.params import Address, DecodeParams, DiscardParams, PrefillParams, parse_transfer_params
 from p2pkv.proxy import Instance, ProxyConfig, create_app
 from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, TRANSFER_HEADER
-from p2pkv.tinymodel import TinyModelSpec, tiny_prompt, write_tiny_model
+from p2pkv.tinymodel import TinyModelSpec, write_tiny_model
 from tests.helpers.router import router
 from tests.helpers.servers import serve
 from tests.helpers.stubs import failing_relay
 from tests.integration.conftest import (
     BLOCK_SIZE,
+    LAYERS,
+    LOAD_FAILED,
+    MAX_TOKENS,
     TRANSFER_TIMEOUT_S,
     UpCluster,
     complete,
     cut_stream,
+    greedy,
+    ids_and_logprobs,
     kv_bytes_per_block_and_layer,
     metric,
+    prompt,
+    two_steps,
+    vllm_series,
 )
 
 pytestmark = pytest.mark.vllm
-LAYERS = 4
-MAX_TOKENS = 16
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-prompt = tiny_prompt  # the name every integration test imports
-
-
-def greedy(base: str, model: str, text: str) -> dict[str, Any]:
-    body = {"model": model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
-            "return_token_ids": True, "ignore_eos": True}
-    return complete(base, body)
-
-
-def ids_and_logprobs(answer: dict[str, Any]) -> tuple[list[int], list[float]]:
-    choice = answer["choices"][0]
-    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
 LENGTHS = [1, 7, 60, 127, 128, 129, 250, 385, 700]  # 1: nothing to load (the one token is computed here)
@@ -80,21 +72,6 @@ def test_disaggregated_equals_colocated_and_kv_was_transferred(up_cluster: UpClu
     assert metric(decode["metrics"], "p2pkv_bytes_received_total" + SHM) - received_before == expected_received
     assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") - loaded_before == expected_loaded
     assert metric(decode["metrics"], "p2pkv_staging_bytes") == 0
-
-
-def two_steps(cluster: UpCluster, text: str, params: PrefillParams | None = None,
-               corrupt: bool = False) -> tuple[DecodeParams, dict[str, Any]]:
-    """The proxy's two steps done by hand, so a request can choose its mode or ask for corrupted KV."""
-    prefill, decode = cluster.instance("kv_producer"), cluster.instance("kv_consumer")
-    params = params or PrefillParams(uuid.uuid4().hex, Address.parse(decode["kv"]))
-    body = {"model": cluster.model, "prompt": text, "max_tokens": 1, "kv_transfer_params": params.to_dict()}
-    returned = parse_transfer_params(complete(f"http://{prefill['http']}", body)["kv_transfer_params"])
-    assert isinstance(returned, DecodeParams)
-    if corrupt:
-        returned = DecodeParams(returned.transfer_id, returned.num_prompt_tokens, None, test_corrupt=True)
-    body = {"model": cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
-            "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": returned.to_dict()}
-    return returned, complete(f"http://{decode['http']}", body)
 
 
 def _by_hand(cluster: UpCluster, text: str, corrupt: bool) -> dict[str, Any]:
@@ -149,19 +126,6 @@ def test_a_request_is_traced_from_its_answer_into_every_log(up_cluster: UpCluste
 
 
 P2P_HITS = "vllm:prompt_tokens_cached_by_source_total"
-
-
-def vllm_series(address: str, name: str, **labels: str) -> float:
-    """The sum of `name`'s series on a vLLM instance's own /metrics whose labels include `labels`."""
-    total = 0.0
-    for line in httpx.get(f"http://{address}/metrics", timeout=10).text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        head, value = line.rsplit(" ", 1)
-        have = dict(pair.split("=", 1) for pair in head[len(name) + 1:-1].split(","))
-        if all(have.get(k) == f'"{v}"' for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 def test_transfers_show_in_vllms_own_metrics_and_log(up_cluster: UpCluster) -> None:
@@ -532,9 +496,6 @@ def test_repeated_prompts_with_prefix_caching_on_both_sides(up_cluster: UpCluste
     assert loaded[0] == math.ceil(519 / BLOCK_SIZE) * per_block
     # Later runs find the full blocks in the decode instance's own cache and load only the partial last one.
     assert loaded[1] == loaded[2] == per_block
-
-
-LOAD_FAILED = 'p2pkv_transfers_total{direction="load",outcome="failed"}'
 
 
 def test_a_prompt_the_decode_instance_holds_whole_loads_nothing_and_frees_the_push(up_cluster: UpCluster) -> None:

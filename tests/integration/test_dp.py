@@ -16,8 +16,16 @@ import pytest
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
 from p2pkv.proxy.instances import DP_RANK_HEADER
 from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER
-from tests.integration.conftest import Oracle, instance_of, multi_rank_cluster
-from tests.integration.test_disagg import MAX_TOKENS, greedy, ids_and_logprobs, prompt, vllm_series
+from tests.integration.conftest import (
+    MAX_TOKENS,
+    Oracle,
+    greedy,
+    ids_and_logprobs,
+    instance_of,
+    multi_rank_cluster,
+    prompt,
+    vllm_series,
+)
 
 pytestmark = pytest.mark.vllm
 

@@ -17,8 +17,7 @@ import psutil
 import pytest
 
 from p2pkv.bench.cluster import free_ports
-from tests.integration.conftest import Oracle, complete
-from tests.integration.test_disagg import prompt, vllm_series
+from tests.integration.conftest import Oracle, complete, prompt, vllm_series
 
 pytestmark = pytest.mark.vllm
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -18,8 +18,7 @@ from p2pkv.proxy import Instance, ProxyConfig, create_app
 from p2pkv.proxy.trace import PREFILL_HEADER
 from tests.helpers.relay import FlipRelay
 from tests.helpers.servers import serve
-from tests.integration.conftest import complete, metric
-from tests.integration.test_disagg import MAX_TOKENS, greedy, ids_and_logprobs, prompt
+from tests.integration.conftest import MAX_TOKENS, complete, greedy, ids_and_logprobs, metric, prompt
 
 pytestmark = pytest.mark.vllm
 TIMEOUT_S = 5.0

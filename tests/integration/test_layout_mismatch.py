@@ -34,10 +34,10 @@ from tests.integration.conftest import (
     instance_of,
     listed,
     metric,
+    prompt,
     record_starts,
     started_again,
 )
-from tests.integration.test_disagg import prompt
 
 pytestmark = pytest.mark.vllm
 DEADLINE_S = 120.0

@@ -20,14 +20,19 @@ from p2pkv.kv.staging import STAGE_ENV
 from p2pkv.params import PrefillParams
 from tests.integration.conftest import (
     BLOCK_SIZE,
+    LAYERS,
+    LEFT,
     Oracle,
     UpCluster,
+    greedy,
+    ids_and_logprobs,
     kv_bytes_per_block_and_layer,
     metric,
+    prompt,
+    served_like_colocated,
+    two_steps,
     up_with_colocated,
 )
-from tests.integration.test_disagg import LAYERS, greedy, ids_and_logprobs, prompt, two_steps
-from tests.integration.test_staged import LEFT, served_like_colocated
 
 pytestmark = pytest.mark.vllm
 BY_PIPE = '{transport="gloo"}'

@@ -18,15 +18,19 @@ import pytest
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
 from tests.integration.conftest import (
     BLOCK_SIZE,
+    LAYERS,
+    MAX_TOKENS,
     Oracle,
     complete,
+    greedy,
+    ids_and_logprobs,
     instance_of,
     kv_bytes_per_block_and_layer,
     multi_rank_cluster,
     per_rank,
+    prompt,
+    served_like_colocated,
 )
-from tests.integration.test_disagg import LAYERS, MAX_TOKENS, greedy, ids_and_logprobs, prompt
-from tests.integration.test_staged import served_like_colocated
 
 pytestmark = pytest.mark.vllm
 SHM = '{transport="shm"}'

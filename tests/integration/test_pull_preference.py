@@ -11,8 +11,17 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import Oracle, instance_of, metric, record_starts, started_again, up_with_colocated
-from tests.integration.test_disagg import greedy, ids_and_logprobs, prompt
+from tests.integration.conftest import (
+    Oracle,
+    greedy,
+    ids_and_logprobs,
+    instance_of,
+    metric,
+    prompt,
+    record_starts,
+    started_again,
+    up_with_colocated,
+)
 
 pytestmark = pytest.mark.vllm
 PULLS = 'p2pkv_transfers_total{direction="pull",outcome="ok"}'

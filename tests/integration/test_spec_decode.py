@@ -26,8 +26,8 @@ from tests.integration.conftest import (
     instance_of,
     kv_bytes_per_block_and_layer,
     metric,
+    prompt,
 )
-from tests.integration.test_disagg import prompt
 
 pytestmark = pytest.mark.vllm
 SPECULATIVE = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,

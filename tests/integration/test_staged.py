@@ -6,28 +6,28 @@ side leaves each transfer for it to pull; a GET request goes the same way."""
 
 from __future__ import annotations
 
-import math
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from p2pkv.kv.staging import STAGE_ENV
 from p2pkv.params import PrefillParams
 from tests.integration.conftest import (
-    BLOCK_SIZE,
+    LEFT,
     Oracle,
     UpCluster,
-    kv_bytes_per_block_and_layer,
+    greedy,
+    ids_and_logprobs,
+    kv_bytes,
     metric,
+    prompt,
+    two_steps,
     up_with_colocated,
 )
-from tests.integration.test_disagg import LAYERS, greedy, ids_and_logprobs, prompt, two_steps
 
 pytestmark = pytest.mark.vllm
 BY_REFERENCE = '{transport="host_ipc"}'
-LEFT = 'p2pkv_transfers_total{direction="send",outcome="pull_instead"}'
 SERIES = {
     "by_reference_in": "p2pkv_bytes_received_total" + BY_REFERENCE,
     "by_reference_out": "p2pkv_bytes_sent_total" + BY_REFERENCE,
@@ -59,22 +59,6 @@ def counters(cluster: UpCluster) -> dict[str, dict[str, float]]:
 def moved(cluster: UpCluster, before: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     after = counters(cluster)
     return {role: {k: after[role][k] - before[role][k] for k in after[role]} for role in after}
-
-
-def served_like_colocated(info: dict[str, Any], tag: str, length: int) -> int:
-    """One greedy request through the proxy (`info`: a ready file's description with `model` and `colocated`),
-    checked against the colocated instance and for its prompt's KV loaded from the transfer; the bytes that
-    transfer moved."""
-    text = prompt(tag, length)
-    answer = greedy(info["proxy"], info["model"], text)
-    reference = greedy(info["colocated"], info["model"], text)
-    assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
-    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
-    return kv_bytes(length)
-
-
-def kv_bytes(length: int) -> int:
-    return math.ceil((length - 1) / BLOCK_SIZE) * kv_bytes_per_block_and_layer() * LAYERS
 
 
 def check_cache_to_cache(delta: dict[str, dict[str, float]], expected: int) -> None:

@@ -16,9 +16,18 @@ import pytest
 
 from p2pkv.kv.staging import STAGE_ENV
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params
-from tests.integration.conftest import Oracle, complete, instance_of, multi_rank_cluster, per_rank
-from tests.integration.test_disagg import MAX_TOKENS, greedy, ids_and_logprobs, prompt
-from tests.integration.test_staged import served_like_colocated
+from tests.integration.conftest import (
+    MAX_TOKENS,
+    Oracle,
+    complete,
+    greedy,
+    ids_and_logprobs,
+    instance_of,
+    multi_rank_cluster,
+    per_rank,
+    prompt,
+    served_like_colocated,
+)
 
 pytestmark = pytest.mark.vllm
 BY_REFERENCE = '{transport="host_ipc"}'

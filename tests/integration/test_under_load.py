@@ -33,9 +33,20 @@ import pytest
 from p2pkv.bench.router import STANDARD_PREFILL_PARAMS
 from p2pkv.bench.soak import SoakResult, _drive
 from p2pkv.params import DecodeParams, PrefillParams, parse_transfer_params
-from tests.integration.conftest import MAX_BATCHED_TOKENS, UpCluster, complete, metric, up_with_colocated
-from tests.integration.test_disagg import LOAD_FAILED, MAX_TOKENS, greedy, ids_and_logprobs, prompt, two_steps
-from tests.integration.test_staged import kv_bytes
+from tests.integration.conftest import (
+    LOAD_FAILED,
+    MAX_BATCHED_TOKENS,
+    MAX_TOKENS,
+    UpCluster,
+    complete,
+    greedy,
+    ids_and_logprobs,
+    kv_bytes,
+    metric,
+    prompt,
+    two_steps,
+    up_with_colocated,
+)
 
 pytestmark = pytest.mark.vllm
 PLUGIN = Path(__file__).resolve().parents[1] / "helpers" / "async_scheduling"

@@ -15,8 +15,7 @@ import pytest
 
 from p2pkv.tinymodel import TinyModelSpec, write_tiny_model
 from p2pkv.weights import fingerprint
-from tests.integration.conftest import Oracle, answers_like, described_cluster, instance_of, metric
-from tests.integration.test_disagg import prompt
+from tests.integration.conftest import Oracle, answers_like, described_cluster, instance_of, metric, prompt
 
 pytestmark = pytest.mark.vllm
 DEADLINE_S = 120.0

@@ -20,15 +20,18 @@ from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_pa
 from tests.helpers.relay import FlipRelay
 from tests.helpers.router import router
 from tests.integration.conftest import (
+    MAX_TOKENS,
     Oracle,
     complete,
+    greedy,
+    ids_and_logprobs,
     listed,
     metric,
+    prompt,
     record_starts,
     started_again,
     up_with_colocated,
 )
-from tests.integration.test_disagg import MAX_TOKENS, greedy, ids_and_logprobs, prompt
 
 pytestmark = pytest.mark.vllm
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from p2pkv.bench.serve import PARTS, breakdown, breakdown_table, table, verdicts
 
 
@@ -48,3 +50,57 @@ def test_the_breakdown_is_each_parts_mean_between_two_scrapes() -> None:
     lines = breakdown_table({"colocated": [_run(1, 1, 1)], "proxy": [_run(1, 1, 1, parts)]})
     assert any(line.startswith("decode instance: arrival to first token") and "50.00" in line for line in lines)
     assert not any(line.startswith("colocated: arrival") for line in lines)  # no part measured: no row
+
+
+def test_a_nixl_peer_without_nixl_installed_is_refused_before_anything_starts(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    from p2pkv.bench import serve
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nixl" else found(name, *a))
+
+    def never(*_: object) -> None:
+        raise AssertionError("nothing may start")
+
+    monkeypatch.setattr(serve, "start", never)
+    assert serve.main(None, 512, 32, 64, 4.0, "unused.png", via=("proxy", "nixl")) == 1
+    assert "pip install nixl" in capsys.readouterr().out
+
+
+def test_a_peer_runs_after_p2pkvs_instances_are_stopped_and_its_misses_do_not_fail_the_run(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The run's own parts (clusters, vLLM's benchmark) stubbed: what `main` does with them."""
+    import importlib.util
+
+    from p2pkv.bench import serve
+
+    events: list[str] = []
+
+    class Stopped:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def stop(self) -> None:
+            events.append(f"stop {self.name}")
+
+    ours = {"colocated": [_run(40, 100, 3.0)] * 3, "proxy": [_run(50, 150, 3.0)] * 3}
+    theirs = {"colocated": [_run(40, 100, 3.0)] * 3, "nixl": [_run(400, 1000, 9.0)] * 3}
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "nixl" else found(name, *a))
+    monkeypatch.setattr(serve, "resolve_model", lambda model: "model")
+    monkeypatch.setattr(serve, "start", lambda s, log_dir, fronts: (
+        events.append(f"start {','.join(fronts)}") or [Stopped("p2pkv"), Stopped("colocated")],
+        serve.Endpoints({}, {}, "http://colocated")))
+    monkeypatch.setattr(serve, "start_nixl", lambda s, log_dir, colocated: (
+        events.append(f"start nixl beside {colocated}") or Stopped("nixl"), serve.Endpoints({}, {}, colocated)))
+    monkeypatch.setattr(serve, "measure", lambda s, endpoints, fronts: (
+        events.append(f"measure {','.join(fronts)}") or (theirs if "nixl" in fronts else ours)))
+    monkeypatch.setattr(serve, "write_plot", lambda runs, path: events.append(f"plot {','.join(runs)}"))
+    assert serve.main(None, 512, 32, 64, 4.0, "p.png", via=("proxy", "nixl")) == 0
+    assert events == ["start proxy", "measure proxy", "stop p2pkv", "start nixl beside http://colocated",
+                      "measure nixl", "stop colocated", "stop nixl", "plot colocated,proxy,nixl"]
+    out = capsys.readouterr().out
+    assert "1P1D via proxy: mean TTFT 1.25x colocated (target <= 1.3x): met" in out
+    assert "peer, no target: NIXL via router: mean TTFT 10.00x colocated (target <= 1.3x): NOT met" in out

@@ -108,3 +108,23 @@ def test_ready_waits_for_this_starts_huge_page_fault_in_only(tmp_path: Path) -> 
         assert proc.popen is not None
         proc.popen.kill()
         proc.popen.wait(10)
+
+
+def test_a_nixl_peer_instance_runs_vllms_nixl_connector_with_its_own_side_channel(tmp_path: Path) -> None:
+    """`p2pkv bench serve --via nixl`: vLLM's NixlConnector (both roles, DRAM on a CPU build), each instance's
+    handshake on its own side-channel port; a p2pkv instance beside it keeps p2pkv's connector."""
+    import json
+
+    from p2pkv.bench.cluster import InstanceSpec, vllm_argv
+
+    cluster = Cluster("model", tmp_path)
+    prefill = cluster.add_vllm("prefill", InstanceSpec("kv_producer", 8100, 8200, connector="nixl"))
+    decode = cluster.add_vllm("decode", InstanceSpec("kv_consumer", 8101, 8201, connector="nixl"))
+    ours = cluster.add_vllm("ours", InstanceSpec("kv_consumer", 8102, 8202))
+    configs = [json.loads(p.argv[p.argv.index("--kv-transfer-config") + 1]) for p in (prefill, decode, ours)]
+    device = "cpu" if vllm_cpu_build() else "cuda"
+    assert configs[:2] == [{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": device}] * 2
+    assert configs[2]["kv_connector"] == "P2pNcclConnector" and configs[2]["kv_role"] == "kv_consumer"
+    assert [p.env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") for p in (prefill, decode, ours)] == ["8200", "8201", None]
+    assert prefill.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    assert "NixlConnector" not in " ".join(vllm_argv("model", InstanceSpec("", 8103), "127.0.0.1", "float32"))

@@ -118,10 +118,11 @@ def test_head_slices_are_copied_out_after_the_forwards_fence(sides: list[WorkerS
     decode = [worker_side("kv_consumer", d_port, d_kv[r], TOKENS, rank=r, tp_size=2, total_heads=HEADS, keys=keys,
                           device_ops=RecordingOps()) for r in range(2)]
     sides += [prefill, *decode]
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "slice", None, (1, 5))]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="slice", peer=None, block_ids=(1, 5))]))
     prefill.wait_for_save()
     for d in decode:
-        d.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "slice", 0, (2, 3), pull_from=Address(LOCAL, p_port),
+        d.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="slice", first_block=0, block_ids=(2, 3),
+                                             pull_from=Address(LOCAL, p_port),
                                              prefill_tp=1)]))
     for d in decode:
         settle(d, "d-req", sending=False)
@@ -147,16 +148,18 @@ def test_landing_never_waits_for_the_device(sides: list[WorkerSide], send: str) 
     sides += [prefill, decode]
     try:
         if send == "PUT":
-            decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "t", 0, (0, 3),
+            decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="t", first_block=0, block_ids=(0, 3),
                                                       fallback_from=Address(LOCAL, p_port))]))
-            prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "t", Address(LOCAL, d_port), (1, 4))]))
+            prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="t", peer=Address(LOCAL, d_port),
+                                                       block_ids=(1, 4))]))
             for name in NAMES:
                 prefill.save_layer(name)
         else:
-            prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "t", None, (1, 4))]))
+            prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="t", peer=None, block_ids=(1, 4))]))
         prefill.wait_for_save()
         if send == "GET":
-            decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "t", 0, (0, 3), pull_from=Address(LOCAL, p_port))]))
+            decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="t", first_block=0, block_ids=(0, 3),
+                                                      pull_from=Address(LOCAL, p_port))]))
         durations: list[float] = []
         deadline = time.monotonic() + 10
         loaded_at = None
@@ -194,8 +197,10 @@ def test_a_landing_that_fails_part_way_is_reported_once_what_it_issued_is_done(s
     decode = worker_side("kv_consumer", d_port, caches(None), TOKENS, keys={"transport": "tcp"}, device_ops=failing)
     sides += [prefill, decode]
     try:
-        decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "t", 0, (0, 3), fallback_from=Address(LOCAL, p_port))]))
-        prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "t", Address(LOCAL, d_port), (1, 4))]))
+        decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="t", first_block=0, block_ids=(0, 3),
+                                                  fallback_from=Address(LOCAL, p_port))]))
+        prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="t", peer=Address(LOCAL, d_port),
+                                                   block_ids=(1, 4))]))
         for name in NAMES:
             prefill.save_layer(name)
         prefill.wait_for_save()

@@ -18,13 +18,13 @@ from p2pkv.kv.layout import placed_ranges
 from p2pkv.kv.pipes import Channel, ChannelPipe
 from p2pkv.protocol import DeviceExport
 from p2pkv.transport import cma
+from tests.helpers import ipc_side, pipe_sides
 from tests.helpers.unit import SIZES
-from tests.unit import test_ipc, test_pipes
 
 pytestmark = pytest.mark.skipif(not cma.available(), reason="needs cross-memory attach (Linux)")
 MISMATCH = "do not match the sender's digest"
 MOVES = {3: 0, 4: 1, 9: 7}
-Side = test_ipc.Side | test_pipes.Side
+Side = ipc_side.Side | pipe_sides.Side
 
 
 class Fault:
@@ -69,7 +69,7 @@ class DamagingPipe(ChannelPipe):
         self.fault.strike(self._kv.flat, placed)
 
 
-class DamagingPipes(test_pipes.RecordingPipes, Fault):
+class DamagingPipes(pipe_sides.RecordingPipes, Fault):
     def _pipe(self, channel: Channel) -> ChannelPipe:
         pipe = DamagingPipe(self.kv, channel, self.kind)
         pipe.fault = self
@@ -96,7 +96,7 @@ def pull(offerer: Side, puller: Side, tid: str) -> PullResult:
     on a mismatch too: the copy is done, its bytes are wrong)."""
     for layer in puller.layers:
         layer.zero_()
-    return test_pipes.pull(offerer, puller, tid, MOVES, done=False)
+    return pipe_sides.pull(offerer, puller, tid, MOVES, done=False)
 
 
 def wrong_bytes(offerer: Side, puller: Side) -> int:
@@ -106,21 +106,21 @@ def wrong_bytes(offerer: Side, puller: Side) -> int:
 
 
 def host_ipc_pair(sides: list[Side], integrity: bool, puller_access: type[CacheAccess] = CacheAccess,
-                  offerer_access: type[CacheAccess] = CacheAccess) -> tuple[test_ipc.Side, test_ipc.Side]:
+                  offerer_access: type[CacheAccess] = CacheAccess) -> tuple[ipc_side.Side, ipc_side.Side]:
     # Only the puller asks for digests: the offerer takes them because the link agreed them at the handshake.
-    offerer = test_ipc.Side(True, access=offerer_access)
+    offerer = ipc_side.Side(True, access=offerer_access)
     sides.append(offerer)
-    puller = test_ipc.Side(False, integrity=integrity, access=puller_access)
+    puller = ipc_side.Side(False, integrity=integrity, access=puller_access)
     sides.append(puller)
     return offerer, puller
 
 
-def pipe_pair(sides: list[Side], integrity: bool) -> tuple[test_pipes.Side, test_pipes.Side]:
-    offerer = test_pipes.Side("LHBNC", True)
+def pipe_pair(sides: list[Side], integrity: bool) -> tuple[pipe_sides.Side, pipe_sides.Side]:
+    offerer = pipe_sides.Side("LHBNC", True)
     sides.append(offerer)
-    puller = test_pipes.Side("LHBNC", False, integrity=integrity, pipes=DamagingPipes)
+    puller = pipe_sides.Side("LHBNC", False, integrity=integrity, pipes=DamagingPipes)
     sides.append(puller)
-    test_pipes.pull_until_by_pipe(offerer, puller, MOVES, "warm")  # the first pulls carry bytes (while it is made)
+    pipe_sides.pull_until_by_pipe(offerer, puller, MOVES, "warm")  # the first pulls carry bytes (while it is made)
     return offerer, puller
 
 

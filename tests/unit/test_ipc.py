@@ -19,45 +19,19 @@ from p2pkv.engine.device import Placed
 from p2pkv.engine.offers import OfferState
 from p2pkv.engine.puller import PullResult, PullState
 from p2pkv.engine.sender import OutState
-from p2pkv.engine.store import PULL_INSTEAD, StageState
+from p2pkv.engine.store import StageState
 from p2pkv.errors import P2pkvError
-from p2pkv.kv.buffers import TransferBuffers
 from p2pkv.kv.ipc import CacheAccess
 from p2pkv.kv.layout import ids_bytes
 from p2pkv.kv.staging import DeviceKv
-from p2pkv.memory import HostPool
-from p2pkv.params import Address
 from p2pkv.protocol import DeviceExport, DeviceHome, LayerPlace
 from p2pkv.transport import cma
 from p2pkv.transport.split_read import SPLIT_FROM
+from p2pkv.way import WhyPull
+from tests.helpers.ipc_side import Side
 from tests.helpers.unit import SIZES, caches, views
 
 pytestmark = pytest.mark.skipif(not cma.available(), reason="needs cross-memory attach (Linux)")
-
-
-class Side:
-    def __init__(self, fill: bool, transport: Transport = Transport.AUTO, exports: bool = True,
-                 pull_over_device: bool = True, integrity: bool = False,
-                 access: type[CacheAccess] = CacheAccess) -> None:
-        self.layers = caches("LBHNC", fill)
-        self.kv = DeviceKv(self.layers, 16, "test", 5)
-        self.kv.pool = HostPool(1 << 20, pinned=False)
-        self.buffers = TransferBuffers(self.kv)
-        extra = ExtraConfig(kv_host="127.0.0.1", transfer_timeout_s=5, transport=transport,
-                            pull_over_device=pull_over_device, integrity_check=integrity)
-        self.access = access(self.kv)
-        self.engine = TransferEngine(EngineSettings.from_config(extra, 0, 0), self.kv.digest,
-                                     device=self.access if exports else None)
-        self.engine.start()
-
-    @property
-    def address(self) -> Address:
-        return Address.parse(self.engine.address)
-
-    def pool_in_use(self) -> int:
-        assert self.kv.pool is not None
-        stats = self.kv.pool.stats()
-        return 0 if stats is None else stats.bytes_in_use
 
 
 MakeSide = Callable[..., Side]
@@ -223,9 +197,9 @@ def _sent(side: Side, outcome: str) -> float:
 
 def _left_for_a_pull(sender: Side, receiver: Side, tid: str) -> None:
     assert receiver.engine.wait_staged(tid, 10) is StageState.FAILED
-    assert receiver.engine.store.reason(tid) == PULL_INSTEAD
+    assert receiver.engine.store.reason(tid) == WhyPull.DEVICE_PATH.value
     out = sender.engine.wait_outgoing(tid, 10)
-    assert out is not None and out.state is OutState.REFUSED and out.reason == PULL_INSTEAD
+    assert out is not None and out.state is OutState.REFUSED and out.reason == WhyPull.DEVICE_PATH.value
     assert out.nbytes == 0
 
 

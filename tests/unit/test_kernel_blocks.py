@@ -126,9 +126,10 @@ def test_peers_whose_blocks_split_differently_are_refused_at_the_handshake(sides
                          num_blocks=BLOCKS)
     sides += [prefill, decode]
     assert prefill.engine.layout.block_bytes == decode.engine.layout.block_bytes
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "t3", None, (1,))]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="t3", peer=None, block_ids=(1,))]))
     prefill.wait_for_save()
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "t3", 0, (2,), pull_from=Address(LOCAL, p_port))]))
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="t3", first_block=0, block_ids=(2,),
+                                              pull_from=Address(LOCAL, p_port))]))
     deadline = time.monotonic() + 10
     while (result := decode.engine.pull_result("t3")) is None or result.state is PullState.PENDING:
         assert time.monotonic() < deadline, "the pull did not settle"

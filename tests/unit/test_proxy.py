@@ -508,8 +508,8 @@ def test_parallel_sizes_from_heartbeats_need_no_probe() -> None:
 
     from p2pkv.discovery import Announcement
     from p2pkv.params import Address
-    from p2pkv.proxy.app import KvTarget, Router
     from p2pkv.proxy.metrics import ProxyMetrics
+    from p2pkv.proxy.router import KvTarget, Router
 
     class NoClient:  # a probe would fail the test: the heartbeat said everything
         def __getattr__(self, name: str) -> Any:
@@ -533,8 +533,8 @@ def test_an_instance_dropped_and_back_under_another_engine_id_is_paired_again_at
     drop. The control: back under the same engine id (its heartbeats were only lost), the pair stays passed over."""
     from p2pkv.discovery import Announcement
     from p2pkv.params import Address
-    from p2pkv.proxy.app import Router
     from p2pkv.proxy.metrics import ProxyMetrics
+    from p2pkv.proxy.router import Router
 
     router = Router(ProxyConfig((), (), discovery_port=1), None, ProxyMetrics())  # type: ignore[arg-type]
     p_http, p_kv = Address("127.0.0.1", 8100), Address("127.0.0.1", 23100)
@@ -561,8 +561,8 @@ def test_a_refusal_of_another_start_than_the_instance_says_now_does_not_pass_the
     prefill instance refusing the decode instance's worker (GET) alike."""
     from p2pkv.discovery import Announcement
     from p2pkv.params import Address
-    from p2pkv.proxy.app import Router
     from p2pkv.proxy.metrics import ProxyMetrics
+    from p2pkv.proxy.router import Router
 
     p_http, p_kv = Address("127.0.0.1", 8100), Address("127.0.0.1", 23100)
     d_http, d_kv = Address("127.0.0.1", 8200), Address("127.0.0.1", 23200)

@@ -151,7 +151,7 @@ def test_a_sample_waits_no_longer_than_the_transfer_deadline(monkeypatch: pytest
     s.update_state_after_alloc(first, Blocks([5, 6, 7]), 299)
     first.set_status("WAITING_FOR_REMOTE_KVS")
     assert s.get_num_new_matched_tokens(second, 0) == (None, False)
-    later = scheduler.time.monotonic() + s._claim_wait_s + 1
+    later = scheduler.time.monotonic() + s.consumers.claim_wait_s + 1
     monkeypatch.setattr(scheduler.time, "monotonic", lambda: later)
     assert s.get_num_new_matched_tokens(second, 0) == (0, False)
 
@@ -164,11 +164,11 @@ def test_claims_are_forgotten_after_their_keep(monkeypatch: pytest.MonkeyPatch) 
     s.update_state_after_alloc(first, Blocks([5, 6, 7]), 299)
     s.request_finished(first, [5, 6, 7])
     s.build_connector_meta(step())
-    assert "t1" in s._claims
-    later = scheduler.time.monotonic() + s._claim_keep_s + 1
+    assert s.consumers.claimed("t1")
+    later = scheduler.time.monotonic() + s.consumers.claim_keep_s + 1
     monkeypatch.setattr(scheduler.time, "monotonic", lambda: later)
     s.build_connector_meta(step())
-    assert s._claims == {}
+    assert s.consumers.claims == 0
 
 
 def test_parallel_samples_on_the_prefill_side_send_the_transfer_once() -> None:

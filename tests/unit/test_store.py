@@ -114,3 +114,31 @@ def test_a_cache_reset_drops_what_is_staged_and_arriving_but_not_what_a_load_too
     assert s.bytes_in_use == 0
     assert land(s, PushBlocks("after", 0, 0, BLOCKS, BLOCKS, LAYERS, LAYERS), 5)
     assert s.state("after") is StageState.COMPLETE
+
+
+def test_a_discarded_transfer_is_freed_as_it_settles_and_one_not_begun_is_taken_in_and_dropped() -> None:
+    """No step needed: an idle decode instance frees a discarded push when its last chunk lands; a push that
+    begins after the discard is accepted (its sender holds nothing for a pull) and its bytes dropped."""
+    s = store()
+    until = time.monotonic() + 30
+    assert land(s, PushBlocks("arriving", 0, 0, BLOCKS, BLOCKS, LAYERS, 2), 1)
+    assert s.bytes_in_use > 0
+    s.discard("arriving", until)
+    assert s.bytes_in_use > 0, "still receiving: its remaining chunks land where the first did"
+    assert land(s, PushBlocks("arriving", 2, 0, BLOCKS, BLOCKS, LAYERS, 2), 2)
+    assert s.state("arriving") is StageState.FAILED and s.bytes_in_use == 0
+
+    assert land(s, PushBlocks("landed", 0, 0, BLOCKS, BLOCKS, LAYERS, LAYERS), 3)
+    s.discard("landed", until)
+    assert s.state("landed") is StageState.FAILED and s.bytes_in_use == 0
+
+    s.discard("later", until)
+    nbytes = LAYERS * BLOCKS * BLOCK
+    view, ack = s.begin_chunk(PushBlocks("later", 0, 0, BLOCKS, BLOCKS, LAYERS, LAYERS), nbytes, "src")
+    assert view is None and ack is not None and ack.accepted
+    assert s.state("later") is StageState.FAILED and s.bytes_in_use == 0
+
+    s.discard("expired", time.monotonic() - 1)
+    s.expire()
+    assert land(s, PushBlocks("expired", 0, 0, BLOCKS, BLOCKS, LAYERS, LAYERS), 4)
+    assert s.state("expired") is StageState.COMPLETE, "a discard past its deadline is forgotten"

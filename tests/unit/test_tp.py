@@ -15,12 +15,12 @@ from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.offers import OfferState
 from p2pkv.engine.puller import HeadSlice, PullState
 from p2pkv.engine.sender import OutState
-from p2pkv.engine.store import HEADS_DIFFER
 from p2pkv.errors import ConfigError
 from p2pkv.kv.layout import KvBlocks
 from p2pkv.kv.slices import HeadSlices
 from p2pkv.kv.tp import heads_of, plan_pulls
 from p2pkv.params import Address
+from p2pkv.way import WhyPull
 
 LAYERS, BLOCKS, TOKENS, DIM = 3, 6, 16, 32  # blocks of [heads, tokens, 2 * head_dim] float32, as on CPU
 TOTAL_HEADS = 4
@@ -105,7 +105,8 @@ class Worker:
             access = self.slices.get(part.decode_heads)
             self.engine.pull(tid, peers[part.prefill_rank], 0, len(ids), access.sink(key, ids),
                              time.monotonic() + 5, None,
-                             HeadSlice(part.prefill_heads, access.digest.block_bytes, part.pullers, rank, key))
+                             HeadSlice(heads=part.prefill_heads, block_bytes=access.digest.block_bytes,
+                                       pullers=part.pullers, puller=rank, key=key))
             keys.append(key)
         for key in keys:
             result = self.engine.wait_pull(key, 10)
@@ -179,8 +180,8 @@ def test_whole_blocks_of_other_heads_are_refused(workers: list[Worker], transpor
         prefill.engine.push_layer("t3", decode.address, layer, 1, tuple(prefill.whole.kv.block_views(layer, [0])),
                                   deadline)
     out = prefill.engine.wait_outgoing("t3", 5)
-    assert out is not None and out.state is OutState.REFUSED and out.reason == HEADS_DIFFER, out
-    assert decode.engine.store.reason("t3") == HEADS_DIFFER
+    assert out is not None and out.state is OutState.REFUSED and out.reason == WhyPull.HEADS_DIFFER.value, out
+    assert decode.engine.store.reason("t3") == WhyPull.HEADS_DIFFER.value
     # A pull of whole blocks from a rank that holds other heads: refused, not landed as the wrong bytes.
     prefill.offer("t4", (0,))
     before = heads(decode, (0,), 0, 2).clone()
@@ -206,13 +207,15 @@ def test_a_pull_of_no_heads_only_counts_toward_serving_the_offer(workers: list[W
     prefill, decode = Worker(4, 21, transport), Worker(4, 22, transport)
     workers += [prefill, decode]
     prefill.offer("t5", (1,))
-    release = HeadSlice((3, 3), 0, 2, 1, "t5@release")  # any empty range, as the plan's (0, 0)
+    # Any empty range, as the plan's (0, 0).
+    release = HeadSlice(heads=(3, 3), block_bytes=0, pullers=2, puller=1, key="t5@release")
     decode.engine.pull("t5", prefill.address, 0, 1, lambda *_: (), time.monotonic() + 5, None, release)
     result = decode.engine.wait_pull("t5@release", 10)
     assert result is not None and result.state is PullState.DONE and result.nbytes == 0, result
     assert prefill.engine.offer_state("t5") is OfferState.SERVING  # one of two pullers
     access = decode.slices.get((0, 2))
-    part = HeadSlice((2, 4), access.digest.block_bytes, 2, 0, "t5@0")  # the other puller: two of the heads
+    # The other puller: two of the heads.
+    part = HeadSlice(heads=(2, 4), block_bytes=access.digest.block_bytes, pullers=2, puller=0, key="t5@0")
     decode.engine.pull("t5", prefill.address, 0, 1, access.sink("t5@0", (2,)), time.monotonic() + 5, None, part)
     result = decode.engine.wait_pull("t5@0", 10)
     assert result is not None and result.state is PullState.DONE, result

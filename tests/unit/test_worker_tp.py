@@ -18,7 +18,7 @@ from p2pkv.bench.cluster import free_ports
 from p2pkv.config import launch_of, parse_connector_config
 from p2pkv.engine.offers import OfferState
 from p2pkv.engine.sender import OutState
-from p2pkv.engine.store import HEADS_DIFFER, PULL_INSTEAD, StageState
+from p2pkv.engine.store import StageState
 from p2pkv.kv.pipes import PIPE_ENV
 from p2pkv.kv.staging import STAGE_ENV
 from p2pkv.memory.huge import HUGE, thp_mode
@@ -26,6 +26,7 @@ from p2pkv.memory.huge import _huge_bytes as huge_bytes
 from p2pkv.params import Address
 from p2pkv.vllm.metadata import Discard, LoadSpec, P2pkvMetadata, SaveSpec, Wanted
 from p2pkv.vllm.worker import WorkerSide
+from p2pkv.way import WhyPull
 
 LAYERS, BLOCKS, TOKENS, DIM, HEADS = 2, 5, 16, 8, 2
 
@@ -57,7 +58,8 @@ def worker(role: str, port: int, rank: int, tp: int, total: int, kv: dict[str, t
     if os.environ.get(PIPE_ENV) == "gloo":
         extra["transport"] = "nccl"
     config = parse_connector_config(role, port, "recompute", extra, engine_id)
-    side = WorkerSide(config, rank, TOKENS, tp, total, pp_rank, pp_size, MODEL_LAYERS, halves)
+    side = WorkerSide(config, rank=rank, block_size=TOKENS, tp_size=tp, total_heads=total, pp_rank=pp_rank,
+                      pp_size=pp_size, total_layers=MODEL_LAYERS, stage_layers=halves)
     side.register_kv_caches(kv)
     return side
 
@@ -125,10 +127,10 @@ def offer_and_pull(prefill: list[WorkerSide], decode: list[WorkerSide], tid: str
     """GET: every prefill worker offers blocks `src`, every decode worker pulls them into `dst`; all settle, with
     no load errors."""
     for p in prefill:
-        p.bind(P2pkvMetadata(saves=[SaveSpec("p-req", tid, None, src)]))
+        p.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id=tid, peer=None, block_ids=src)]))
         p.wait_for_save()
-    load = LoadSpec("d-req", tid, 0, dst, pull_from=Address("127.0.0.1", p_port), prefill_tp=prefill_tp,
-                    prefill_pp=prefill_pp)
+    load = LoadSpec(req_id="d-req", transfer_id=tid, first_block=0, block_ids=dst,
+                    pull_from=Address("127.0.0.1", p_port), prefill_tp=prefill_tp, prefill_pp=prefill_pp)
     for d in decode:
         d.bind(P2pkvMetadata(loads=[load]))
     for d in decode:
@@ -159,7 +161,8 @@ def test_a_load_whose_heads_cannot_be_split_fails_without_pulling(sides: list[Wo
     (d_port,) = free_ports(1, run=2)
     decode = worker("kv_consumer", d_port, 0, 2, 3, caches(1, 5))  # 3 heads over TP 2: no such model
     sides.append(decode)
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid2", 0, (1, 2), pull_from=Address("127.0.0.1", 9),
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="tid2", first_block=0, block_ids=(1, 2),
+                                              pull_from=Address("127.0.0.1", 9),
                                               prefill_tp=1)]))
     assert decode.take_load_errors() == {1, 2}
     assert decode.get_finished(set()) == (None, {"d-req"})
@@ -197,9 +200,10 @@ def test_pipeline_stages_push_to_the_same_stage(sides: list[WorkerSide]) -> None
     sides += [*prefill, *decode]
     src, dst = (1, 3), (4, 0)
     for d in decode:
-        d.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid4", 0, dst)]))
+        d.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="tid4", first_block=0, block_ids=dst)]))
     for p, kv in zip(prefill, p_kv, strict=True):
-        p.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid4", Address("127.0.0.1", d_port), src)]))
+        p.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="tid4", peer=Address("127.0.0.1", d_port),
+                                             block_ids=src)]))
         for name in kv:
             p.save_layer(name)
         p.wait_for_save()
@@ -217,8 +221,10 @@ def push_once(prefill: WorkerSide, decode: WorkerSide, names: list[str], tid: st
     runs after the first layer's hook. The decode side loads them (both sides step on, as vLLM's do: a push left
     for a pull is offered in the prefill side's `get_finished`)."""
     src, dst = (1, 3), (4, 0)
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", tid, 0, dst, fallback_from=Address("127.0.0.1", p_port))]))
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", tid, Address("127.0.0.1", d_port), src)]))
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id=tid, first_block=0, block_ids=dst,
+                                              fallback_from=Address("127.0.0.1", p_port))]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id=tid, peer=Address("127.0.0.1", d_port),
+                                               block_ids=src)]))
     prefill.save_layer(names[0])
     first()
     for name in names[1:]:
@@ -300,9 +306,10 @@ def test_two_decode_stages_pull_their_layers_from_one_prefill_stage(sides: list[
     src, dst = (4, 0, 2), (1, 2, 3)
 
     def pull(tid: str) -> None:
-        prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", tid, None, src)]))
+        prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id=tid, peer=None, block_ids=src)]))
         prefill.wait_for_save()
-        load = LoadSpec("d-req", tid, 0, dst, pull_from=Address("127.0.0.1", p_port), prefill_pp=1)
+        load = LoadSpec(req_id="d-req", transfer_id=tid, first_block=0, block_ids=dst,
+                        pull_from=Address("127.0.0.1", p_port), prefill_pp=1)
         decode[0].bind(P2pkvMetadata(loads=[load]))
         settle(decode[0], "d-req", sending=False)
         assert prefill.get_finished({"p-req"}) == (None, None)  # one of its two pullers so far
@@ -325,9 +332,10 @@ def test_a_fallback_pull_that_cannot_be_planned_fails_the_load_not_the_step(side
     (d_port,) = free_ports(1, run=2)
     decode = worker("kv_consumer", d_port, 0, 2, 3, caches(1, 6))
     sides.append(decode)
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid7", 0, (1, 2), fallback_from=Address("127.0.0.1", 9),
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="tid7", first_block=0, block_ids=(1, 2),
+                                              fallback_from=Address("127.0.0.1", 9),
                                               prefill_tp=1)]))
-    decode.engine.store.fail("tid7", HEADS_DIFFER)
+    decode.engine.store.fail("tid7", WhyPull.HEADS_DIFFER.value)
     assert decode.get_finished(set()) == (None, None)  # the fallback failed to start: reported at the next check
     assert decode.take_load_errors() == {1, 2}
     assert decode.get_finished(set()) == (None, {"d-req"})
@@ -349,14 +357,16 @@ def test_a_push_left_for_a_pull_is_pulled_cache_to_cache_from_the_load_start(sid
     for round_, (src, dst) in enumerate((((3, 0), (1, 2)), ((4, 1), (0, 3)))):
         tid, copied = f"left{round_}", prefill.engine.metrics.registry.get_sample_value(
             to_host, {"direction": "to_host"})
-        prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", tid, Address("127.0.0.1", d_port), src)]))
+        prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id=tid, peer=Address("127.0.0.1", d_port),
+                                                   block_ids=src)]))
         prefill.wait_for_save()
         assert decode.engine.wait_staged(tid, 10) is StageState.FAILED
-        assert decode.engine.store.reason(tid) == PULL_INSTEAD
+        assert decode.engine.store.reason(tid) == WhyPull.DEVICE_PATH.value
         out = prefill.engine.wait_outgoing(tid, 10)  # the notice may arrive before its sender marks the push
         assert out is not None and out.state is OutState.REFUSED
         prefill.get_finished(set())  # the push ended refused: the prefill worker offers the blocks
-        decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", tid, 0, dst, fallback_from=Address("127.0.0.1", p_port))]))
+        decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id=tid, first_block=0, block_ids=dst,
+                                                  fallback_from=Address("127.0.0.1", p_port))]))
         assert decode.engine.pull_result(tid) is not None, "the pull started with the load, not a step later"
         settle(decode, "d-req", sending=False)
         assert decode.take_load_errors() == set()
@@ -394,10 +404,12 @@ def test_a_load_pushed_by_a_refused_prefill_worker_fails_at_once(sides: list[Wor
     decode = worker("kv_consumer", d_port, 0, 1, HEADS,
                     {name: t.double() for name, t in caches(HEADS, 31).items()}, pp_size=1, keys=keys)
     sides += [prefill, decode]
-    load = LoadSpec("d-req", "tid30", 0, (1, 2), fallback_from=Address("127.0.0.1", p_port))
+    load = LoadSpec(req_id="d-req", transfer_id="tid30", first_block=0, block_ids=(1, 2),
+                    fallback_from=Address("127.0.0.1", p_port))
 
     def push() -> None:
-        prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid30", Address("127.0.0.1", d_port), (3, 4))]))
+        prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="tid30",
+                                                   peer=Address("127.0.0.1", d_port), block_ids=(3, 4))]))
         prefill.wait_for_save()
         out = prefill.engine.wait_outgoing("tid30", 10)
         assert out is not None and out.state is OutState.FAILED and "KV layout mismatch" in out.reason, out
@@ -410,7 +422,7 @@ def test_a_load_pushed_by_a_refused_prefill_worker_fails_at_once(sides: list[Wor
         decode.bind(P2pkvMetadata(loads=[load]))
     settle(decode, "d-req", sending=False)
     assert decode.take_load_errors() == {1, 2}
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req2", "tid31", 0, (3,),
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req2", transfer_id="tid31", first_block=0, block_ids=(3,),
                                               fallback_from=Address("127.0.0.1", p_port + 50))]))
     time.sleep(0.2)
     assert decode.get_finished(set()) == (None, None)
@@ -431,7 +443,8 @@ def test_a_load_from_a_prefill_instance_restarted_since_its_refusal_waits_for_it
     before = worker("kv_producer", p_port, 0, 1, HEADS, caches(HEADS, 60), pp_size=1, keys=keys,
                     engine_id="prefill-start-1")
     sides += [decode, before]
-    before.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "old", Address("127.0.0.1", d_port), (3, 4))]))
+    before.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="old", peer=Address("127.0.0.1", d_port),
+                                              block_ids=(3, 4))]))
     before.wait_for_save()
     out = before.engine.wait_outgoing("old", 10)
     assert out is not None and out.state is OutState.FAILED and "KV layout mismatch" in out.reason, out
@@ -440,20 +453,23 @@ def test_a_load_from_a_prefill_instance_restarted_since_its_refusal_waits_for_it
     prefill_at = Address("127.0.0.1", p_port)
     old, new = launch_of("prefill-start-1"), launch_of("prefill-start-2")
     for req, launch in (("refused-start", old), ("unnamed", "")):
-        decode.bind(P2pkvMetadata(loads=[LoadSpec(req, f"t-{req}", 0, (1,), fallback_from=prefill_at,
+        decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id=req, transfer_id=f"t-{req}", first_block=0, block_ids=(1,),
+                                                  fallback_from=prefill_at,
                                                   prefill_launch=launch)]))
         settle(decode, req, sending=False)
         assert decode.take_load_errors() == {1}
     p_kv = {name: t.double() for name, t in caches(HEADS, 62).items()}
     after = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, pp_size=1, keys=keys, engine_id="prefill-start-2")
     sides.append(after)
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "new", 0, (1, 2), fallback_from=prefill_at,
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="new", first_block=0, block_ids=(1, 2),
+                                              fallback_from=prefill_at,
                                               prefill_launch=new)]))
     time.sleep(0.2)
     assert decode.get_finished(set()) == (None, None), "it waits for the push"
     assert decode.take_load_errors() == set()
     assert decode.engine.refusal(prefill_at) is not None, "the refusal is still noted: no hello from there yet"
-    after.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "new", Address("127.0.0.1", d_port), (3, 4))]))
+    after.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="new", peer=Address("127.0.0.1", d_port),
+                                             block_ids=(3, 4))]))
     after.wait_for_save()
     settle(decode, "d-req", sending=False)
     assert decode.take_load_errors() == set()
@@ -476,12 +492,14 @@ def test_a_get_transfer_is_not_held_for_a_decode_worker_this_worker_refused(side
     by_decode, by_other = Address("127.0.0.1", d_port), Address("127.0.0.1", d_port + 50)
 
     def save(req: str, tid: str, pulled_by: Address) -> None:
-        prefill.bind(P2pkvMetadata(saves=[SaveSpec(req, tid, None, (3, 4), pulled_by=pulled_by, pullers=1)]))
+        prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id=req, transfer_id=tid, peer=None, block_ids=(3, 4),
+                                                   pulled_by=pulled_by, pullers=1)]))
         prefill.wait_for_save()
 
     save("p-req", "g1", by_decode)
     assert prefill.engine.offer_state("g1") is not None  # nothing known of that decode instance yet: held
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "g1", 0, (1, 2), pull_from=Address("127.0.0.1", p_port))]))
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="g1", first_block=0, block_ids=(1, 2),
+                                              pull_from=Address("127.0.0.1", p_port))]))
     settle(decode, "d-req", sending=False)
     assert decode.take_load_errors() == {1, 2}
     assert "KV layout mismatch" in str(prefill.engine.refusal(by_decode))
@@ -511,12 +529,14 @@ def test_a_get_transfer_is_held_for_a_decode_instance_restarted_since_its_refusa
     prefill_at, decode_at = Address("127.0.0.1", p_port), Address("127.0.0.1", d_port)
 
     def save(req: str, tid: str, launch: str) -> None:
-        prefill.bind(P2pkvMetadata(saves=[SaveSpec(req, tid, None, (3, 4), pulled_by=decode_at, pullers=1,
+        prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id=req, transfer_id=tid, peer=None, block_ids=(3, 4),
+                                                   pulled_by=decode_at, pullers=1,
                                                    puller_launch=launch)]))
         prefill.wait_for_save()
 
     save("p-req", "g1", launch_of("decode-start-1"))
-    before.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "g1", 0, (1, 2), pull_from=prefill_at)]))
+    before.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="g1", first_block=0, block_ids=(1, 2),
+                                              pull_from=prefill_at)]))
     settle(before, "d-req", sending=False)
     assert before.take_load_errors() == {1, 2}
     before.shutdown()
@@ -532,7 +552,8 @@ def test_a_get_transfer_is_held_for_a_decode_instance_restarted_since_its_refusa
     save("p-req2", "g2", launch_of("decode-start-2"))
     assert prefill.engine.offer_state("g2") is OfferState.OFFERED, "held for the new start"
     assert prefill.engine.refusal(decode_at) is not None, "the refusal is still noted: no hello from there yet"
-    after.bind(P2pkvMetadata(loads=[LoadSpec("d-req2", "g2", 0, (1, 2), pull_from=prefill_at)]))
+    after.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req2", transfer_id="g2", first_block=0, block_ids=(1, 2),
+                                             pull_from=prefill_at)]))
     settle(after, "d-req2", sending=False)
     assert after.take_load_errors() == set()
     assert prefill.engine.refusal(decode_at) is None, "the new start's hello was accepted"
@@ -549,11 +570,7 @@ def test_a_discarded_push_is_freed_when_it_arrives_and_never_reported(sides: lis
     prefill, decode, p_kv, d_kv, _, d_port = one_to_one(sides, 50)
     before = {name: t.clone() for name, t in d_kv.items()}
     decode.bind(P2pkvMetadata(discards=[Discard("tid8")] if discarded else []))  # before the push arrives, as in vLLM
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid8", Address("127.0.0.1", d_port), (1, 3))]))
-    for name in p_kv:
-        prefill.save_layer(name)
-    prefill.wait_for_save()
-    settle(prefill, "p-req", sending=True)
+    push(prefill, p_kv, "tid8", d_port, (1, 3))
     deadline = time.monotonic() + 10
     while decode.engine.staged_state("tid8") is not StageState.COMPLETE and time.monotonic() < deadline:
         if decode.engine.staged_state("tid8") is None and discarded and decode.engine.store.bytes_in_use == 0:
@@ -569,6 +586,17 @@ def test_a_discarded_push_is_freed_when_it_arrives_and_never_reported(sides: lis
     assert decode.take_load_errors() == set()
 
 
+def test_a_discarded_push_is_freed_on_an_idle_instance_without_another_step(sides: list[WorkerSide]) -> None:
+    """The client left while its push was on the way and the decode instance then went idle: vLLM calls no
+    worker hook again, and the push is freed by the time it has landed all the same."""
+    prefill, decode, p_kv, _, _, d_port = one_to_one(sides, 50)
+    decode.bind(P2pkvMetadata(discards=[Discard("tid9")]))
+    assert decode.get_finished(set()) == (None, None)  # the last step this instance takes
+    push(prefill, p_kv, "tid9", d_port, (1, 3))
+    assert decode.engine.staged_state("tid9") is StageState.FAILED
+    assert decode.engine.store.bytes_in_use == 0
+
+
 @pytest.mark.parametrize("released", [True, False])
 def test_a_discarded_pull_releases_the_blocks_the_prefill_side_holds(sides: list[WorkerSide], released: bool) -> None:
     """GET mode, a decode request that loads nothing: its worker tells the prefill worker to free the blocks held
@@ -576,7 +604,7 @@ def test_a_discarded_pull_releases_the_blocks_the_prefill_side_holds(sides: list
     reported. The control, without the release, holds them."""
     prefill, decode, _, d_kv, p_port, _ = one_to_one(sides, 60)
     before = {name: t.clone() for name, t in d_kv.items()}
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid9", None, (1, 3))]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="tid9", peer=None, block_ids=(1, 3))]))
     prefill.wait_for_save()
     assert prefill.get_finished({"p-req"}) == (None, None)  # held for the pull, for up to lease_s
     held_at = Address("127.0.0.1", p_port) if released else None
@@ -598,11 +626,12 @@ def test_blocks_of_a_preempted_request_are_no_longer_offered(sides: list[WorkerS
     vLLM recomputes) instead of reading other KV. The control, not preempted, pulls the blocks."""
     prefill, decode, p_kv, d_kv, p_port, _ = one_to_one(sides, 70)
     src, dst = (1, 3), (4, 0)
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid10", None, src)]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="tid10", peer=None, block_ids=src)]))
     prefill.wait_for_save()
     if preempted:
         prefill.handle_preemptions(["tid10"])
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid10", 0, dst, pull_from=Address("127.0.0.1", p_port))]))
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="tid10", first_block=0, block_ids=dst,
+                                              pull_from=Address("127.0.0.1", p_port))]))
     settle(decode, "d-req", sending=False)
     errors = decode.take_load_errors()
     if preempted:
@@ -621,15 +650,17 @@ def test_a_preempted_request_that_computes_its_prompt_again_holds_its_transfer_a
     refused ("withdrawn")."""
     prefill, decode, p_kv, d_kv, p_port, _ = one_to_one(sides, 150)
     old, new, dst = (1, 3), (4, 2), (4, 0)
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid18", None, old)]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="tid18", peer=None, block_ids=old)]))
     prefill.wait_for_save()
     prefill.handle_preemptions(["tid18"])
     for t in p_kv.values():
         t[list(old)] = 0  # other KV in the freed blocks
     if again:
-        prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid18", None, new, again=True)]))
+        prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="tid18", peer=None, block_ids=new,
+                                                   again=True)]))
         prefill.wait_for_save()
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid18", 0, dst, pull_from=Address("127.0.0.1", p_port))]))
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="tid18", first_block=0, block_ids=dst,
+                                              pull_from=Address("127.0.0.1", p_port))]))
     settle(decode, "d-req", sending=False)
     errors = decode.take_load_errors()
     if again:
@@ -643,15 +674,17 @@ def test_a_push_that_went_through_is_not_held_again_after_a_preemption(sides: li
     """The decode side has a pushed transfer's bytes: saved again after a preemption, nothing is offered or sent."""
     prefill, decode, p_kv, d_kv, _, d_port = one_to_one(sides, 160)
     src, dst = (1, 3), (4, 0)
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid19", Address("127.0.0.1", d_port), src)]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="tid19", peer=Address("127.0.0.1", d_port),
+                                               block_ids=src)]))
     prefill.wait_for_save()
     prefill.handle_preemptions(prefill.transfers_of({"p-req"}))
     for t in p_kv.values():
         t.zero_()  # other KV in every block: what the decode side loads must be what was pushed before
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid19", None, (4, 2), again=True)]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="tid19", peer=None, block_ids=(4, 2),
+                                               again=True)]))
     prefill.wait_for_save()
     assert prefill.engine.offer_state("tid19") is None
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid19", 0, dst)]))
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="tid19", first_block=0, block_ids=dst)]))
     settle(decode, "d-req", sending=False)
     assert decode.take_load_errors() == set()
     assert all(torch.equal(d_kv[n][list(dst)], caches(HEADS, 160)[n][list(src)]) for n in d_kv)
@@ -665,9 +698,11 @@ def test_a_refused_push_is_held_again_after_a_preemption(sides: list[WorkerSide]
     prefill, decode, p_port = refused_push(sides, monkeypatch, 170, "tid20")
     prefill.handle_preemptions(["tid20"])
     assert prefill.get_finished(set()) == (None, None) and prefill.engine.offer_state("tid20") is None
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid20", None, (4, 2), again=True)]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="tid20", peer=None, block_ids=(4, 2),
+                                               again=True)]))
     prefill.wait_for_save()
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid20", 0, (4, 0), pull_from=Address("127.0.0.1", p_port))]))
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="tid20", first_block=0, block_ids=(4, 0),
+                                              pull_from=Address("127.0.0.1", p_port))]))
     settle(decode, "d-req", sending=False)
     assert decode.take_load_errors() == set()
     settle(prefill, "p-req", sending=True)
@@ -677,8 +712,9 @@ def test_a_push_of_a_preempted_request_is_waited_for(sides: list[WorkerSide]) ->
     """A push still reading a preempted request's blocks finishes before the next forward may overwrite them."""
     prefill, decode, p_kv, d_kv, _, d_port = one_to_one(sides, 80)
     src, dst = (1, 3), (4, 0)
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid11", 0, dst)]))
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid11", Address("127.0.0.1", d_port), src)]))
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="tid11", first_block=0, block_ids=dst)]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="tid11", peer=Address("127.0.0.1", d_port),
+                                               block_ids=src)]))
     for name in p_kv:
         prefill.save_layer(name)
     prefill.wait_for_save()
@@ -702,7 +738,7 @@ def test_decode_ranks_of_tp_2_release_what_a_tp_1_prefill_worker_holds_for_them(
     prefill = worker("kv_producer", p_port, 0, 1, HEADS, caches(HEADS, 90), pp_size=1)
     decode = [worker("kv_consumer", d_port, r, 2, HEADS, caches(1, 91 + r), pp_size=1) for r in range(2)]
     sides += [prefill, *decode]
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid12", None, (1, 3))]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="tid12", peer=None, block_ids=(1, 3))]))
     prefill.wait_for_save()
     assert prefill.get_finished({"p-req"}) == (None, None)
     for d in decode[:releasing]:
@@ -719,7 +755,8 @@ def test_decode_ranks_of_tp_2_release_what_a_tp_1_prefill_worker_holds_for_them(
 
 def push(prefill: WorkerSide, p_kv: dict[str, torch.Tensor], tid: str, d_port: int, src: tuple[int, ...]) -> None:
     """The prefill worker saves blocks `src` and pushes them to the decode worker at `d_port`; waits until sent."""
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", tid, Address("127.0.0.1", d_port), src)]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id=tid, peer=Address("127.0.0.1", d_port),
+                                               block_ids=src)]))
     for name in p_kv:
         prefill.save_layer(name)
     prefill.wait_for_save()
@@ -735,7 +772,7 @@ def test_a_load_whose_request_ended_is_reported_at_once_and_its_push_freed_on_ar
     prefill, decode, p_kv, d_kv, _, d_port = one_to_one(sides, 100)
     before = {name: t.clone() for name, t in d_kv.items()}
     src, dst = (1, 3), (4, 0)
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid13", 0, dst)]))
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="tid13", first_block=0, block_ids=dst)]))
     assert decode.get_finished(set()) == (None, None)  # waiting for the push
     if ended:
         assert decode.get_finished({"d-req"}) == (None, {"d-req"})
@@ -746,7 +783,8 @@ def test_a_load_whose_request_ended_is_reported_at_once_and_its_push_freed_on_ar
         assert all(torch.equal(d_kv[n][list(dst)], p_kv[n][list(src)]) for n in d_kv)
     else:
         deadline = time.monotonic() + 10
-        while decode.engine.store.bytes_in_use and time.monotonic() < deadline:
+        while ((decode.engine.store.bytes_in_use or decode.engine.staged_state("tid13") is not None)
+               and time.monotonic() < deadline):
             assert decode.get_finished(set()) == (None, None)
             time.sleep(0.01)
         assert decode.engine.store.bytes_in_use == 0 and decode.engine.staged_state("tid13") is None
@@ -759,9 +797,10 @@ def test_a_pull_whose_request_ended_is_left_to_finish(sides: list[WorkerSide]) -
     the pull has settled (vLLM may reuse the blocks then)."""
     prefill, decode, p_kv, d_kv, p_port, _ = one_to_one(sides, 110)
     src, dst = (1, 3), (4, 0)
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid14", None, src)]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="tid14", peer=None, block_ids=src)]))
     prefill.wait_for_save()
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid14", 0, dst, pull_from=Address("127.0.0.1", p_port))]))
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="tid14", first_block=0, block_ids=dst,
+                                              pull_from=Address("127.0.0.1", p_port))]))
     decode.engine.wait_pull("tid14", 10)
     assert decode.get_finished({"d-req"}) == (None, {"d-req"})  # reported as the pull it was: settled, landed
     assert decode.take_load_errors() == set()
@@ -775,7 +814,7 @@ def test_blocks_of_an_aborted_prefill_request_are_no_longer_held_for_a_pull(side
     its parameters): the offer is withdrawn and the blocks go back to vLLM at once, not when the lease runs out.
     The control, finished as usual, holds them for the pull."""
     prefill, decode, _, _, p_port, _ = one_to_one(sides, 120)
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid15", None, (1, 3))]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="tid15", peer=None, block_ids=(1, 3))]))
     prefill.wait_for_save()
     assert prefill.get_finished({"p-req"}) == (None, None)
     prefill.bind(P2pkvMetadata(abandoned=["tid15"] if aborted else []))
@@ -789,7 +828,7 @@ def test_blocks_of_an_aborted_prefill_request_are_no_longer_held_for_a_pull(side
     # A pull of it, should one come after all, is refused at once (it is not left waiting for an offer until its
     # 10-s deadline): its load fails, and vLLM computes the prompt. The control is held, and pulled.
     started = time.monotonic()
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid15", 0, (4, 0),
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="tid15", first_block=0, block_ids=(4, 0),
                                               pull_from=Address("127.0.0.1", p_port))]))
     settle(decode, "d-req", sending=False)
     assert time.monotonic() - started < 2
@@ -802,7 +841,8 @@ def refused_push(sides: list[WorkerSide], monkeypatch: pytest.MonkeyPatch, seed:
     staged cache does): both workers and the prefill worker's port."""
     monkeypatch.setenv(STAGE_ENV, "1")
     prefill, decode, _, _, p_port, d_port = one_to_one(sides, seed)
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", tid, Address("127.0.0.1", d_port), (1, 3))]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id=tid, peer=Address("127.0.0.1", d_port),
+                                               block_ids=(1, 3))]))
     prefill.wait_for_save()
     assert decode.engine.wait_staged(tid, 10) is StageState.FAILED
     out = prefill.engine.wait_outgoing(tid, 10)
@@ -849,7 +889,8 @@ def test_a_refused_push_whose_transfer_is_abandoned_is_not_held_for_a_pull(sides
         assert prefill.get_finished(set()) == ({"p-req"}, None)
     assert prefill.engine.offer_state("tid17") is None
     started = time.monotonic()
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid17", 0, (4, 0), pull_from=Address("127.0.0.1", p_port))]))
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="tid17", first_block=0, block_ids=(4, 0),
+                                              pull_from=Address("127.0.0.1", p_port))]))
     settle(decode, "d-req", sending=False)
     assert time.monotonic() - started < 2
     assert decode.take_load_errors() == {4, 0}
@@ -869,8 +910,9 @@ def test_transfers_still_wanted_outlive_the_lease_and_the_staging_expiry(sides: 
     prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, pp_size=1, keys=keys)
     decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, pp_size=1, keys=keys)
     sides += [prefill, decode]
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-get", "tid20", None, (1, 2)),
-                                      SaveSpec("p-push", "tid21", Address("127.0.0.1", d_port), (3, 4))]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-get", transfer_id="tid20", peer=None, block_ids=(1, 2)),
+                                      SaveSpec(req_id="p-push", transfer_id="tid21", peer=Address("127.0.0.1", d_port),
+                                               block_ids=(3, 4))]))
     for name in p_kv:
         prefill.save_layer(name)
     prefill.wait_for_save()
@@ -885,8 +927,9 @@ def test_transfers_still_wanted_outlive_the_lease_and_the_staging_expiry(sides: 
     assert (prefill.engine.offer_state("tid20") is OfferState.OFFERED) is wanted
     assert (decode.engine.staged_state("tid21") is StageState.COMPLETE) is wanted
     # (The control's dropped push would only fail at the load's deadline, as a push that never came: not loaded.)
-    loads = [LoadSpec("d-get", "tid20", 0, (0, 1), pull_from=Address("127.0.0.1", p_port))]
-    loads += [LoadSpec("d-push", "tid21", 0, (2, 3))] if wanted else []
+    loads = [LoadSpec(req_id="d-get", transfer_id="tid20", first_block=0, block_ids=(0, 1),
+                      pull_from=Address("127.0.0.1", p_port))]
+    loads += [LoadSpec(req_id="d-push", transfer_id="tid21", first_block=0, block_ids=(2, 3))] if wanted else []
     decode.bind(P2pkvMetadata(loads=loads))
     loaded: set[str] = set()
     deadline = time.monotonic() + 10
@@ -912,7 +955,7 @@ def test_the_lease_of_an_offer_counts_from_when_its_request_finishes(sides: list
     prefill = worker("kv_producer", p_port, 0, 1, HEADS, p_kv, pp_size=1, keys={"lease_s": 0.6})
     decode = worker("kv_consumer", d_port, 0, 1, HEADS, d_kv, pp_size=1)
     sides += [prefill, decode]
-    prefill.bind(P2pkvMetadata(saves=[SaveSpec("p-req", "tid22", None, (1, 2))]))
+    prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="tid22", peer=None, block_ids=(1, 2))]))
     prefill.wait_for_save()
     prefill.get_finished(set() if running else {"p-req"})
     for _ in range(8):
@@ -924,7 +967,8 @@ def test_the_lease_of_an_offer_counts_from_when_its_request_finishes(sides: list
         time.sleep(0.3)
         prefill.get_finished(set())
     assert (prefill.engine.offer_state("tid22") is OfferState.OFFERED) is running
-    decode.bind(P2pkvMetadata(loads=[LoadSpec("d-req", "tid22", 0, (0, 1), pull_from=Address("127.0.0.1", p_port))]))
+    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="tid22", first_block=0, block_ids=(0, 1),
+                                              pull_from=Address("127.0.0.1", p_port))]))
     settle(decode, "d-req", sending=False)
     assert decode.take_load_errors() == (set() if running else {0, 1})
 
