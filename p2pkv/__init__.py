@@ -14,4 +14,6 @@ __version__ = "0.1.0"
 # 10  lease renewal for decode requests still waiting for blocks (RenewLeases)
 # 11  whole vLLM blocks under kernel-block splits (LayoutDigest.kernel_blocks); BlockPlaces replaces BlockRanges,
 #     PullRequest.by_pipe replaces pipe_runs, one export handle per storage
-PROTOCOL_VERSION = 11
+# 12  the layout digest names the physical order of a block (LayoutDigest.block_order) and the KV cache's quantized
+#     format (the model factor kv_cache_dtype)
+PROTOCOL_VERSION = 12

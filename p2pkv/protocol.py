@@ -36,9 +36,7 @@ class LayoutDigest(msgspec.Struct, frozen=True):
     dtype: str
     block_shape: tuple[int, ...]
     kernel: str
-    block_layout: str = "dense"  # how one block's bytes lie in memory (one run, or several)
     total_heads: int = 0  # KV heads of the model over all tensor-parallel ranks; 0: not known
-    head_layout: str = "dense"  # how one head of one block lies in memory
     first_layer: int = 0  # the model's index of the first layer held here (pipeline stages hold later layers)
     total_layers: int = 0  # the model's KV layers over all pipeline stages; 0: not known
     # What the KV's values depend on beyond its shape (architecture, positional encoding, quantization): sorted
@@ -47,6 +45,9 @@ class LayoutDigest(msgspec.Struct, frozen=True):
     # Kernel blocks per vLLM block (a backend whose kernel blocks are smaller); `block_shape` is then a kernel
     # block's and `block_bytes` the whole block's.
     kernel_blocks: int = 1
+    # The physical order of a block's dimensions, outermost first (`p2pkv.kv.layout.block_order`): "HNC" (LBHNC),
+    # "NHC" (LBNHC), "KHNC" with kernel blocks.
+    block_order: str = ""
 
     @property
     def layers(self) -> range:
@@ -83,13 +84,28 @@ class LayoutDigest(msgspec.Struct, frozen=True):
         if not self.layers_with(other):
             names = ("first_layer", "num_layers", *names)
         if self.slices_with(other):
-            names += ("head_bytes", "head_layout")
+            names += ("head_bytes",)
             if self.block_shape[1:] != other.block_shape[1:]:
                 return [f"block_shape: ours {self.block_shape!r}, peer {other.block_shape!r}"]
         else:
-            names += ("block_bytes", "block_shape", "block_layout")
+            names += ("block_bytes", "block_shape")
         return [f"{n}: ours {getattr(self, n)!r}, peer {getattr(other, n)!r}" for n in names
-                if getattr(self, n) != getattr(other, n)] + self._model_differences(other)
+                if getattr(self, n) != getattr(other, n)] + self._order_differences(other) \
+            + self._model_differences(other)
+
+    def _order_differences(self, other: LayoutDigest) -> list[str]:
+        """Blocks (or the head slices that move between tensor-parallel sizes) whose dimensions lie in another
+        order: the same bytes would mean other heads and tokens. Where what moves holds one head, its place is
+        no matter."""
+        one_head = min(self.local_heads, other.local_heads) == 1
+
+        def order(d: LayoutDigest) -> str:
+            return d.block_order.replace("H", "") if one_head else d.block_order
+
+        if order(self) == order(other):
+            return []
+        return [f"block_order: ours {self.block_order or 'unknown'} ({_layout_name(self.block_order)}), "
+                f"peer {other.block_order or 'unknown'} ({_layout_name(other.block_order)})"]
 
     def _model_differences(self, other: LayoutDigest) -> list[str]:
         if not self.model or not other.model or self.model == other.model:
@@ -101,6 +117,14 @@ class LayoutDigest(msgspec.Struct, frozen=True):
         keys -= {key for key in _IF_BOTH_KNOW if key not in ours or key not in theirs}
         return [f"model.{key}: ours {ours.get(key, 'unset')}, peer {theirs.get(key, 'unset')}"
                 for key in sorted(keys) if ours.get(key) != theirs.get(key)]
+
+
+def _layout_name(order: str) -> str:
+    """The vLLM layout (`VLLM_KV_CACHE_LAYOUT`) that gives a block this order, for the refusal's reader."""
+    inner = order.removeprefix("K")
+    known = {"HNC": "heads outside tokens: LBHNC, BLHNC, LHBNC, BHLNC", "NHC": "tokens outside heads: LBNHC, BLNHC",
+             "NC": "one head", "": "not said"}
+    return known.get(inner, "another layout")
 
 
 _IF_BOTH_KNOW = frozenset({"weights"})  # `p2pkv.weights`: compared only when both sides have it

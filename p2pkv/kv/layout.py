@@ -5,7 +5,8 @@ order chosen by `KVCacheLayout` (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC). View
 of one layer is therefore one contiguous run of bytes in most orders (any order with B outside H, N and C within
 the layer), and several runs when a dimension sits outside B (LHBNC, BHLNC: one run per head). Blocks are copied
 whole, as opaque bytes in address order: on CPU their interior is packed by the attention kernel, and both peers
-must agree on the run structure, which is part of the layout digest.
+must agree on what those bytes mean: the block's shape and the physical order of its dimensions (`block_order`),
+part of the layout digest. Where the runs lie (which depends on the block count) is each side's own business.
 
 Where an attention backend's kernel block is smaller than vLLM's block (FlashMLA, CUTLASS MLA, FlashInfer with a
 large `--block-size`), vLLM's views count kernel blocks: `manager_blocks` regroups them so that dim 0 is vLLM's
@@ -17,7 +18,6 @@ set of layers is made of, and `LayerGeometry.rows` lists, with numpy, the rows o
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 from collections.abc import Sequence
@@ -138,11 +138,6 @@ class LayerGeometry:
         out: npt.NDArray[np.int64] = (first[:, None] + inner[None, :]).ravel()
         return out
 
-    def signature(self) -> str:
-        if len(self.inner) == 1:
-            return "dense"
-        digest = hashlib.sha256(repr(self.inner).encode()).hexdigest()[:12]
-        return f"{len(self.inner)} runs of {self.inner[0][1]} B ({digest})"
 
 
 def row_bytes(geometries: Sequence[LayerGeometry], *more: int) -> int:
@@ -220,6 +215,19 @@ def head_slice(tensors: Sequence[torch.Tensor], heads: tuple[int, int]) -> list[
     return [t.narrow(axis, first, end - first) for t in tensors]
 
 
+def block_order(t: torch.Tensor) -> str:
+    """The physical order of one block's dimensions, outermost first, as the letters of its logical view: `HNC`
+    for `[B, H, N, C]`, `KHNC` once kernel blocks are regrouped (`[B, K, H, N, C]`). A block's bytes travel in
+    address order, so two peers whose blocks have the same shape but another order (LBHNC and LBNHC: one run
+    each) would permute heads and tokens: the digest carries it. Dimensions of one element are left out (their
+    place changes no byte), except H, which `LayoutDigest.differences` drops only where a slice holds one head."""
+    names = {2: "C", 3: "HC", 4: "HNC", 5: "KHNC"}.get(t.dim()) or "".join(f"d{i}" for i in range(1, t.dim()))
+    kept = [(stride, name) for name, size, stride in zip(names, t.shape[1:], t.stride()[1:], strict=True)
+            if size > 1 or name == "H"]
+    # Outermost first; a tie (a dimension of one element beside another) keeps the logical order.
+    return "".join(name for _, name in sorted(kept, key=lambda x: -x[0]))
+
+
 def describe(tensors: Sequence[torch.Tensor], block_size: int, kernel: str,
              total_heads: int = 0) -> tuple[list[LayerGeometry], LayoutDigest]:
     """Each layer's block geometry and the digest peers compare; refuses layers that differ. `total_heads`: the
@@ -235,13 +243,11 @@ def describe(tensors: Sequence[torch.Tensor], block_size: int, kernel: str,
         raise IncompatiblePeerError("KV layers differ in how their blocks are laid out in memory")
     block_bytes = first[0].numel() * first.element_size()
     split = first.dim() == 5  # kernel blocks regrouped (`manager_blocks`): [B, kernel blocks, H, N, C]
-    axis = heads_axis(first)
     digest = LayoutDigest(num_layers=len(tensors), block_size=block_size, block_bytes=block_bytes,
                           dtype=str(first.dtype).removeprefix("torch."),
                           block_shape=tuple(first.shape[2:] if split else first.shape[1:]),
-                          kernel=kernel, block_layout=geometry[0].signature(), total_heads=total_heads,
-                          head_layout=LayerGeometry.of(first.narrow(axis, 0, 1)).signature() if first.dim() > 2
-                          else "dense", kernel_blocks=first.shape[1] if split else 1)
+                          kernel=kernel, block_order=block_order(first), total_heads=total_heads,
+                          kernel_blocks=first.shape[1] if split else 1)
     return geometry, digest
 
 

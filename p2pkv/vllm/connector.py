@@ -15,7 +15,7 @@ from p2pkv.engine.metrics import StepStats
 from p2pkv.errors import UnsupportedCacheError
 from p2pkv.kv.stages import StageLayers
 from p2pkv.vllm.metadata import P2pkvMetadata
-from p2pkv.vllm.model_factors import model_factors, weights_factor
+from p2pkv.vllm.model_factors import kv_cache_dtype, model_factors, weights_factor
 from p2pkv.vllm.refusals import InstanceRefusals, RefusalNotes
 from p2pkv.vllm.scheduler import SchedulerSide
 from p2pkv.vllm.stats import P2pkvPromMetrics, P2pkvStats
@@ -128,6 +128,31 @@ def check_batching(vllm_config: VllmConfig) -> None:
                                     "p2pkv: run the instances without it")
 
 
+def check_context_parallel(vllm_config: VllmConfig) -> None:
+    """Refuse context parallelism at start-up: a block of its instance holds `block_size` x CP tokens, interleaved
+    across the ranks, while p2pkv counts a prompt's blocks by `block_size`: it would load the first tokens into
+    blocks meant for more and never send the rest."""
+    pc = vllm_config.parallel_config
+    sizes = {"--decode-context-parallel-size": int(getattr(pc, "decode_context_parallel_size", 1) or 1),
+             "--prefill-context-parallel-size": int(getattr(pc, "prefill_context_parallel_size", 1) or 1)}
+    used = [f"{flag} {size}" for flag, size in sizes.items() if size > 1]
+    if used:
+        raise UnsupportedCacheError(f"context parallelism ({', '.join(used)}) is not supported by p2pkv: its blocks "
+                                    "interleave tokens across ranks; run the instances without it")
+
+
+def check_kv_scales(vllm_config: VllmConfig) -> None:
+    """Refuse KV scales computed at run time (`calculate_kv_scales`, in vLLM versions that have it): each instance
+    takes its quantized KV's scales from its own first batch, so a decode instance would read the prefill
+    instance's bytes with other scales."""
+    cache = vllm_config.cache_config
+    if getattr(cache, "calculate_kv_scales", False) and kv_cache_dtype(vllm_config):
+        raise UnsupportedCacheError(f"--calculate-kv-scales with --kv-cache-dtype {cache.cache_dtype} is not "
+                                    "supported by p2pkv: each instance computes its own scales, so KV moved "
+                                    "between instances would be read with the wrong ones; use the checkpoint's "
+                                    "scales")
+
+
 def _total_kv_heads(vllm_config: VllmConfig) -> int:
     """KV heads over all tensor-parallel ranks; MLA's latent is one head that every rank holds."""
     model = vllm_config.model_config
@@ -145,6 +170,8 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
         _route_logs()
         check_cache_groups(kv_cache_config)
         check_batching(vllm_config)
+        check_context_parallel(vllm_config)
+        check_kv_scales(vllm_config)
         tc = vllm_config.kv_transfer_config
         config = parse_connector_config(tc.kv_role, tc.kv_port, getattr(tc, "kv_load_failure_policy", "fail"),
                                         tc.kv_connector_extra_config, _start_of(vllm_config))

@@ -31,9 +31,23 @@ def _text(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
+# Cache dtypes that name one format twice: vLLM reads `fp8` as e4m3 (CUDA 11.8+, ROCm).
+_SAME_FORMAT = {"fp8": "fp8_e4m3"}
+
+
+def kv_cache_dtype(vllm_config: VllmConfig) -> str:
+    """The KV cache's quantized format (`--kv-cache-dtype`), or "" where the cache holds the model's dtype (the
+    tensors' dtype tells that). Quantized formats share one storage dtype (`fp8`, `fp8_e4m3` and `fp8_e5m2` are all
+    uint8), and the same byte means another value in each: 0x3C is 1.5 in e4m3, 1.0 in e5m2."""
+    name = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto") or "auto")
+    if name in ("auto", "float16", "bfloat16", "float32", "half", "float"):
+        return ""
+    return _SAME_FORMAT.get(name, name)
+
+
 def model_factors(vllm_config: VllmConfig) -> str:
-    """`key=value` pairs, ';'-separated, sorted: the architecture, the config keys above that are set, and the
-    weights' quantization."""
+    """`key=value` pairs, ';'-separated, sorted: the architecture, the config keys above that are set, the
+    weights' quantization and the KV cache's (`kv_cache_dtype`)."""
     model = vllm_config.model_config
     config = getattr(model, "hf_text_config", None) or model.hf_config
     architectures = getattr(model.hf_config, "architectures", None) or []
@@ -44,6 +58,8 @@ def model_factors(vllm_config: VllmConfig) -> str:
         # transformers 5 answers `rope_scaling` with `rope_parameters`: named once
         if value is not None and not (key == "rope_scaling" and _text(value) == factors.get("rope_parameters")):
             factors[key] = _text(value)
+    if cache_dtype := kv_cache_dtype(vllm_config):
+        factors["kv_cache_dtype"] = cache_dtype
     return ";".join(f"{k}={v}" for k, v in sorted(factors.items()))
 
 

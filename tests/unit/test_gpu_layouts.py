@@ -40,11 +40,16 @@ def test_consecutive_blocks_coalesce_where_the_layout_allows() -> None:
     sizes = {"L": L, "B": B, "H": H, "N": N, "C": C}
     block_major = KvBlocks.from_tensors(views("LBNHC", torch.bfloat16, sizes, False), N, "test")
     assert len(block_major.block_views(0, [3, 4, 5])) == 1  # one copy for three blocks
-    assert block_major.digest.block_layout == "dense"
+    assert block_major.digest.block_order == "NHC"
     head_major = KvBlocks.from_tensors(views("LHBNC", torch.bfloat16, sizes, False), N, "test")
     assert len(head_major.block_views(0, [3])) == H  # one run per head
-    assert head_major.digest.block_layout.startswith(f"{H} runs")
+    assert head_major.digest.block_order == "HNC"
     layers_inside = KvBlocks.from_tensors(views("BLHNC", torch.bfloat16, sizes, False), N, "test")
     assert len(layers_inside.block_views(1, [3, 4])) == 2  # the other layers lie between two blocks
-    # Peers whose blocks are laid out differently are told so at the handshake.
-    assert "block_layout" in block_major.digest.differences(head_major.digest)[0]
+    # Peers whose blocks hold their dimensions in another order are told so at the handshake; where only the runs
+    # differ (heads inside or outside the blocks), the bytes mean the same and move.
+    assert block_major.digest.differences(head_major.digest) == [
+        "block_order: ours NHC (tokens outside heads: LBNHC, BLNHC), peer HNC (heads outside tokens: LBHNC, BLHNC, "
+        "LHBNC, BHLNC)"]
+    assert KvBlocks.from_tensors(views("LBHNC", torch.bfloat16, sizes, False), N, "test").digest.differences(
+        head_major.digest) == []
