@@ -87,7 +87,7 @@ def kernel_blocks(device: str = "cuda") -> str:
         views = [host, *(out.source("t", tuple(ids))(layer, 0, len(ids))[0] for layer in (1, 2))]
         if not ready(time.monotonic() + 60):
             raise AssertionError("staging out did not finish")
-        _wait(into.write_all(tuple(placed), views, None), "landing")
+        _wait(into.write_layers(tuple(placed), list(enumerate(views)), None), "landing")
         out.release("t")
         for theirs, mine_direct, mine_staged in zip(layers[0].tensors, layers[1].tensors, layers[2].tensors,
                                                     strict=True):

@@ -185,7 +185,7 @@ def measure(g: Geometry, repeats: int = 20, seed: int = 0) -> list[PlaneCost]:
     def landing(ids: tuple[int, ...]) -> None:
         if len(staged[0]) != len(ids) * g.block_bytes:
             staged[0] = memoryview(bytearray(len(ids) * g.block_bytes))
-        buffers.write_all(ids, [staged[0]] * g.layers, None)
+        buffers.write_layers(ids, [(layer, staged[0]) for layer in range(g.layers)], None)
 
     def slice_out(ids: tuple[int, ...]) -> None:
         slices.source("slice", ids)(0, 0, len(ids))

@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -321,6 +322,15 @@ class TransferEngine:
     def wait_staged(self, transfer_id: str, timeout_s: float) -> StageState | None:
         """Block until a pushed transfer is complete or failed (or `timeout_s` passed); its state then."""
         return self.store.wait(transfer_id, time.monotonic() + timeout_s)
+
+    def staged_arrivals(self, transfer_id: str, known: AbstractSet[int] = frozenset()
+                        ) -> tuple[StageState | None, dict[int, memoryview]]:
+        """A pushed transfer's state, and the bytes of each of its layers received whole but for `known`."""
+        return self.store.arrived(transfer_id, known)
+
+    def wait_arrival(self, transfer_id: str, known: int, timeout_s: float) -> None:
+        """Block until more than `known` layers of a pushed transfer have arrived, or it settled (or `timeout_s`)."""
+        self.store.wait_arrival(transfer_id, known, time.monotonic() + timeout_s)
 
     def take_staged(self, transfer_id: str) -> StagedTransfer | None:
         return self.store.take(transfer_id)

@@ -212,7 +212,7 @@ class Receiver:
         conn.recv_payload_into(view, deadline, landed)
         if landed is not None and not self._digest_matches(conn, push, landed.intdigest()):
             return
-        self._store.finish_chunk(push.transfer_id, push.num_blocks * push.layers)
+        self._store.finish_chunk(push)
         self._metrics.count_bytes("received", payload_len, conn.name)
 
     def _digest_matches(self, conn: Connection, push: PushBlocks, landed: int) -> bool:

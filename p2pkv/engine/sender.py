@@ -239,39 +239,59 @@ class Sender:
                 self._changed.notify_all()
 
     def _send_group(self, jobs: list[PushJob]) -> None:
+        """Send one peer's jobs in order, each layer as soon as its copy from the device is done: the layers whose
+        copies are done already go out together, then the next one is waited for (PUT_ASYNC: a layer leaves while
+        the forward computes the next ones)."""
         peer = jobs[0].peer
         with self._lock:
             live = [(job, item) for job in jobs if (item := self._sending.get(job.transfer_id)) is not None]
         if not live:
             return
         deadline = min(job.deadline for job, _ in live)
-        everyone = live
         try:
             conn = self._links.open(peer, deadline)
             live, notices = self._hand_over(conn, live)
-            live = self._await_ready(peer, live)
+            while notices or live:
+                ready, live = self._next_ready(peer, live)
+                self._send(peer, notices, ready, deadline)
+                notices = []
+        except P2pkvError as exc:
+            with self._lock:
+                for _, item in live:
+                    if item.state is OutState.SENDING:
+                        self._finish_locked(item, OutState.FAILED, str(exc))
+            for transfer_id in dict.fromkeys(job.transfer_id for job, _ in live):
+                self._abort(peer, transfer_id, str(exc))
+
+    def _send(self, peer: Address, notices: list[PullInstead], ready: list[tuple[PushJob, Outgoing]],
+              deadline: float) -> None:
+        """Send these notices and layers in one go, and note what was sent. A failure fails the transfers of the
+        layers sent here (the caller fails those still to come)."""
+        try:
+            conn = self._links.open(peer, deadline)
             frames: list[tuple[Message, tuple[memoryview, ...]]] = [(n, ()) for n in notices]
-            frames += _frames([job for job, _ in live], conn.digests)
+            frames += _frames([job for job, _ in ready], conn.digests)
             if not frames:
                 return
             conn = self._links.send(peer, frames, deadline)
         except P2pkvError as exc:
+            tids = list(dict.fromkeys([*(n.transfer_id for n in notices), *(job.transfer_id for job, _ in ready)]))
             with self._lock:
-                for _, item in everyone:
-                    if item.state is OutState.SENDING:
-                        self._finish_locked(item, OutState.FAILED, str(exc))
-            for transfer_id in dict.fromkeys(job.transfer_id for job, _ in everyone):
-                self._abort(peer, transfer_id, str(exc))
-            return
+                for tid in tids:
+                    if (failed := self._sending.get(tid)) is not None:
+                        self._finish_locked(failed, OutState.FAILED, str(exc))
+            for tid in tids:
+                self._abort(peer, tid, str(exc))
+            raise
         by_reference = isinstance(conn, ShmConnection) and conn.sends_by_reference
         total, name = 0, conn.name
         with self._lock:
             for notice in notices:
-                if (item := self._sending.get(notice.transfer_id)) is not None:
-                    item.transport = name
-                    self._finish_locked(item, OutState.REFUSED, WhyPull.DEVICE_PATH.value)
+                if (left := self._sending.get(notice.transfer_id)) is not None:
+                    left.transport = name
+                    self._finish_locked(left, OutState.REFUSED, WhyPull.DEVICE_PATH.value)
             sent: dict[str, Outgoing] = {}  # each transfer checked once, after all its layers here are counted
-            for job, item in live:
+            for job, item in ready:
                 nbytes = 0
                 for view in job.views:
                     nbytes += view.nbytes
@@ -320,26 +340,45 @@ class Sender:
         conn = self._links.get(peer)
         return isinstance(conn, ShmConnection) and conn.sends_by_reference
 
-    def _await_ready(self, peer: Address, live: list[tuple[PushJob, Outgoing]]) -> list[tuple[PushJob, Outgoing]]:
-        """Wait for the device-to-host copies of staged layers; a copy that misses its deadline fails its transfer."""
+    def _next_ready(self, peer: Address, live: list[tuple[PushJob, Outgoing]]
+                    ) -> tuple[list[tuple[PushJob, Outgoing]], list[tuple[PushJob, Outgoing]]]:
+        """The jobs to send now, and those after them: the first job's copy from the device is waited for (to its
+        deadline), then every following job whose copy is done already is taken too. A copy that misses its
+        deadline or fails fails its transfer (its later jobs are dropped)."""
         failed: dict[str, str] = {}
-        for job, _ in live:
-            if job.ready is None or job.transfer_id in failed:
+        ready: list[tuple[PushJob, Outgoing]] = []
+        at = 0
+        while at < len(live):
+            job = live[at][0]
+            if job.transfer_id in failed:
+                at += 1
                 continue
-            try:
-                if not job.ready(job.deadline):
+            if job.ready is not None:
+                first = not ready
+                try:
+                    done = job.ready(job.deadline if first else 0.0)  # 0: asked, not waited for
+                except Exception as exc:  # a device error fails this transfer, not the batch
+                    failed[job.transfer_id] = f"layer {job.layer}: the copy from the device failed: {exc!r}"
+                    at += 1
+                    continue
+                if not done and not first:
+                    break  # still being copied: what is ready goes first
+                if not done:
                     failed[job.transfer_id] = f"layer {job.layer}: the copy from the device missed the deadline"
-            except Exception as exc:  # a device error fails this transfer, not the batch
-                failed[job.transfer_id] = f"layer {job.layer}: the copy from the device failed: {exc!r}"
-        if not failed:
-            return live
-        with self._lock:
+                    at += 1
+                    continue
+            ready.append(live[at])
+            at += 1
+        rest = [(job, item) for job, item in live[at:] if job.transfer_id not in failed]
+        if failed:
+            ready = [(job, item) for job, item in ready if job.transfer_id not in failed]
+            with self._lock:
+                for transfer_id, reason in failed.items():
+                    if (item := self._sending.get(transfer_id)) is not None:
+                        self._finish_locked(item, OutState.FAILED, reason)
             for transfer_id, reason in failed.items():
-                if (item := self._sending.get(transfer_id)) is not None:
-                    self._finish_locked(item, OutState.FAILED, reason)
-        for transfer_id, reason in failed.items():
-            self._abort(peer, transfer_id, reason)
-        return [(job, item) for job, item in live if job.transfer_id not in failed]
+                self._abort(peer, transfer_id, reason)
+        return ready, rest
 
     def _maybe_done_locked(self, item: Outgoing) -> None:
         if item.state is OutState.SENDING and item.complete:

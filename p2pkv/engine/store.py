@@ -6,6 +6,7 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from p2pkv.engine.metrics import EngineMetrics
@@ -43,6 +44,8 @@ class StagedTransfer:
     transport: str = "tcp"
     # The last chunk begun or finished, or when the transfer failed: what its expiry counts from.
     touched: float = field(default_factory=time.monotonic)
+    layer_blocks: dict[int, int] = field(default_factory=dict)  # blocks received, per layer
+    arrived: dict[int, float] = field(default_factory=dict)  # layer -> when its last block was received
 
     @property
     def nbytes(self) -> int:
@@ -156,18 +159,25 @@ class ReceiveStore:
         self._items[push.transfer_id] = item
         return item
 
-    def finish_chunk(self, transfer_id: str, num_blocks: int) -> None:
+    def finish_chunk(self, push: PushBlocks) -> None:
+        """The payload of `push` is in place: its layers, once all their blocks are, may be landed."""
+        transfer_id = push.transfer_id
         with self._lock:
             item = self._items.get(transfer_id)
             if item is None or item.state is not StageState.RECEIVING:
                 return
-            item.blocks_received += num_blocks
-            item.touched = time.monotonic()
+            now = time.monotonic()
+            item.blocks_received += push.num_blocks * push.layers
+            item.touched = now
+            for layer in range(push.layer, push.layer + push.layers):
+                item.layer_blocks[layer] = item.layer_blocks.get(layer, 0) + push.num_blocks
+                if item.layer_blocks[layer] == item.total_blocks:
+                    item.arrived[layer] = now
             if item.blocks_received == item.num_layers * item.total_blocks:
                 item.state = StageState.COMPLETE
                 if transfer_id in self._discarded:
                     self._drop_locked(item)
-                self._settled.notify_all()
+            self._settled.notify_all()  # a transfer settled, or more of its layers arrived
 
     def discard(self, transfer_id: str, until: float) -> None:
         """No request here loads this transfer: its bytes are freed now if it has settled, else as soon as it does
@@ -259,6 +269,27 @@ class ReceiveStore:
         with self._lock:
             item = self._items.get(transfer_id)
             return None if item is None else item.state
+
+    def arrived(self, transfer_id: str, known: AbstractSet[int] = frozenset()
+                ) -> tuple[StageState | None, dict[int, memoryview]]:
+        """A transfer's state, and the layers of it received whole so far but for `known`, each layer's bytes (a
+        load lands them while the rest is on the way). The bytes stay the transfer's until it is taken or fails."""
+        with self._lock:
+            item = self._items.get(transfer_id)
+            if item is None:
+                return None, {}
+            if item.state is StageState.FAILED:
+                return item.state, {}
+            return item.state, {layer: item.layer_view(layer) for layer in sorted(item.arrived) if layer not in known}
+
+    def wait_arrival(self, transfer_id: str, known: int, deadline: float) -> None:
+        """Until more than `known` layers of the transfer have arrived, or it has settled, or the deadline."""
+        def news() -> bool:
+            item = self._items.get(transfer_id)
+            return item is not None and (item.state is not StageState.RECEIVING or len(item.arrived) > known)
+
+        with self._settled:
+            self._settled.wait_for(news, max(0.0, deadline - time.monotonic()))
 
     def wait(self, transfer_id: str, deadline: float) -> StageState | None:
         """The transfer's state once it is complete or failed, or whatever it is at the deadline."""

@@ -48,9 +48,10 @@ class BlockAccess(Protocol):
     def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:
         """Bytes (payload order) into the blocks; returns once they are there (off vLLM's hot path)."""
 
-    def write_all(self, block_ids: Sequence[int], layers: Sequence[memoryview], after: Fence | None) -> Marker:
-        """Pushed bytes, one view per layer, into the blocks, after `after`; the views are read until the marker
-        says done."""
+    def write_layers(self, block_ids: Sequence[int], layers: Sequence[tuple[int, memoryview]],
+                     after: Fence | None) -> Marker:
+        """Pushed bytes of some layers, (layer, view) in any order, into the blocks, after `after`; the views are
+        read until the marker says done."""
 
     def land(self, transfer_id: str, after: Fence | None = None) -> Marker:
         """A completed pull into `sink` made final in the blocks, after `after`; done when the marker says so."""
@@ -103,8 +104,9 @@ class InPlaceBlocks:
     def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:
         self.kv.write_blocks(layer, block_ids, src)
 
-    def write_all(self, block_ids: Sequence[int], layers: Sequence[memoryview], after: Fence | None) -> Marker:
-        for layer, src in enumerate(layers):
+    def write_layers(self, block_ids: Sequence[int], layers: Sequence[tuple[int, memoryview]],
+                     after: Fence | None) -> Marker:
+        for layer, src in layers:
             self.kv.write_blocks(layer, block_ids, src)
         return done
 

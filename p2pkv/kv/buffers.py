@@ -93,16 +93,17 @@ class TransferBuffers:
     def write_blocks(self, layer: int, block_ids: Sequence[int], src: memoryview) -> None:
         self.kv.write_blocks(layer, block_ids, src)
 
-    def write_all(self, block_ids: Sequence[int], layers: Sequence[memoryview], after: Fence | None) -> Marker:
-        """Pushed bytes, one view per layer (payload order), into the blocks; the copies are issued after `after`
-        and not waited for: the caller keeps the views until the marker says done."""
+    def write_layers(self, block_ids: Sequence[int], layers: Sequence[tuple[int, memoryview]],
+                     after: Fence | None) -> Marker:
+        """Pushed bytes of some layers, (layer, view in payload order), into the blocks; the copies are issued after
+        `after` and not waited for: the caller keeps the views until the marker says done."""
         ids = tuple(block_ids)
         with self.kv.issuing([after] if after is not None else []):
-            for layer, view in enumerate(layers):
+            for layer, view in layers:
                 (piece,) = self.kv.plan([layer], ids)
                 self.kv.move(ids, piece, host_tensor(view), to_host=False)
             marker = self.kv.ops.mark()
-        self.kv.count(sum(v.nbytes for v in layers), to_host=False)
+        self.kv.count(sum(v.nbytes for _, v in layers), to_host=False)
         return marker
 
     def _get(self, transfer_id: str, block_ids: Sequence[int]) -> _Staged:

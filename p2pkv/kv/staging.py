@@ -9,8 +9,8 @@ The engine sends from and receives into host memory. For a KV cache on a GPU eac
 - GET, `source`: the layers not copied yet are copied, all at once, after the fence recorded when the blocks were
   offered; the puller is served from the buffer;
 - receiving: a pull lands in the transfer's buffer (`sink`) and is copied into the blocks by `land`; pushed bytes
-  are copied from the staging store (`write_all`). Both return a marker and never wait: the request is reported
-  loaded once the marker says the copies are done.
+  are copied from the staging store as each layer arrives (`write_layers`). Both return a marker and never wait:
+  the request is reported loaded once the marker says the copies are done.
 
 Every copy is batched (`DeviceKv.plan`): the blocks of a set of layers sharing one storage are rows of a `[rows,
 row bytes]` view of it, moved by one gather or scatter (in chunks of at most `SCRATCH_BYTES` of device scratch),

@@ -17,7 +17,7 @@ from p2pkv.engine.puller import HeadSlice, PullKey, PullState
 from p2pkv.engine.store import StageState
 from p2pkv.errors import ConfigError, P2pkvError
 from p2pkv.kv.blocks import BlockAccess
-from p2pkv.kv.device_copy import Marker, PartialCopy, done
+from p2pkv.kv.device_copy import Marker, PartialCopy, all_done, done
 from p2pkv.kv.slices import HeadSlices
 from p2pkv.kv.stages import StageLayers, StagePart, plan_stages, stage_split
 from p2pkv.kv.tp import plan_pulls
@@ -70,6 +70,11 @@ class _Load:
     parts: list[tuple[str, BlockAccess | None]] = field(default_factory=list)
     landing: _Landing | None = None
     overdue: bool = False  # its landing outlived the deadline (logged once)
+    # A push: the layers whose copies into the blocks were issued as they arrived, while the rest was on the way,
+    # and those copies; `broken`: issuing one failed (the load fails once they are done).
+    landed: set[int] = field(default_factory=set)
+    early: list[Marker] = field(default_factory=list)
+    broken: str | None = None
 
 
 def _no_sink(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
@@ -208,8 +213,8 @@ class Loads:
                 pending = [k for k in keys if (r := self._engine.pull_result(k)) is not None
                            and r.state is PullState.PENDING]
                 self._engine.wait_pull((pending or keys)[0], timeout_s)  # returns once that pull settles
-            else:
-                self._engine.wait_staged(load.spec.transfer_id, timeout_s)
+            else:  # wakes as soon as another layer arrives, to land it
+                self._engine.wait_arrival(load.spec.transfer_id, len(load.landed), timeout_s)
             return True
         return False
 
@@ -288,24 +293,28 @@ class Loads:
                 if self._pull_finished(load):
                     done.add(req_id)
                 continue
-            state = self._engine.staged_state(load.spec.transfer_id)
-            if state is StageState.FAILED and self._fall_back_to_pull(load):
+            state = self._land_arrived(load)
+            if state is StageState.FAILED and not load.landed and self._fall_back_to_pull(load):
                 continue
-            if state is StageState.COMPLETE:
+            if state is StageState.COMPLETE and load.broken is None:
                 self._land(load)
                 if self._landed(load, now):
                     done.add(req_id)
-            elif state is StageState.FAILED or now > load.deadline or (refused := self._refusal(load.spec)):
-                if state is StageState.FAILED:  # the store's reason: the sender's abort, a lost link, a bad digest
-                    self._fail_load(load.spec, f"transfer failed: {self._engine.staged_reason(load.spec.transfer_id)}")
+            elif (state is StageState.FAILED or load.broken is not None or now > load.deadline
+                  or (refused := self._refusal(load.spec))):
+                if load.broken is not None:
+                    reason = f"the copy into the blocks failed: {load.broken}"
+                elif state is StageState.FAILED:  # the store's reason: the sender's abort, a lost link, a bad digest
+                    reason = f"transfer failed: {self._engine.staged_reason(load.spec.transfer_id)}"
                 elif now > load.deadline:
-                    self._fail_load(load.spec, "deadline passed")
+                    reason = "deadline passed"
                 else:
-                    self._fail_load(load.spec, f"the prefill worker that pushes it was refused: {refused}")
-                item = self._engine.take_staged(load.spec.transfer_id)
-                if item is not None:
-                    self._engine.release_staged(item)
-                done.add(req_id)
+                    reason = f"the prefill worker that pushes it was refused: {refused}"
+                # Reported once the layers landed early are in (vLLM may reuse a failed load's blocks), and what
+                # they read goes back only then.
+                load.landing = _Landing(all_done(load.early), self._releaser(load.spec.transfer_id), reason)
+                if self._landed(load, now):
+                    done.add(req_id)
         for req_id in done:
             del self._loads[req_id]
         return done | abandoned
@@ -327,7 +336,7 @@ class Loads:
         for req_id in req_ids:
             load = self._loads[req_id]
             spec = load.spec
-            if spec.pull_from is not None or load.landing is not None:  # something writes into its blocks
+            if spec.pull_from is not None or load.landing is not None or load.landed:  # something writes into them
                 continue
             log.info("transfer %s: request %s ended before its KV landed; the push is freed when it arrives",
                      spec.transfer_id, req_id)
@@ -431,38 +440,75 @@ class Loads:
                 self._blocks.release(key)
         self._engine.count_load(True, nbytes)
 
+    def _sources(self, spec: LoadSpec, views: list[tuple[int, memoryview]]) -> list[tuple[int, memoryview]]:
+        """The load's blocks of staged layers (a staged layer holds the transfer's blocks, from `first_block`); with
+        fault injection, a load marked `test_corrupt` damaged (the integration tests' negative control)."""
+        bb = self._engine.layout.block_bytes
+        start, n = spec.first_block * bb, len(spec.block_ids) * bb
+        out = []
+        for layer, view in views:
+            src = view[start : start + n]
+            if spec.corrupt and self._config.extra.test_fault_injection:
+                src = memoryview(bytes(b ^ 0x5A for b in src[:4096]) + bytes(src[4096:]))
+            out.append((layer, src))
+        return out
+
+    def _releaser(self, transfer_id: str) -> Callable[[], None]:
+        """What frees a failed push's staged bytes (taken from the store now, so that no load finds them)."""
+        item = self._engine.take_staged(transfer_id)
+
+        def release() -> None:
+            if item is not None:
+                self._engine.release_staged(item)
+
+        return release
+
+    def _land_arrived(self, load: _Load) -> StageState | None:
+        """A pushed load's transfer state; the layers of it that arrived since the last look are copied into the
+        blocks now, while the rest is on the way (landing overlaps the transfer)."""
+        spec = load.spec
+        state, arrived = self._engine.staged_arrivals(spec.transfer_id, load.landed)
+        if state is not StageState.RECEIVING or not arrived or not spec.block_ids or load.broken is not None:
+            return state
+        try:
+            load.early.append(self._blocks.write_layers(spec.block_ids, self._sources(spec, list(arrived.items())),
+                                                        load.fence))
+        except Exception as exc:  # a device error: what was issued still runs; the load fails once it is done
+            if isinstance(exc, PartialCopy):
+                load.early.append(exc.pending)
+            load.broken = repr(exc)
+        load.landed.update(arrived)
+        return state
+
     def _land(self, load: _Load) -> None:
-        """Issue the copies of a complete staged push into the load's blocks; `finished` reports it once they are
-        done (the staged bytes are kept until then)."""
+        """Issue the copies of a complete staged push's layers not landed yet into the load's blocks; `finished`
+        reports it once they (and those landed as they arrived) are done; the staged bytes are kept until then."""
         spec = load.spec
         item = self._engine.take_staged(spec.transfer_id)
         assert item is not None
         n = len(spec.block_ids)
-        start = spec.first_block * item.block_bytes
         nbytes = n * item.block_bytes * item.num_layers
 
         def finish() -> None:
             self._engine.release_staged(item)
             if n:
                 self._engine.count_load(True, nbytes)
-                log.info("transfer %s landed peer=%s blocks=%d bytes=%d ms=%.1f transport=%s", spec.transfer_id,
+                early = f" early={len(load.landed)}" if load.landed else ""
+                log.info("transfer %s landed peer=%s blocks=%d bytes=%d ms=%.1f transport=%s%s", spec.transfer_id,
                          item.source.split("#")[0], n, nbytes, (time.monotonic() - item.created) * 1000,
-                         item.transport)
+                         item.transport, early)
 
         if not n:
             load.landing = _Landing(lambda: True, finish)
             return
-        layers = []
-        for layer in range(item.num_layers):
-            src = item.layer_view(layer)[start : start + n * item.block_bytes]
-            if spec.corrupt and self._config.extra.test_fault_injection:
-                src = memoryview(bytes(b ^ 0x5A for b in src[:4096]) + bytes(src[4096:]))
-            layers.append(src)
+        rest = [(layer, item.layer_view(layer)) for layer in range(item.num_layers) if layer not in load.landed]
         try:
-            load.landing = _Landing(self._blocks.write_all(spec.block_ids, layers, load.fence), finish)
+            marker = self._blocks.write_layers(spec.block_ids, self._sources(spec, rest), load.fence) if rest else done
+            load.landing = _Landing(all_done([*load.early, marker]), finish)
         except Exception as exc:  # a device error (no memory for the copy, say): the prompt is computed here
             pending = exc.pending if isinstance(exc, PartialCopy) else done
-            load.landing = _Landing(pending, lambda: self._engine.release_staged(item), repr(exc))
+            load.landing = _Landing(all_done([*load.early, pending]), lambda: self._engine.release_staged(item),
+                                    repr(exc))
 
     def _fail_load(self, spec: LoadSpec, reason: str) -> None:
         """Report the load's blocks to vLLM as load errors (it recomputes or fails the request)."""

@@ -24,7 +24,7 @@ def land(s: ReceiveStore, push: PushBlocks, fill: int) -> bool:
         return False
     assert view.nbytes == nbytes
     view[:] = bytes([fill]) * nbytes
-    s.finish_chunk(push.transfer_id, push.num_blocks * push.layers)
+    s.finish_chunk(push)
     return True
 
 
