@@ -45,6 +45,7 @@ class EngineSettings:
     metrics_port: int
     limits: FrameLimits
     pool_bytes: int = 0
+    pool_pinned_bytes: int = 0  # of the pool, pinned by `pin_pool` (a GPU cache's worker, at start-up)
     transport: Transport = Transport.AUTO
     pull_over_device: bool = True
     integrity_check: bool = False
@@ -67,6 +68,7 @@ class EngineSettings:
             metrics_port=metrics_port,
             limits=FrameLimits(max_message_bytes=extra.max_frame_bytes),
             pool_bytes=int(extra.mem_pool_size_gb * (1 << 30)),
+            pool_pinned_bytes=int(min(extra.mem_pool_pinned_gb, extra.mem_pool_size_gb) * (1 << 30)),
             transport=extra.transport,
             pull_over_device=extra.pull_over_device,
             integrity_check=extra.integrity_check,
@@ -78,10 +80,11 @@ class TransferEngine:
     """`start()` binds and starts threads; `close()` stops them in reverse order and is idempotent."""
 
     def __init__(self, settings: EngineSettings, layout: LayoutDigest, rank: int = 0,
-                 device: DeviceAccess | None = None, pipes: PipeMaker | None = None, intervals: bool = False) -> None:
+                 device: DeviceAccess | None = None, pipes: PipeMaker | None = None, intervals: bool = False,
+                 pool: HostPool | None = None) -> None:
         """`device`: this worker's KV cache as peers on this host may open it (cuda_ipc), when it is on a GPU;
         `pipes`: what makes a communicator with a peer (nccl), when this worker can; `intervals`: someone takes
-        `take_interval` (vLLM's per-step stats)."""
+        `take_interval` (vLLM's per-step stats); `pool`: the host pool (by default one of `settings.pool_bytes`)."""
         self.settings = settings
         self.device = device
         self.pipes = pipes
@@ -91,7 +94,9 @@ class TransferEngine:
         self.metrics = EngineMetrics()
         self.metrics.intervals = intervals
         # The pool's memory is taken on first use only, when staging first overflows kv_buffer_size.
-        self.pool = HostPool(settings.pool_bytes) if settings.pool_bytes >= 4096 else None
+        if pool is None and settings.pool_bytes >= 4096:
+            pool = HostPool(settings.pool_bytes)
+        self.pool = pool
         self.store = ReceiveStore(settings.staging_budget_bytes, settings.staging_expiry_s, layout.block_bytes,
                                   layout.num_layers, self.metrics, self.pool, pinned=settings.pinned_staging)
         self.offers = OfferTable()
@@ -153,6 +158,12 @@ class TransferEngine:
             self._metrics_server, self._metrics_thread = start_http_server(
                 s.metrics_port, addr=s.host, registry=self.metrics.registry)
         log.info("p2pkv engine %s rank %d listening on %s", self.engine_id, self.rank, self.address)
+
+    def pin_pool(self) -> None:
+        """Pin the first `pool_pinned_bytes` of the host pool now (a GPU cache's worker, at start-up: pinning takes
+        about 0.5 s per GiB, and a transfer that finds none pinned is held for a pull instead)."""
+        if self.pool is not None:
+            self.pool.prepare(up_to=self.settings.pool_pinned_bytes)
 
     def _cache_digest(self, device: DeviceAccess | None, pipes: PipeMaker | None) -> CacheDigest | None:
         """How this worker digests pieces of its cache, for pulls that copy cache to cache on a link that checks

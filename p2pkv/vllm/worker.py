@@ -129,8 +129,8 @@ class WorkerSide:
         self._engine = TransferEngine(settings, digest, self._at.slot, access, pipes, intervals=True)
         if device is not None:
             device.pool, device.metrics = self._engine.pool, self._engine.metrics
-            if self._engine.pool is not None and device.on_gpu:
-                self._engine.pool.prepare()  # pinning takes about 0.5 s per GiB: at start-up, not in a transfer
+            if device.on_gpu:
+                self._engine.pin_pool()
         self._engine.start()
         self._loading = Loads(self._config, self._engine, self._blocks, self._slices, self._at)
         self._saving = Saves(self._config, self._engine, self._blocks, self._slices, self._at, self._staged)

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
+from p2pkv.config import ExtraConfig
+from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.store import ReceiveStore, StageState
-from p2pkv.protocol import PushBlocks
+from p2pkv.kv.device_copy import NoPinnedSpace
+from p2pkv.kv.staging import HostBuffer
+from p2pkv.memory import HostPool
+from p2pkv.protocol import LayoutDigest, PushBlocks
 
 LAYERS, BLOCKS, BLOCK = 4, 3, 64
 
@@ -142,3 +148,38 @@ def test_a_discarded_transfer_is_freed_as_it_settles_and_one_not_begun_is_taken_
     s.expire()
     assert land(s, PushBlocks("expired", 0, 0, BLOCKS, BLOCKS, LAYERS, LAYERS), 4)
     assert s.state("expired") is StageState.COMPLETE, "a discard past its deadline is forgotten"
+
+
+GIB = 1 << 30
+
+
+def gpu_worker_engine() -> TransferEngine:
+    """A GPU worker's engine with the default keys, its pool pinned as the worker pins it at registration (the pin
+    itself recorded: there is no CUDA here). Llama-3-8B: 32 layers, blocks of 16 tokens of 8 KV heads of 128, bf16."""
+    extra = ExtraConfig()
+    pool = HostPool(int(extra.mem_pool_size_gb * GIB), pin=lambda memory, start, end: None)
+    settings = replace(EngineSettings.from_config(extra, 0, 0), host="127.0.0.1", pinned_staging=True)
+    engine = TransferEngine(settings, LayoutDigest(32, 16, 64 << 10, "bfloat16", (8, 16, 256), "cuda"), pool=pool)
+    engine.pin_pool()
+    return engine
+
+
+def test_four_8k_token_llama_3_8b_requests_stage_at_the_defaults_on_both_sides() -> None:
+    """Four 8,192-token Llama-3-8B requests (32 layers x 512 blocks of 64 KiB: 1 GiB each) pushed at once are all
+    staged in pinned memory on the decode side, and all get pinned send buffers on the prefill side, without waiting
+    for pinning (which may not happen on a transfer's path: a push that finds none is held for a pull)."""
+    decode, prefill = gpu_worker_engine(), gpu_worker_engine()
+    try:
+        for request in range(4):
+            push = PushBlocks(f"r{request}", 0, 0, 512, 512, 32, 32)
+            view, ack = decode.store.begin_chunk(push, 32 * 512 * (64 << 10), "src")
+            assert ack is not None and ack.accepted, f"request {request}: {ack}"
+            assert view is not None and view.nbytes == GIB
+        for request in range(4):
+            try:
+                HostBuffer(GIB, prefill.pool, pinned_only=True)  # the buffer its layers are copied into
+            except NoPinnedSpace as exc:
+                raise AssertionError(f"request {request}: {exc}") from None
+    finally:
+        decode.close()
+        prefill.close()
