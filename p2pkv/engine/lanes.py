@@ -1,39 +1,58 @@
-"""Pulls from different peers in parallel: a few pullers ("lanes"), each with its own thread, links and pipes. A peer
-keeps the lane it was first given (lanes are handed out in turn), so its pulls stay in order on one link, while a
-pull that waits (for an offer not made yet, a slow peer, a copy) holds up only the pulls of the peers in its lane.
-A decode rank that gathers from two prefill ranks (other tensor- or pipeline-parallel sizes) pulls both at once."""
+"""Pulls from different peers in parallel: a puller ("lane"), with its own thread, links and pipes, for each peer, made
+when its first pull comes (up to `MAX_LANES`; beyond that a new peer shares the lane with the fewest peers). A peer
+keeps its lane, so its pulls stay in order on one link, while a pull that waits (a slow or silent peer, a copy) holds
+up none of another peer's. A decode rank that gathers from several prefill ranks (other tensor- or
+pipeline-parallel sizes) pulls from all of them at once."""
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable
 
 from p2pkv.engine.puller import Puller, PullJob, PullResult, Renewal
 from p2pkv.params import Address
 
-LANES = 4
+MAX_LANES = 64
 
 
 class PullLanes:
-    """The `Puller` interface over `count` pullers made by `make`."""
+    """The `Puller` interface over pullers made by `make`, one per peer (at most `most`)."""
 
-    def __init__(self, make: Callable[[], Puller], count: int = LANES) -> None:
-        if count < 1:
-            raise ValueError(f"at least one lane, not {count}")
-        self._lanes = [make() for _ in range(count)]
+    def __init__(self, make: Callable[[], Puller], most: int = MAX_LANES) -> None:
+        if most < 1:
+            raise ValueError(f"at least one lane, not {most}")
+        self._make = make
+        self._most = most
+        self._lanes: list[Puller] = []
         self._lock = threading.Lock()
         self._of_peer: dict[Address, Puller] = {}
         self._of_key: dict[str, Puller] = {}  # the lane holding each pull's result, until it is forgotten
+        self._started = False
+        self._closed = False
 
     def start(self) -> None:
-        for lane in self._lanes:
-            lane.start()
+        with self._lock:
+            self._started = True
+            for lane in self._lanes:
+                lane.start()
 
     def _lane(self, peer: Address) -> Puller:
+        """The peer's lane (the caller holds the lock); a new one for a new peer while there are fewer than `most`."""
         lane = self._of_peer.get(peer)
-        if lane is None:
-            lane = self._lanes[len(self._of_peer) % len(self._lanes)]
-            self._of_peer[peer] = lane
+        if lane is not None:
+            return lane
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        if len(self._lanes) < self._most:
+            lane = self._make()
+            self._lanes.append(lane)
+            if self._started:
+                lane.start()
+        else:
+            peers = collections.Counter(self._of_peer.values())
+            lane = min(self._lanes, key=lambda candidate: peers[candidate])
+        self._of_peer[peer] = lane
         return lane
 
     def submit(self, job: PullJob) -> None:
@@ -71,5 +90,8 @@ class PullLanes:
             return self._lanes.index(self._lane(peer))
 
     def close(self) -> None:
-        for lane in self._lanes:
+        with self._lock:
+            self._closed = True
+            lanes = list(self._lanes)
+        for lane in lanes:
             lane.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
 import logging
 import queue
 import threading
@@ -139,6 +141,9 @@ class Puller:
         self._layout = hello.layout
         self._metrics = metrics
         self._queue: queue.Queue[PullJob | Renewal | None] = queue.Queue()  # None: wake up (to stop)
+        # Pulls whose offer was not there yet, to try again: (when, order, job, when it first started); the thread's.
+        self._later: list[tuple[float, int, PullJob, float]] = []
+        self._order = itertools.count()
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)  # a pull finished
         self._results: dict[str, PullResult] = {}
@@ -175,21 +180,37 @@ class Puller:
         with self._lock:
             self._results.pop(transfer_id, None)
 
+    def _take(self) -> tuple[PullJob | Renewal | None, float]:
+        """The next thing to do, and when its pull first started: a pull whose retry is due, else what was queued
+        (waiting at most until the next retry)."""
+        now = time.monotonic()
+        if self._later and self._later[0][0] <= now:
+            _, _, job, started = heapq.heappop(self._later)
+            return job, started
+        timeout = _POLL_S if not self._later else min(_POLL_S, self._later[0][0] - now)
+        try:
+            return self._queue.get(timeout=timeout), now
+        except queue.Empty:
+            return None, now
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                job = self._queue.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
+            job, started = self._take()
             if job is None:
                 continue
             if isinstance(job, Renewal):
                 self._renew(job)
                 continue
-            started = time.monotonic()
             try:
-                nbytes, transport, by_reference = self._pull_until_offered(job)
+                nbytes, transport, by_reference = self._pull(job)
                 result = PullResult(PullState.DONE, "", nbytes, transport, by_reference)
+            except NotOfferedYet:
+                # A push refused for lack of space is offered by the sender moments later: tried again, while the
+                # peer's other pulls go on, until the deadline.
+                if time.monotonic() + _RETRY_S < job.deadline:
+                    heapq.heappush(self._later, (time.monotonic() + _RETRY_S, next(self._order), job, started))
+                    continue
+                result = PullResult(PullState.FAILED, "the sender never offered the transfer")
             except P2pkvError as exc:
                 result = PullResult(PullState.FAILED, str(exc))
             except Exception as exc:  # a bug must fail the transfer, not kill the thread and hang the load
@@ -219,16 +240,6 @@ class Puller:
                      renewal.peer, exc)
         else:
             self._metrics.of(self._metrics.lease_renewals, "asked").inc(len(renewal.transfer_ids))
-
-    def _pull_until_offered(self, job: PullJob) -> tuple[int, str, bool]:
-        """A push refused for lack of space is offered by the sender moments later: retry until the deadline."""
-        while True:
-            try:
-                return self._pull(job)
-            except NotOfferedYet:
-                if time.monotonic() + _RETRY_S >= job.deadline:
-                    raise TransferError("the sender never offered the transfer") from None
-                time.sleep(_RETRY_S)
 
     def _remote(self, peer: Address, conn: Connection) -> RemoteCache | None:
         """The peer's exported cache opened here, once per link; None where there is none or it cannot be."""

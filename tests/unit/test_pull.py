@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -117,3 +118,54 @@ def test_a_pull_waiting_on_one_peer_does_not_hold_up_pulls_from_another(transpor
     finally:
         for engine in (puller, fast, slow):
             engine.close()
+
+
+def test_pulls_from_many_peers_never_wait_behind_a_silent_one(transport: str) -> None:
+    """A peer that accepts the connection and then says nothing holds its pull until the deadline; pulls from five
+    other peers, queued after it, go through at once (each peer has its own lane, however many there are)."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(silent.accept()[0]), daemon=True).start()
+    peers = [start(transport) for _ in range(5)]
+    puller = start(transport)
+    try:
+        quiet = Address("127.0.0.1", silent.getsockname()[1])
+        nothing = np.zeros((LAYERS, BLOCKS * BLOCK_BYTES), np.uint8)
+        puller.pull("never", quiet, 0, BLOCKS, lambda layer, first, count: (
+            nothing[layer][first * BLOCK_BYTES : (first + count) * BLOCK_BYTES].data,), time.monotonic() + 8)
+        time.sleep(0.1)  # the silent peer's pull waits for its handshake's answer
+        for i, peer in enumerate(peers):
+            data = offer(peer, f"p{i}", seed=20 + i)
+            started = time.monotonic()
+            assert np.array_equal(pull(puller, peer.address, f"p{i}"), data)
+            assert time.monotonic() - started < 2.0, f"peer {i} waited behind the silent one"
+        result = puller.pull_result("never")
+        assert result is not None and result.state is PullState.PENDING
+    finally:
+        for engine in (puller, *peers):
+            engine.close()
+        silent.close()
+        for conn in accepted:
+            conn.close()
+
+
+def test_a_pull_not_offered_yet_does_not_hold_up_the_next_pull_from_its_peer(transport: str) -> None:
+    """A transfer whose offer is not there yet (its prefill still runs, or its refused push is being offered) is
+    tried again later; the peer's next pull, already offered, goes first."""
+    offerer, puller = start(transport), start(transport)
+    try:
+        peer = Address.parse(offerer.address)
+        waiting = np.zeros((LAYERS, BLOCKS * BLOCK_BYTES), np.uint8)
+        puller.pull("late", peer, 0, BLOCKS, lambda layer, first, count: (
+            waiting[layer][first * BLOCK_BYTES : (first + count) * BLOCK_BYTES].data,), time.monotonic() + 8)
+        time.sleep(0.1)
+        data = offer(offerer, "now", seed=3)
+        started = time.monotonic()
+        assert np.array_equal(pull(puller, offerer.address, "now"), data)
+        assert time.monotonic() - started < 2.0
+        late = offer(offerer, "late", seed=4)
+        done = puller.wait_pull("late", 5)
+        assert done is not None and done.state is PullState.DONE and np.array_equal(waiting, late)
+    finally:
+        puller.close()
+        offerer.close()
