@@ -57,7 +57,15 @@ class BlockAccess(Protocol):
         """A completed pull into `sink` made final in the blocks, after `after`; done when the marker says so."""
 
     def release(self, transfer_id: str) -> None:
-        """The transfer is over: free what it held (idempotent)."""
+        """The transfer is over: free what it held (idempotent), once copies still reading or writing it are done;
+        never waits for them (vLLM's thread calls it): `collect` frees it later."""
+
+    def collect(self) -> None:
+        """Free what released transfers held whose copies have finished since (each step; never waits)."""
+
+    def copied_out(self, transfer_id: str) -> Marker | None:
+        """When the copies of this transfer's blocks out of the cache are done (its bytes then live in host buffers:
+        the blocks may take other KV); None where the engine reads the blocks themselves (KV in host memory)."""
 
 
 class InPlaceBlocks:
@@ -115,3 +123,9 @@ class InPlaceBlocks:
 
     def release(self, transfer_id: str) -> None:
         pass
+
+    def collect(self) -> None:
+        pass
+
+    def copied_out(self, transfer_id: str) -> Marker | None:
+        return None

@@ -40,6 +40,7 @@ class _Staged:
         self.markers: dict[int, Marker] = {}  # layer -> its copy to the host buffer
         self.landing: Marker | None = None  # the copy into the blocks (`land`)
         self.after: Fence | None = None  # the forward that wrote the blocks (GET: recorded when they are offered)
+        self.retired = 0.0  # when it was released
         self._buffer: HostBuffer | None = None
 
     def buffer(self, pinned_only: bool = False, wait_s: float = 0.0) -> HostBuffer:
@@ -73,6 +74,7 @@ class TransferBuffers:
         self.kv = kv
         self._lock = threading.Lock()
         self._staged: dict[str, _Staged] = {}
+        self._retiring: list[_Staged] = []  # released, their copies still running: freed by `collect`
 
     def __len__(self) -> int:
         return len(self._staged)
@@ -220,15 +222,41 @@ class TransferBuffers:
             raise
         return staged.landing
 
+    def copied_out(self, transfer_id: str) -> Marker:
+        with self._lock:
+            staged = self._staged.get(transfer_id)
+            return all_done(list(staged.markers.values())) if staged is not None else done
+
     def release(self, transfer_id: str) -> None:
-        """Free the transfer's buffer (idempotent). Copies still running into or out of it are waited for first:
-        callers on vLLM's thread release only once the markers they hold say done."""
+        """Free the transfer's buffer (idempotent) once the copies into or out of it are done. Never waited for:
+        vLLM's thread releases (a failed push's buffer, say, whose copies still wait for the forward), so a buffer
+        whose copies run is freed by a later `release` or `collect`."""
         with self._lock:
             staged = self._staged.pop(transfer_id, None)
-        if staged is None:
-            return
-        deadline = time.monotonic() + self.kv.copy_timeout_s
-        if not all(wait_marker(m, deadline) for m in staged.copies()):
-            log.error("transfer %s: a device copy is still running; its host buffer is leaked", transfer_id)
-            return
-        staged.release()
+            if staged is not None:
+                staged.retired = time.monotonic()
+                self._retiring.append(staged)
+        self.collect()
+
+    def collect(self) -> None:
+        with self._lock:
+            if not self._retiring:
+                return
+            retiring, self._retiring = self._retiring, []
+        keep, now = [], time.monotonic()
+        for staged in retiring:
+            try:
+                finished = all(m() for m in staged.copies())
+            except Exception as exc:  # a device error: nothing runs any more
+                log.error("a device copy of a released transfer failed: %r", exc)
+                finished = True
+            if finished:
+                staged.release()
+            elif now - staged.retired > self.kv.copy_timeout_s:
+                log.error("a device copy is still running %.0f s after its transfer ended; its host buffer is leaked",
+                          self.kv.copy_timeout_s)
+            else:
+                keep.append(staged)
+        if keep:
+            with self._lock:
+                self._retiring.extend(keep)

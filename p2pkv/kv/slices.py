@@ -66,3 +66,10 @@ class HeadSlices:
             made = list(self._made.values())
         for access in made:
             access.release(key)
+
+    def collect(self) -> None:
+        """`BlockAccess.collect` of every slice."""
+        with self._lock:
+            made = list(self._made.values())
+        for access in made:
+            access.collect()

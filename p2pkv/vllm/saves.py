@@ -14,7 +14,7 @@ from p2pkv.engine.offers import OfferState
 from p2pkv.engine.sender import OutState
 from p2pkv.errors import IncompatiblePeerError
 from p2pkv.kv.blocks import BlockAccess
-from p2pkv.kv.device_copy import NoPinnedSpace
+from p2pkv.kv.device_copy import NoPinnedSpace, wait_marker
 from p2pkv.kv.slices import HeadSlices
 from p2pkv.params import Address
 from p2pkv.vllm.loads import Placement
@@ -284,14 +284,20 @@ class Saves:
 
     def preempted(self, transfer_ids: Iterable[str]) -> None:
         """Requests whose blocks are being sent were preempted: vLLM has freed their blocks, and this step's forward
-        may write other KV into them. A push still reading them is waited for (it ends by its deadline); blocks held
-        for a pull are withdrawn, and are not offered later, so the decode side's pull fails (it recomputes) rather
-        than read other KV."""
+        may write other KV into them. A push goes on from the host buffers its layers were copied into, once those
+        copies are done (a GPU cache); one that reads the blocks themselves (KV in host memory) is waited for (it
+        ends by its deadline). Blocks held for a pull are withdrawn, and are not offered later, so the decode side's
+        pull fails (it recomputes) rather than read other KV."""
         for tid in transfer_ids:
             self._withdrawn.add(tid)
             out = self._engine.outgoing(tid)
             if out is not None and out.state is OutState.SENDING:
-                self._engine.wait_outgoing(tid, max(0.0, out.deadline - time.monotonic()))
+                copied = self._blocks.copied_out(tid)
+                deadline = out.deadline if copied is None else time.monotonic() + self._config.extra.transfer_timeout_s
+                if copied is None:
+                    self._engine.wait_outgoing(tid, max(0.0, deadline - time.monotonic()))
+                elif not wait_marker(copied, deadline):
+                    log.error("transfer %s: the copies out of a preempted request's blocks are still running", tid)
             if not self._engine.withdraw_offer(tid, time.monotonic() + self._config.extra.transfer_timeout_s):
                 log.error("transfer %s: a pull still reads the blocks of a preempted request", tid)
             log.info("transfer %s: its request was preempted; nothing reads its blocks any more", tid)

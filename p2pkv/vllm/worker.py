@@ -192,6 +192,8 @@ class WorkerSide:
             return None, None
         self.saving.renew()
         self._engine.housekeeping()
+        self.blocks.collect()
+        self._slices.collect()
         sent, loaded = self.saving.finished(finished_req_ids), self.loading.finished(finished_req_ids)
         if self._meta.idle and not sent and not loaded and (self.saving.pending or self.loading.pending):
             # vLLM steps without pause while transfers are in flight, even with nothing to compute: on such an

@@ -7,6 +7,7 @@ path no page-locked memory is made, and without free pinned memory the blocks ar
 from __future__ import annotations
 
 import ast
+import socket
 import statistics
 import threading
 import time
@@ -258,3 +259,58 @@ def test_nothing_but_the_device_layer_asks_for_a_current_stream_or_pins_memory()
                 found.add((path.name, name))
     assert found <= allowed, found - allowed
     assert ("device_copy.py", "current_stream") in found
+
+
+def test_a_preempted_request_waits_for_its_copies_out_not_for_the_network(sides: list[WorkerSide]) -> None:
+    """A GPU cache's push reads the host buffers its layers were copied into: once those copies are done, vLLM may
+    reuse the preempted request's blocks. The push to a peer that never answers goes on, to its deadline, without
+    holding vLLM's thread."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(silent.accept()[0]), daemon=True).start()
+    (p_port,) = free_ports(1)
+    prefill = worker_side("kv_producer", p_port, caches(1), TOKENS, keys={"transport": "tcp"})
+    sides.append(prefill)
+    try:
+        quiet = Address(LOCAL, silent.getsockname()[1])
+        prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="pre", peer=quiet, block_ids=(1, 2))]))
+        for name in NAMES:
+            prefill.save_layer(name)
+        prefill.wait_for_save()
+        started = time.monotonic()
+        prefill.handle_preemptions(["pre"])
+        assert time.monotonic() - started < 1.0, "vLLM's thread waited for the network"
+        out = prefill.engine.outgoing("pre")
+        assert out is not None and out.state is OutState.SENDING  # still trying, from its host buffers
+    finally:
+        silent.close()
+        for conn in accepted:
+            conn.close()
+
+
+def test_releasing_a_transfer_whose_copies_still_run_does_not_wait_for_them(sides: list[WorkerSide]) -> None:
+    """A push that failed at once (its peer is gone) is released on vLLM's thread while the copies of its layers
+    still wait for the forward: its buffer goes back once they are done, at a later step, without a wait now."""
+    slow = SlowOps(delay_s=1.0)
+    (p_port,) = free_ports(1)
+    prefill = worker_side("kv_producer", p_port, caches(2), TOKENS, keys={"transport": "tcp"}, device_ops=slow)
+    sides.append(prefill)
+    try:
+        gone = Address(LOCAL, free_ports(1)[0])  # nothing listens there
+        prefill.bind(P2pkvMetadata(saves=[SaveSpec(req_id="p-req", transfer_id="dead", peer=gone, block_ids=(3,))]))
+        for name in NAMES:
+            prefill.save_layer(name)
+        prefill.wait_for_save()
+        pool = prefill.engine.pool
+        assert pool is not None and (stats := pool.stats()) is not None and stats.bytes_in_use > 0
+        started = time.monotonic()
+        prefill.blocks.release("dead")
+        assert time.monotonic() - started < 0.3, "release waited for the copies"
+        assert (stats := pool.stats()) is not None and stats.bytes_in_use > 0, "freed while copies ran into it"
+        deadline = time.monotonic() + 5
+        while (stats := pool.stats()) is not None and stats.bytes_in_use and time.monotonic() < deadline:
+            prefill.get_finished(set())  # each step collects what finished
+            time.sleep(0.05)
+        assert stats is not None and stats.bytes_in_use == 0
+    finally:
+        slow.close()
