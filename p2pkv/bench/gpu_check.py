@@ -1,5 +1,5 @@
 """`scripts/gpu_check.sh`: every check that needs a CUDA GPU, as one table of PASS / FAIL / SKIP rows; exit status 1 if
-any row fails. Rows (a) to (g) measure what users run (`p2pkv.bench.gpu_rows`); each has a target it can fail.
+any row fails. Rows (a) to (h) measure what users run (`p2pkv.bench.gpu_rows`); each has a target it can fail.
 
 Without a CUDA device every row is reported as skipped and the exit status is 0. Each check runs in a process of its
 own, to a deadline (`P2PKV_GPU_ROW_TIMEOUT_S`, 90 s by default): a hung check, or one that breaks its CUDA context,
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from p2pkv.bench import gpu_rows
+from p2pkv.bench.push_timeline import push_timeline
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ CHECKS: tuple[tuple[str, Callable[[], str]], ...] = (
     ("(e) kernel blocks and layouts byte for byte", gpu_rows.kernel_blocks),
     ("(f) nccl between two GPUs, a peer killed mid-transfer", gpu_rows.nccl_two_gpus),
     ("(g) landing while a 200 ms kernel runs", gpu_rows.landing),
+    ("(h) each layer pushed as the forward's stream computes it", push_timeline),
     ("nccl binding, one rank to itself", gpu_rows.nccl_self),
     ("tcp with GPU caches through the pinned pool", gpu_rows.tcp_staged),
     ("pinned host pool, pinned ahead of demand", _pinned_pool),

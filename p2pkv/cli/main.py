@@ -83,6 +83,14 @@ def _bench_transfer(args: argparse.Namespace) -> int:
                           args.integrity_check, not args.no_huge_pages)
 
 
+def _bench_overlap(args: argparse.Namespace) -> int:
+    from p2pkv.bench.overlap import main as bench_overlap
+
+    if args.tokens % 16:
+        raise SystemExit(f"p2pkv bench overlap: --tokens {args.tokens} is not a multiple of 16 (the block size)")
+    return bench_overlap(args.layer_ms, args.layers, args.tokens, args.transports, args.rounds, args.plot)
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from p2pkv.bench.serve import main as bench_serve
 
@@ -239,6 +247,18 @@ def build_parser() -> argparse.ArgumentParser:
                            help="leave the sending side's KV in the pages it was allocated in, as the connector does "
                                 "with huge_pages set to false (the default backs it by 2 MiB pages)")
     btransfer.set_defaults(func=_bench_transfer)
+
+    boverlap = bench.add_parser("overlap", help="PUT_ASYNC: each layer pushed and landed as the prefill's device "
+                                "finishes it (a paced device layer on CPU); lag and tail against one layer's wire time")
+    boverlap.add_argument("--layer-ms", type=float, default=50.0,
+                          help="the prefill side's device finishes a layer every this many ms (default 50)")
+    boverlap.add_argument("--layers", type=_at_least_one, default=32, help="KV layers (default: Llama-3-8B's 32)")
+    boverlap.add_argument("--tokens", type=_at_least_one, default=2048,
+                          help="prompt tokens (a multiple of 16; default 2048: 8 MiB a layer)")
+    boverlap.add_argument("--transports", nargs="+", default=["tcp", "shm"], choices=["tcp", "shm"])
+    boverlap.add_argument("--rounds", type=_at_least_one, default=5, help="rounds per transport; medians reported")
+    boverlap.add_argument("--plot", default="bench-overlap.png", help="where the PNG plot goes ('' for none)")
+    boverlap.set_defaults(func=_bench_overlap)
 
     bserve = bench.add_parser("serve", help="vLLM's serving benchmark: 1P1D through the proxy and a router of "
                               "vLLM's standard protocol, against colocated")

@@ -307,6 +307,11 @@ class ReceiveStore:
             item = self._items.get(transfer_id)
             return "" if item is None else item.reason
 
+    def peek(self, transfer_id: str) -> StagedTransfer | None:
+        """A transfer, left in place (what it says, such as when each layer arrived; its bytes are the taker's)."""
+        with self._lock:
+            return self._items.get(transfer_id)
+
     def take(self, transfer_id: str) -> StagedTransfer | None:
         """Remove and return a transfer; the caller frees its bytes with `release` once it has copied them."""
         with self._lock:
