@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,6 +68,12 @@ def _landed(clock: LandingClock, since: int, base: int, layer_bytes: int, layers
     return landed
 
 
+def _answer(conn: mp.connection.Connection, timeout_s: float, what: str) -> Any:
+    if not conn.poll(timeout_s):
+        raise RuntimeError(f"the prefill side did not send {what} in {timeout_s:g} s")
+    return conn.recv()
+
+
 def _round(decode: WorkerSide, clock: LandingClock, prefill: mp.connection.Connection, base: int, tid: str,
            layers: int, blocks: int, layer_s: float, prefill_at: Address) -> Round:
     ids = tuple(range(blocks))
@@ -74,7 +81,7 @@ def _round(decode: WorkerSide, clock: LandingClock, prefill: mp.connection.Conne
                                               fallback_from=prefill_at)]))
     since = len(clock.writes)
     prefill.send((tid, ids, layer_s))
-    start: float = prefill.recv()
+    start: float = _answer(prefill, 60, "the forward's start")
     deadline = time.monotonic() + 120
     decode.engine.wait_arrival(tid, 0, 120)  # its arrivals are read off the store before a step takes it
     item = decode.engine.store.peek(tid)
@@ -86,7 +93,7 @@ def _round(decode: WorkerSide, clock: LandingClock, prefill: mp.connection.Conne
         loaded = decode.get_finished(set())[1] or set()
     if decode.take_load_errors():
         raise RuntimeError(f"transfer {tid} failed to load")
-    outcome = prefill.recv()
+    outcome = _answer(prefill, 60, "the push's outcome")
     if outcome != "done" or item is None:
         raise RuntimeError(f"transfer {tid}: the push ended {outcome}")
     landed = _landed(clock, since, base, blocks * BLOCK_BYTES, layers)

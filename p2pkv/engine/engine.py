@@ -162,7 +162,7 @@ class TransferEngine:
     def pin_pool(self) -> None:
         """Pin the first `pool_pinned_bytes` of the host pool now (a GPU cache's worker, at start-up: pinning takes
         about 0.5 s per GiB, and a transfer that finds none pinned is held for a pull instead)."""
-        if self.pool is not None:
+        if self.pool is not None and self.settings.pool_pinned_bytes > 0:
             self.pool.prepare(up_to=self.settings.pool_pinned_bytes)
 
     def _cache_digest(self, device: DeviceAccess | None, pipes: PipeMaker | None) -> CacheDigest | None:
@@ -245,6 +245,10 @@ class TransferEngine:
     def wait_outgoing(self, transfer_id: str, timeout_s: float) -> Outgoing | None:
         """Block until the transfer has finished (or `timeout_s` passed); None for an unknown id."""
         return self._out.wait(transfer_id, time.monotonic() + timeout_s)
+
+    def push_reads(self, transfer_id: str) -> bool:
+        """Whether a push may still read the transfer's bytes (`Sender.reads`): they are not to be freed yet."""
+        return self._out.reads(transfer_id)
 
     def forget_outgoing(self, transfer_id: str) -> None:
         self._out.forget(transfer_id)
@@ -338,6 +342,13 @@ class TransferEngine:
                         ) -> tuple[StageState | None, dict[int, memoryview]]:
         """A pushed transfer's state, and the bytes of each of its layers received whole but for `known`."""
         return self.store.arrived(transfer_id, known)
+
+    def hold_staged(self, transfer_id: str) -> StagedTransfer | None:
+        """Keep a pushed transfer's bytes until `unhold_staged`, whatever becomes of it (copies read them)."""
+        return self.store.hold(transfer_id)
+
+    def unhold_staged(self, item: StagedTransfer) -> None:
+        self.store.unhold(item)
 
     def wait_arrival(self, transfer_id: str, known: int, timeout_s: float) -> None:
         """Block until more than `known` layers of a pushed transfer have arrived, or it settled (or `timeout_s`)."""

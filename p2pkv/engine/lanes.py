@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 
 from p2pkv.engine.puller import Puller, PullJob, PullResult, Renewal
+from p2pkv.errors import TransferError
 from p2pkv.params import Address
 
 MAX_LANES = 64
@@ -43,7 +44,7 @@ class PullLanes:
         if lane is not None:
             return lane
         if self._closed:
-            raise RuntimeError("the engine is closed")
+            raise TransferError("the engine is closed")
         if len(self._lanes) < self._most:
             lane = self._make()
             self._lanes.append(lane)

@@ -209,11 +209,14 @@ class Receiver:
             conn.discard_payload(payload_len, deadline)
             return
         landed = hasher() if conn.digests else None
-        conn.recv_payload_into(view, deadline, landed)
-        if landed is not None and not self._digest_matches(conn, push, landed.intdigest()):
-            return
-        self._store.finish_chunk(push)
-        self._metrics.count_bytes("received", payload_len, conn.name)
+        whole = False
+        try:
+            conn.recv_payload_into(view, deadline, landed)
+            whole = landed is None or self._digest_matches(conn, push, landed.intdigest())
+        finally:
+            self._store.end_chunk(push, whole)  # its memory may go only now, whatever happened
+        if whole:
+            self._metrics.count_bytes("received", payload_len, conn.name)
 
     def _digest_matches(self, conn: Connection, push: PushBlocks, landed: int) -> bool:
         """Check a landed payload against its frame's digest; a mismatch fails the transfer (its load then fails and

@@ -26,6 +26,9 @@ from p2pkv.way import WhyPull, push_or_pull
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
 _MAX_BATCH = 256
+# shm: how long after a transfer ended without every copy confirmed its receiver may still be reading it (a read is
+# one system call, started as the frame arrives)
+_COPY_GRACE_S = 5.0
 
 
 
@@ -44,6 +47,7 @@ class PushJob:
     ready: Callable[[float], bool] | None = None  # staged device KV: waits (to a deadline) until `views` hold it
     pull_instead: bool = False  # the link asked for pulls (its handshake): no views, send PullInstead for it
     layers: int = 1  # consecutive layers from `layer` (a worker that queues a whole transfer at once: one job)
+    out: Outgoing | None = None  # its transfer, once submitted
 
 
 class OutState(enum.Enum):
@@ -68,6 +72,8 @@ class Outgoing:
     transport: str = "tcp"
     by_reference: bool = False  # shm: the receiver reads the layers from our memory and confirms each copy
     layers_copied: set[int] = field(default_factory=set)
+    jobs: int = 0  # submitted and not yet handled by the sender's thread: their views may still be read
+    ended: float = 0.0  # when it stopped sending
 
     @property
     def awaiting_ack(self) -> bool:
@@ -113,6 +119,7 @@ class Sender:
         self._sending: dict[str, Outgoing] = {}  # the transfers not finished yet
         self._changed = threading.Condition(self._lock)  # a transfer finished, or the queue drained
         self._pending = 0
+        self._aborts: list[tuple[Address, str]] = []  # transfers failed off the sender's thread, to tell the receiver
         self._woken = False  # a wake-up byte is in the pipe, or the thread is about to drain the queue
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -140,6 +147,8 @@ class Sender:
                 # Layers are pushed as a forward pass computes them, each with its own deadline: a long pass must
                 # not fail the transfer at its first layer's while the last ones are still coming.
                 item.deadline = job.deadline
+            item.jobs += 1
+            job.out = item
             self._pending += 1
             self._queue.append(job)
             wake, self._woken = not self._woken, True
@@ -170,12 +179,26 @@ class Sender:
             self._transfers.pop(transfer_id, None)
 
     def expire(self) -> None:
-        """Fail transfers whose deadline passed, so their blocks are released."""
+        """Fail transfers whose deadline passed, so their blocks are released (once `reads` says nothing reads their
+        bytes any more); the receivers are told by the sender's thread."""
         now = time.monotonic()
         with self._lock:
-            for item in list(self._sending.values()):
-                if now > item.deadline:
-                    self._finish_locked(item, OutState.FAILED, "deadline passed")
+            expired = [item for item in self._sending.values() if now > item.deadline]
+            for item in expired:
+                self._finish_locked(item, OutState.FAILED, "deadline passed")
+                self._aborts.append((item.peer, item.transfer_id))
+        if expired:
+            self._wake()
+
+    def reads(self, transfer_id: str) -> bool:
+        """Whether the transfer's bytes may still be read: jobs of it not handled yet (a send in progress among
+        them), or, shm, layers the receiver has not confirmed copying, for a while after it ended."""
+        with self._lock:
+            item = self._transfers.get(transfer_id)
+            if item is None:
+                return False
+            copies_due = item.by_reference and len(item.layers_copied) < len(item.layers_sent)
+            return item.jobs > 0 or (copies_due and time.monotonic() < item.ended + _COPY_GRACE_S)
 
     def _loop(self) -> None:
         backlog = False  # the last drain stopped at its cap: look again without sleeping
@@ -199,6 +222,10 @@ class Sender:
             backlog = len(jobs) == _MAX_BATCH
             if jobs:
                 self._handle_batch(jobs)
+            with self._lock:
+                aborts, self._aborts = self._aborts, []
+            for peer, transfer_id in aborts:
+                self._abort(peer, transfer_id, "deadline passed")
             for fd, _ in events:
                 if fd in polled:
                     self._poll_acks(polled[fd])
@@ -236,6 +263,9 @@ class Sender:
         finally:
             with self._changed:
                 self._pending -= len(jobs)
+                for job in jobs:
+                    if job.out is not None:
+                        job.out.jobs -= 1
                 self._changed.notify_all()
 
     def _send_group(self, jobs: list[PushJob]) -> None:
@@ -267,6 +297,8 @@ class Sender:
               deadline: float) -> None:
         """Send these notices and layers in one go, and note what was sent. A failure fails the transfers of the
         layers sent here (the caller fails those still to come)."""
+        with self._lock:  # a transfer failed meanwhile (its deadline, a verdict) sends nothing more
+            ready = [(job, item) for job, item in ready if item.state is OutState.SENDING]
         try:
             conn = self._links.open(peer, deadline)
             frames: list[tuple[Message, tuple[memoryview, ...]]] = [(n, ()) for n in notices]
@@ -426,7 +458,7 @@ class Sender:
             self._maybe_done_locked(item)
 
     def _finish_locked(self, item: Outgoing, state: OutState, reason: str) -> None:
-        item.state, item.reason = state, reason
+        item.state, item.reason, item.ended = state, reason, time.monotonic()
         self._sending.pop(item.transfer_id, None)
         self._changed.notify_all()
         ms = (time.monotonic() - item.started) * 1000

@@ -46,6 +46,11 @@ class StagedTransfer:
     touched: float = field(default_factory=time.monotonic)
     layer_blocks: dict[int, int] = field(default_factory=dict)  # blocks received, per layer
     arrived: dict[int, float] = field(default_factory=dict)  # layer -> when its last block was received
+    # Who reads or writes the bytes besides their owner (the store, or the load that took it): the chunk being
+    # written, a load landing the layers arrived. Let go by its owner while held, the memory goes when the last
+    # holder lets go (`freeing`), never under a copy.
+    holds: int = 0
+    freeing: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -79,6 +84,7 @@ class ReceiveStore:
         # Transfers no request here will load, until when: freed as they settle, without waiting for vLLM's next
         # step (an idle instance takes none); one not begun yet is taken in and dropped, so its sender holds nothing.
         self._discarded: dict[str, float] = {}
+        self._writing: dict[str, StagedTransfer] = {}  # transfer id -> its item, while a chunk of it is written
         self._in_use = 0
 
     @property
@@ -124,6 +130,8 @@ class ReceiveStore:
                 self._fail_locked(item, f"duplicate chunk {min(keys & item.chunks)}")
                 return None, ack
             item.chunks |= keys
+            item.holds += 1  # until `end_chunk`: the payload is written outside the lock
+            self._writing[push.transfer_id] = item
             if push.layers > 1:  # whole layers, which lie back to back in the staging buffer
                 size = item.total_blocks * self._block_bytes
                 return item.buffer[push.layer * size : (push.layer + push.layers) * size], ack
@@ -159,25 +167,50 @@ class ReceiveStore:
         self._items[push.transfer_id] = item
         return item
 
-    def finish_chunk(self, push: PushBlocks) -> None:
-        """The payload of `push` is in place: its layers, once all their blocks are, may be landed."""
+    def end_chunk(self, push: PushBlocks, landed: bool) -> None:
+        """The payload of `push`, whose place `begin_chunk` gave, is written (`landed`: whole and checked): its
+        layers, once all their blocks are, may be landed. Called whether or not it landed, so that its memory may
+        go."""
         transfer_id = push.transfer_id
         with self._lock:
-            item = self._items.get(transfer_id)
-            if item is None or item.state is not StageState.RECEIVING:
+            item = self._writing.pop(transfer_id, None)
+            if item is None:
                 return
-            now = time.monotonic()
-            item.blocks_received += push.num_blocks * push.layers
-            item.touched = now
-            for layer in range(push.layer, push.layer + push.layers):
-                item.layer_blocks[layer] = item.layer_blocks.get(layer, 0) + push.num_blocks
-                if item.layer_blocks[layer] == item.total_blocks:
-                    item.arrived[layer] = now
-            if item.blocks_received == item.num_layers * item.total_blocks:
-                item.state = StageState.COMPLETE
-                if transfer_id in self._discarded:
-                    self._drop_locked(item)
-            self._settled.notify_all()  # a transfer settled, or more of its layers arrived
+            item.holds -= 1
+            if landed and item.state is StageState.RECEIVING and self._items.get(transfer_id) is item:
+                self._count_locked(item, push)
+            if not item.holds and item.freeing:
+                self._free_locked(item)
+
+    def _count_locked(self, item: StagedTransfer, push: PushBlocks) -> None:
+        now = time.monotonic()
+        item.blocks_received += push.num_blocks * push.layers
+        item.touched = now
+        for layer in range(push.layer, push.layer + push.layers):
+            item.layer_blocks[layer] = item.layer_blocks.get(layer, 0) + push.num_blocks
+            if item.layer_blocks[layer] == item.total_blocks:
+                item.arrived[layer] = now
+        if item.blocks_received == item.num_layers * item.total_blocks:
+            item.state = StageState.COMPLETE
+            if item.transfer_id in self._discarded:
+                self._drop_locked(item)
+        self._settled.notify_all()  # a transfer settled, or more of its layers arrived
+
+    def hold(self, transfer_id: str) -> StagedTransfer | None:
+        """A load lands this transfer's layers as they arrive: their bytes stay until `unhold`, whatever becomes of
+        the transfer meanwhile (it fails, is taken). None where it is not here or failed."""
+        with self._lock:
+            item = self._items.get(transfer_id)
+            if item is None or item.state is StageState.FAILED:
+                return None
+            item.holds += 1
+            return item
+
+    def unhold(self, item: StagedTransfer) -> None:
+        with self._lock:
+            item.holds -= 1
+            if not item.holds and item.freeing:
+                self._free_locked(item)
 
     def discard(self, transfer_id: str, until: float) -> None:
         """No request here loads this transfer: its bytes are freed now if it has settled, else as soon as it does
@@ -247,6 +280,14 @@ class ReceiveStore:
         self._settled.notify_all()
 
     def _release_locked(self, item: StagedTransfer) -> None:
+        """The owner lets the bytes go: now, or once the last holder lets go."""
+        if item.holds:
+            item.freeing = True
+            return
+        self._free_locked(item)
+
+    def _free_locked(self, item: StagedTransfer) -> None:
+        item.freeing = False
         if item.pooled is not None:
             assert self._pool is not None
             self._pool.release(item.pooled)

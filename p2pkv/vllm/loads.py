@@ -14,7 +14,7 @@ from p2pkv.config import ConnectorConfig
 from p2pkv.engine import TransferEngine
 from p2pkv.engine.device import Fence
 from p2pkv.engine.puller import HeadSlice, PullKey, PullState
-from p2pkv.engine.store import StageState
+from p2pkv.engine.store import StagedTransfer, StageState
 from p2pkv.errors import ConfigError, P2pkvError
 from p2pkv.kv.blocks import BlockAccess
 from p2pkv.kv.device_copy import Marker, PartialCopy, all_done, done
@@ -75,6 +75,7 @@ class _Load:
     landed: set[int] = field(default_factory=set)
     early: list[Marker] = field(default_factory=list)
     broken: str | None = None
+    held: StagedTransfer | None = None  # the transfer's bytes, held while those copies read them
 
 
 def _no_sink(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
@@ -310,9 +311,9 @@ class Loads:
                     reason = "deadline passed"
                 else:
                     reason = f"the prefill worker that pushes it was refused: {refused}"
-                # Reported once the layers landed early are in (vLLM may reuse a failed load's blocks), and what
-                # they read goes back only then.
-                load.landing = _Landing(all_done(load.early), self._releaser(load.spec.transfer_id), reason)
+                # Reported once the layers landed early are in (vLLM may reuse a failed load's blocks); what they read
+                # is held until then.
+                load.landing = _Landing(all_done(load.early), self._let_go(load, state), reason)
                 if self._landed(load, now):
                     done.add(req_id)
         for req_id in done:
@@ -453,15 +454,24 @@ class Loads:
             out.append((layer, src))
         return out
 
-    def _releaser(self, transfer_id: str) -> Callable[[], None]:
-        """What frees a failed push's staged bytes (taken from the store now, so that no load finds them)."""
-        item = self._engine.take_staged(transfer_id)
-
-        def release() -> None:
+    def _let_go(self, load: _Load, state: StageState | None) -> Callable[[], None]:
+        """A failed push load gives its transfer up now: freed by the store if it failed there, else dropped as it
+        settles (chunks still coming are taken in and dropped). Returns what lets go of the bytes its early copies
+        read, once they are done."""
+        tid = load.spec.transfer_id
+        if state is StageState.FAILED:
+            item = self._engine.take_staged(tid)
             if item is not None:
                 self._engine.release_staged(item)
+        else:
+            self._engine.discard_staged(tid, time.monotonic() + self._config.extra.transfer_timeout_s)
+        held = load.held
 
-        return release
+        def unhold() -> None:
+            if held is not None:
+                self._engine.unhold_staged(held)
+
+        return unhold
 
     def _land_arrived(self, load: _Load) -> StageState | None:
         """A pushed load's transfer state; the layers of it that arrived since the last look are copied into the
@@ -470,6 +480,13 @@ class Loads:
         state, arrived = self._engine.staged_arrivals(spec.transfer_id, load.landed)
         if state is not StageState.RECEIVING or not arrived or not spec.block_ids or load.broken is not None:
             return state
+        if load.held is None:  # the bytes the copies read stay until they are done, whatever the transfer does
+            load.held = self._engine.hold_staged(spec.transfer_id)
+            if load.held is None:  # failed just now
+                return self._engine.staged_state(spec.transfer_id)
+            state, arrived = self._engine.staged_arrivals(spec.transfer_id, load.landed)
+            if state is not StageState.RECEIVING or not arrived:
+                return state
         try:
             load.early.append(self._blocks.write_layers(spec.block_ids, self._sources(spec, list(arrived.items())),
                                                         load.fence))
@@ -491,6 +508,8 @@ class Loads:
 
         def finish() -> None:
             self._engine.release_staged(item)
+            if load.held is not None:
+                self._engine.unhold_staged(load.held)
             if n:
                 self._engine.count_load(True, nbytes)
                 early = f" early={len(load.landed)}" if load.landed else ""
@@ -507,8 +526,13 @@ class Loads:
             load.landing = _Landing(all_done([*load.early, marker]), finish)
         except Exception as exc:  # a device error (no memory for the copy, say): the prompt is computed here
             pending = exc.pending if isinstance(exc, PartialCopy) else done
-            load.landing = _Landing(all_done([*load.early, pending]), lambda: self._engine.release_staged(item),
-                                    repr(exc))
+            unhold = self._let_go(load, StageState.FAILED)  # taken already: nothing more to give up
+
+            def give_up() -> None:
+                self._engine.release_staged(item)
+                unhold()
+
+            load.landing = _Landing(all_done([*load.early, pending]), give_up, repr(exc))
 
     def _fail_load(self, spec: LoadSpec, reason: str) -> None:
         """Report the load's blocks to vLLM as load errors (it recomputes or fails the request)."""

@@ -264,7 +264,8 @@ class Saves:
                     done.add(req_id)
                 continue
             out = self._engine.outgoing(tid)
-            if out is None or out.state is not OutState.SENDING:
+            # Freed only once nothing reads its bytes: a push that failed may still have layers in the sender's hands
+            if (out is None or out.state is not OutState.SENDING) and not self._engine.push_reads(tid):
                 done.add(req_id)
         for req_id in done:
             self._finished.discard(req_id)

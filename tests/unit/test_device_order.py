@@ -262,14 +262,15 @@ def test_nothing_but_the_device_layer_asks_for_a_current_stream_or_pins_memory()
 
 
 def test_a_preempted_request_waits_for_its_copies_out_not_for_the_network(sides: list[WorkerSide]) -> None:
-    """A GPU cache's push reads the host buffers its layers were copied into: once those copies are done, vLLM may
-    reuse the preempted request's blocks. The push to a peer that never answers goes on, to its deadline, without
-    holding vLLM's thread."""
+    """A GPU cache's push reads the host buffers its layers were copied into: once those copies are done (the device
+    runs them late here), vLLM may reuse the preempted request's blocks. The push to a peer that never answers goes
+    on, to its deadline, without holding vLLM's thread."""
     silent = socket.create_server(("127.0.0.1", 0))
     accepted: list[socket.socket] = []
     threading.Thread(target=lambda: accepted.append(silent.accept()[0]), daemon=True).start()
+    slow = SlowOps(delay_s=0.3)
     (p_port,) = free_ports(1)
-    prefill = worker_side("kv_producer", p_port, caches(1), TOKENS, keys={"transport": "tcp"})
+    prefill = worker_side("kv_producer", p_port, caches(1), TOKENS, keys={"transport": "tcp"}, device_ops=slow)
     sides.append(prefill)
     try:
         quiet = Address(LOCAL, silent.getsockname()[1])
@@ -277,15 +278,19 @@ def test_a_preempted_request_waits_for_its_copies_out_not_for_the_network(sides:
         for name in NAMES:
             prefill.save_layer(name)
         prefill.wait_for_save()
+        copied = prefill.blocks.copied_out("pre")
+        assert copied is not None and not copied(), "the device has not run the copies yet"
         started = time.monotonic()
         prefill.handle_preemptions(["pre"])
-        assert time.monotonic() - started < 1.0, "vLLM's thread waited for the network"
+        assert copied(), "vLLM's thread went on before the copies out of the blocks were done"
+        assert time.monotonic() - started < 2.0, "vLLM's thread waited for the network"
         out = prefill.engine.outgoing("pre")
         assert out is not None and out.state is OutState.SENDING  # still trying, from its host buffers
     finally:
         silent.close()
         for conn in accepted:
             conn.close()
+        slow.close()
 
 
 def test_releasing_a_transfer_whose_copies_still_run_does_not_wait_for_them(sides: list[WorkerSide]) -> None:

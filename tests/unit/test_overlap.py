@@ -4,6 +4,7 @@ a push that fails after some layers landed is reported only once those copies ar
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -24,7 +25,7 @@ from tests.helpers.peer import TRANSPORT_ENV, engine_config, layout, payload, st
 from tests.helpers.workers import LOCAL, worker_side
 
 LAYERS, BLOCKS, BLOCK_BYTES = 8, 4, 64 << 10
-STEP_S = 0.05  # layer L's copy from the device is done (L + 1) * STEP_S after the forward began
+STEP_S = 0.1  # layer L's copy from the device is done (L + 1) * STEP_S after the forward began
 
 
 def ready_at(when: float) -> Callable[[float], bool]:
@@ -204,3 +205,39 @@ def test_a_push_that_fails_after_layers_landed_is_reported_once_their_copies_are
     finally:
         sender.close()
         slow.close()
+
+
+def gated(gate: threading.Event) -> Callable[[float], bool]:
+    """A layer's copy from the device that is done once `gate` is set."""
+    return lambda deadline: gate.wait(max(0.0, deadline - time.monotonic()))
+
+
+def test_a_push_past_its_deadline_sends_nothing_more_and_its_bytes_stay_read_until_its_jobs_are_handled(
+        engines: tuple[TransferEngine, TransferEngine]) -> None:
+    """vLLM's thread fails a push whose deadline passed (`housekeeping`) while the sender's thread has its layers in
+    hand, waiting for an earlier layer's copy: none of them is sent after (its host buffer may be given to the next
+    request once the prefill side sees it failed), and the prefill side is told its bytes are read until the
+    sender's thread has let go of them."""
+    sender, receiver = engines
+    peer = Address.parse(receiver.address)
+    data = payload(6, LAYERS, BLOCKS, BLOCK_BYTES)
+    first, second = threading.Event(), threading.Event()
+    far = time.monotonic() + 10
+    sender.push_layer("c", peer, 0, BLOCKS, (data[0].data,), far, gated(first))  # holds the sender's thread
+    time.sleep(0.05)
+    sender.push_layer("a", peer, 0, BLOCKS, (data[1].data,), far, gated(second))
+    sender.push_layer("b", peer, 0, BLOCKS, (data[2].data,), time.monotonic() + 0.3)  # copied already
+    first.set()  # the sender's thread now takes a and b together, and waits for a's copy
+    time.sleep(0.4)
+    sender.housekeeping()  # b's deadline passed
+    b = sender.outgoing("b")
+    assert b is not None and b.state is OutState.FAILED
+    assert sender.push_reads("b"), "b's bytes are still in the sender's hands"
+    second.set()
+    receiver.wait_arrival("a", 0, 5)
+    assert receiver.staged_arrivals("a")[0] is StageState.RECEIVING
+    deadline = time.monotonic() + 5
+    while sender.push_reads("b") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not sender.push_reads("b")
+    assert receiver.staged_state("b") is None, "b was sent after it failed"

@@ -30,7 +30,7 @@ def land(s: ReceiveStore, push: PushBlocks, fill: int) -> bool:
         return False
     assert view.nbytes == nbytes
     view[:] = bytes([fill]) * nbytes
-    s.finish_chunk(push)
+    s.end_chunk(push, True)
     return True
 
 
@@ -183,3 +183,46 @@ def test_four_8k_token_llama_3_8b_requests_stage_at_the_defaults_on_both_sides()
     finally:
         decode.close()
         prefill.close()
+
+
+def test_layers_arrive_once_all_their_blocks_have_and_a_wait_wakes_for_each() -> None:
+    s = store()
+    half = PushBlocks("t", 0, 0, 2, BLOCKS, LAYERS, 1)  # blocks 0..1 of layer 0: not the whole layer yet
+    assert land(s, half, 1)
+    assert s.arrived("t") == (StageState.RECEIVING, {})
+    assert land(s, PushBlocks("t", 0, 2, 1, BLOCKS, LAYERS, 1), 2)
+    state, arrived = s.arrived("t")
+    assert state is StageState.RECEIVING and list(arrived) == [0]
+    assert bytes(arrived[0]) == bytes([1]) * 2 * BLOCK + bytes([2]) * BLOCK
+    later = threading.Timer(0.2, land, (s, PushBlocks("t", 1, 0, BLOCKS, BLOCKS, LAYERS, 2), 3))
+    later.start()
+    started = time.monotonic()
+    s.wait_arrival("t", 1, time.monotonic() + 10)  # wakes as layers 1 and 2 arrive, not at the deadline
+    assert time.monotonic() - started < 5
+    later.join()
+    assert list(s.arrived("t", known={0})[1]) == [1, 2]
+    s.fail("t", "sender aborted")
+    assert s.arrived("t") == (StageState.FAILED, {})
+
+
+def test_bytes_being_written_or_landed_are_freed_only_when_let_go() -> None:
+    """A chunk's payload is written outside the lock, and a load copies arrived layers out while the rest comes:
+    the transfer failing or being dropped meanwhile frees its memory only once they let go (else the next transfer
+    given that memory would be overwritten, or read from, by the old one)."""
+    s = store()
+    push = PushBlocks("w", 0, 0, BLOCKS, BLOCKS, LAYERS, 1)
+    view, _ = s.begin_chunk(push, BLOCKS * BLOCK, "src")
+    assert view is not None and s.bytes_in_use > 0
+    s.drop_all("cache reset")  # on vLLM's thread, while the receiver writes
+    assert s.bytes_in_use > 0, "freed under the writer"
+    view[:] = bytes(BLOCKS * BLOCK)
+    s.end_chunk(push, True)
+    assert s.state("w") is StageState.FAILED and s.bytes_in_use == 0
+    assert land(s, PushBlocks("h", 0, 0, BLOCKS, BLOCKS, LAYERS, 1), 4)
+    held = s.hold("h")  # a load lands layer 0 while the rest comes
+    assert held is not None
+    s.fail("h", "connection to the sender was lost")
+    assert s.bytes_in_use > 0, "freed under the load's copy"
+    s.unhold(held)
+    assert s.bytes_in_use == 0
+    assert s.hold("h") is None  # failed: nothing to hold
