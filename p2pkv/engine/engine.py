@@ -14,7 +14,7 @@ from typing import Any
 from p2pkv.config import ExtraConfig, Transport
 from p2pkv.engine.device import CacheDigest, DeviceAccess, Fence, PipeMaker, PlaceSource
 from p2pkv.engine.handshake import local_offer
-from p2pkv.engine.lanes import PullLanes
+from p2pkv.engine.lanes import IDLE_S, PullLanes
 from p2pkv.engine.metrics import EngineMetrics
 from p2pkv.engine.offers import OfferState, OfferTable, SlicePlaces, Slicer, ViewSource
 from p2pkv.engine.puller import HeadSlice, Puller, PullJob, PullResult, Renewal
@@ -54,6 +54,7 @@ class EngineSettings:
     # KV on a GPU: the staging store's first tier (kv_buffer_size) is pinned too, so pushed bytes land in the cache
     # with copies that never wait for the host.
     pinned_staging: bool = False
+    pull_lane_idle_s: float = IDLE_S  # a puller idle this long ends (`p2pkv.engine.lanes`)
 
     @classmethod
     def from_config(cls, extra: ExtraConfig, port: int, metrics_port: int) -> EngineSettings:
@@ -150,7 +151,7 @@ class TransferEngine:
         self._sender = Sender(self._connect, hello, self.metrics, require_shm)
         self._sender.start()
         self._puller = PullLanes(lambda: Puller(self._connect, hello, self.metrics, require_shm, device, pipes,
-                                                s.connect_timeout_s, cache_digest))
+                                                s.connect_timeout_s, cache_digest), idle_s=s.pull_lane_idle_s)
         self._puller.start()
         if s.metrics_port:
             from prometheus_client import start_http_server

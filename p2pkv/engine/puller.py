@@ -9,6 +9,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from p2pkv.engine.device import CacheDigest, DeviceAccess, Fence, Pipe, PipeMaker, Placed, RemoteCache
@@ -149,9 +150,22 @@ class Puller:
         self._results: dict[str, PullResult] = {}
         self._stop = threading.Event()
         self._thread = engine_thread(self._loop, "p2pkv-puller")
+        self._on_idle: Callable[[Puller], bool] | None = None
+        self._idle_s = 0.0
+        self._active = time.monotonic()  # when it last had something to do
 
-    def start(self) -> None:
+    def start(self, retire: Callable[[Puller], bool] | None = None, idle_s: float = 0.0) -> None:
+        """`retire`: asked once the puller has been idle `idle_s` (nothing queued or to try again); when it says yes,
+        the puller's thread lets its links, pipes and opened caches go and ends."""
+        self._on_idle, self._idle_s = retire, idle_s
         self._thread.start()
+
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def idle(self) -> bool:
+        """Nothing queued (its owner asks, holding what serialises its submits)."""
+        return self._queue.empty()
 
     def submit(self, job: PullJob) -> None:
         with self._lock:
@@ -197,7 +211,12 @@ class Puller:
         while not self._stop.is_set():
             job, started = self._take()
             if job is None:
+                if (self._on_idle is not None and not self._later
+                        and time.monotonic() - self._active > self._idle_s and self._on_idle(self)):
+                    self._let_go()
+                    return
                 continue
+            self._active = time.monotonic()
             if isinstance(job, Renewal):
                 self._renew(job)
                 continue
@@ -440,6 +459,10 @@ class Puller:
         self._queue.put(None)  # the thread stops now rather than at its next poll
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Close the links, pipes and opened caches (idempotent; the puller's thread has ended or is ending)."""
         self._links.close()
         slots = [slot for _, slot in self._pipes.values()] + self._retired
         for slot in slots:

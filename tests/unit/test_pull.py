@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -166,6 +167,29 @@ def test_a_pull_not_offered_yet_does_not_hold_up_the_next_pull_from_its_peer(tra
         late = offer(offerer, "late", seed=4)
         done = puller.wait_pull("late", 5)
         assert done is not None and done.state is PullState.DONE and np.array_equal(waiting, late)
+    finally:
+        puller.close()
+        offerer.close()
+
+
+def test_a_lane_idle_long_enough_ends_and_its_peer_gets_a_new_one() -> None:
+    """Peers that went away (restarted on other ports, scaled down) hold no thread: an idle lane ends, letting its
+    links go, and its peer's next pull gets a new lane."""
+    offerer = start("tcp")
+    extra = ExtraConfig(kv_host="127.0.0.1", transport=Transport.TCP, transfer_timeout_s=5)
+    settings = replace(EngineSettings.from_config(extra, 0, 0), pull_lane_idle_s=0.3)  # not minutes
+    puller = TransferEngine(settings, layout(LAYERS, BLOCK_BYTES))
+    puller.start()
+    try:
+        data = offer(offerer, "one", seed=1)
+        assert np.array_equal(pull(puller, offerer.address, "one"), data)
+        assert sum(t.name == "p2pkv-puller" for t in threading.enumerate()) == 1
+        deadline = time.monotonic() + 5
+        while any(t.name == "p2pkv-puller" for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(t.name == "p2pkv-puller" for t in threading.enumerate()), "the idle lane did not end"
+        data = offer(offerer, "two", seed=2)
+        assert np.array_equal(pull(puller, offerer.address, "two"), data)
     finally:
         puller.close()
         offerer.close()
