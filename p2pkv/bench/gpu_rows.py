@@ -103,7 +103,7 @@ def kernel_blocks(device: str = "cuda") -> str:
     return f"{checked} vLLM blocks (6 orders whole; 64/16, 128/64 split) both ways, byte for byte"
 
 
-def _sleep_cycles(seconds: float) -> int:
+def sleep_cycles(seconds: float) -> int:
     """GPU clock cycles `torch.cuda._sleep` spins for `seconds` (measured here: clocks differ by card)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -127,7 +127,7 @@ def stream_order() -> str:
     half.pool = kv.pool
     buffers = TransferBuffers(half)
     ids = _descending(16, 40)
-    cycles = _sleep_cycles(0.2)
+    cycles = sleep_cycles(0.2)
     forward = torch.cuda.Stream()
     with torch.cuda.stream(forward):
         torch.cuda._sleep(cycles)
@@ -175,7 +175,7 @@ def landing() -> str:
         (view,) = sink(layer, 0, 128)
         torch.frombuffer(view, dtype=torch.uint8).copy_(payload[layer * 128 * g.block_bytes:][: 128 * g.block_bytes])
     forward = torch.cuda.Stream()
-    cycles = _sleep_cycles(0.2)
+    cycles = sleep_cycles(0.2)
     with torch.cuda.stream(forward):
         torch.cuda._sleep(cycles)
         fence = kv.fence()

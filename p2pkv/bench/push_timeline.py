@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from p2pkv.bench.gpu_rows import sleep_cycles
 from p2pkv.bench.plan import Geometry, vllm_like_cache
 from p2pkv.config import ExtraConfig, Transport
 from p2pkv.engine import EngineSettings, TransferEngine
@@ -24,16 +25,6 @@ from p2pkv.memory import HostPool
 from p2pkv.params import Address
 
 LAG_TARGET_MS = 10.0
-
-
-def _sleep_cycles(seconds: float) -> int:
-    """GPU clock cycles `torch.cuda._sleep` spins for `seconds` (measured: clocks differ by card)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return int(10_000_000 * seconds / (start.elapsed_time(end) / 1000))
 
 
 def _watch(events: list[torch.cuda.Event], count: int, done: list[float], deadline: float) -> None:
@@ -85,7 +76,7 @@ def push_timeline(layer_ms: float = 20.0) -> str:
     peer = Address.parse(receiver.address)
     ids = tuple(range(150, 150 - g.blocks, -1))
     try:
-        cycles = _sleep_cycles(layer_ms / 1000)
+        cycles = sleep_cycles(layer_ms / 1000)
         lags: list[float] = []
         tail = 0.0
         for tid, paced in (("warm", False), ("paced", True)):

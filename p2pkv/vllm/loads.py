@@ -214,8 +214,10 @@ class Loads:
                 pending = [k for k in keys if (r := self._engine.pull_result(k)) is not None
                            and r.state is PullState.PENDING]
                 self._engine.wait_pull((pending or keys)[0], timeout_s)  # returns once that pull settles
-            else:  # wakes as soon as another layer arrives, to land it
-                self._engine.wait_arrival(load.spec.transfer_id, len(load.landed), timeout_s)
+            else:  # wakes as soon as another layer arrives, to land it (a load that lands none: once it settles)
+                lands = bool(load.spec.block_ids) and load.broken is None
+                known = len(load.landed) if lands else self._engine.layout.num_layers
+                self._engine.wait_arrival(load.spec.transfer_id, known, timeout_s)
             return True
         return False
 

@@ -27,8 +27,12 @@ class HasEngine(Protocol):
 
 @pytest.fixture
 def sides() -> Iterator[list[HasEngine]]:
-    """Test sides (each with a started engine) made by a test: their engines are closed after it."""
+    """Test sides made by a test (each with a started engine, or a connector worker side): shut down after it."""
     made: list[HasEngine] = []
     yield made
     for side in made:
-        side.engine.close()
+        shutdown = getattr(side, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        else:
+            side.engine.close()

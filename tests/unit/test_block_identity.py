@@ -7,7 +7,6 @@ CPU tensors; where the bytes move, they are checked byte for byte."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -64,14 +63,6 @@ def vllm_caches(layout: KVCacheLayout, heads: int, seed: int | None, dtype: torc
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """Compared as bytes: random bfloat16 bytes hold NaNs, which never equal themselves as values."""
     return t.contiguous().view(torch.uint8)
-
-
-@pytest.fixture
-def sides() -> Iterator[list[WorkerSide]]:
-    made: list[WorkerSide] = []
-    yield made
-    for side in made:
-        side.shutdown()
 
 
 def refused_pull(prefill: WorkerSide, decode: WorkerSide, p_port: int, tid: str) -> str:

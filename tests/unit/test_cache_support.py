@@ -4,7 +4,6 @@ start-up with one error that names the layer and what is unsupported."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -62,14 +61,6 @@ def test_mla_models_leave_the_layout_to_vllm() -> None:
     assert P2pNcclConnector.get_required_kvcache_layout(mla) is None
     mha: Any = SimpleNamespace(model_config=SimpleNamespace(use_mla=False))
     assert P2pNcclConnector.get_required_kvcache_layout(mha) == "LBHNC"
-
-
-@pytest.fixture
-def sides() -> Iterator[list[WorkerSide]]:
-    made: list[WorkerSide] = []
-    yield made
-    for side in made:
-        side.shutdown()
 
 
 def shared_caches(seed: int | None) -> dict[str, torch.Tensor]:

@@ -11,7 +11,6 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,14 +42,6 @@ def caches(seed: int | None, heads: int = HEADS) -> dict[str, torch.Tensor]:
 def staged(monkeypatch: pytest.MonkeyPatch) -> None:
     """Caches in host memory handled as a GPU's: every copy goes through the device layer."""
     monkeypatch.setenv(STAGE_ENV, "1")
-
-
-@pytest.fixture
-def sides() -> Iterator[list[WorkerSide]]:
-    made: list[WorkerSide] = []
-    yield made
-    for side in made:
-        side.shutdown()
 
 
 def moves(ops: RecordingOps) -> list[Call]:

@@ -6,7 +6,6 @@ or handled as a GPU's; peers whose blocks split differently are refused at the h
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -54,14 +53,6 @@ def vllm_caches(block: int, kernel: int, layout: KVCacheLayout, seed: int | None
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bytes equal (random bfloat16 bytes hold NaNs, which never equal themselves as values)."""
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
-
-
-@pytest.fixture
-def sides() -> Iterator[list[WorkerSide]]:
-    made: list[WorkerSide] = []
-    yield made
-    for side in made:
-        side.shutdown()
 
 
 @pytest.fixture(params=["host-cache", "staged"])

@@ -95,14 +95,6 @@ def test_layers_ready_together_still_go_in_one_frame(engines: tuple[TransferEngi
     receiver.release_staged(item)
 
 
-@pytest.fixture
-def sides() -> Iterator[list[WorkerSide]]:
-    made: list[WorkerSide] = []
-    yield made
-    for side in made:
-        side.shutdown()
-
-
 def cache(seed: int | None) -> dict[str, torch.Tensor]:
     """Layers of 4 blocks of [2 heads, 16 tokens, 1024 bytes] (64 KiB a block)."""
     g = torch.Generator().manual_seed(seed or 0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -102,14 +102,6 @@ def warm_pipes(mode: str, decode: list[WorkerSide], peers: int, pull: Callable[[
         assert time.monotonic() < deadline, "the pipes were not made"
         time.sleep(0.02)
     assert sum(counter(d, "p2pkv_bytes_received_total", {"transport": "gloo"}) for d in decode) == 0
-
-
-@pytest.fixture
-def sides() -> Iterator[list[WorkerSide]]:
-    made: list[WorkerSide] = []
-    yield made
-    for side in made:
-        side.shutdown()
 
 
 def settle(side: WorkerSide, req: str, sending: bool, timeout_s: float = 10) -> None:
