@@ -4,6 +4,7 @@ a push that fails after some layers landed is reported only once those copies ar
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -126,23 +127,33 @@ def wait_for(what: Callable[[], bool], step: Callable[[], object], timeout_s: fl
     return False
 
 
-def test_pushed_layers_land_in_the_blocks_as_they_arrive(sides: list[WorkerSide], mode: str) -> None:
-    """The first layer of a push is in the decode side's blocks while the others are still to come; the load is
-    reported once the last has landed, every byte in place."""
+@contextlib.contextmanager
+def decode_and_sender(sides: list[WorkerSide], device_ops: SlowOps | None = None
+                      ) -> Iterator[tuple[WorkerSide, dict[str, torch.Tensor], TransferEngine, Address]]:
+    """A decode worker side with an empty cache, and a bare engine that pushes to it layer by layer as a test says:
+    the side, its cache, the engine and the side's address."""
     (d_port,) = free_ports(1)
     d_kv = cache(None)
-    decode = worker_side("kv_consumer", d_port, d_kv, 16, keys={"transport": "tcp"})
+    decode = worker_side("kv_consumer", d_port, d_kv, 16, keys={"transport": "tcp"}, device_ops=device_ops)
     sides.append(decode)
     sender = TransferEngine(EngineSettings.from_config(engine_config(kv_host=LOCAL), 0, 0), decode.engine.layout)
     sender.start()
     try:
+        yield decode, d_kv, sender, Address(LOCAL, d_port)
+    finally:
+        sender.close()
+
+
+def test_pushed_layers_land_in_the_blocks_as_they_arrive(sides: list[WorkerSide], mode: str) -> None:
+    """The first layer of a push is in the decode side's blocks while the others are still to come; the load is
+    reported once the last has landed, every byte in place."""
+    with decode_and_sender(sides) as (decode, d_kv, sender, peer):
         src = cache(9)
         names = list(src)
         dst = (3, 1)
         data = [np.ascontiguousarray(src[name].numpy()[[0, 1]]).reshape(-1) for name in names]
         decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="L1", first_block=0, block_ids=dst)]))
         deadline = time.monotonic() + 10
-        peer = Address(LOCAL, d_port)
         sender.push_layer("L1", peer, 0, 2, (data[0].data,), deadline)
         reports: list[set[str]] = []
 
@@ -159,8 +170,6 @@ def test_pushed_layers_land_in_the_blocks_as_they_arrive(sides: list[WorkerSide]
         assert decode.take_load_errors() == set()
         for name, expected in zip(names, data, strict=True):
             assert bytes_of(d_kv[name][list(dst)]) == expected.tobytes(), name
-    finally:
-        sender.close()
 
 
 def test_a_push_that_fails_after_layers_landed_is_reported_once_their_copies_are_done(
@@ -168,34 +177,27 @@ def test_a_push_that_fails_after_layers_landed_is_reported_once_their_copies_are
     """vLLM may give a failed load's blocks to another request at once: the copies of the layers landed early must
     be done before the failure is reported (the device runs them late here)."""
     monkeypatch.setenv(STAGE_ENV, "1")
-    (d_port,) = free_ports(1)
-    d_kv = cache(None)
     slow = SlowOps(delay_s=0.4)
-    decode = worker_side("kv_consumer", d_port, d_kv, 16, keys={"transport": "tcp"}, device_ops=slow)
-    sides.append(decode)
-    sender = TransferEngine(EngineSettings.from_config(engine_config(kv_host=LOCAL), 0, 0), decode.engine.layout)
-    sender.start()
     try:
-        src = cache(3)
-        names = list(src)
-        data = np.ascontiguousarray(src[names[0]].numpy()[[2]]).reshape(-1)
-        decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="L2", first_block=0,
-                                                  block_ids=(0,))]))
-        deadline = time.monotonic() + 10
-        peer = Address(LOCAL, d_port)
-        sender.push_layer("L2", peer, 0, 1, (data.data,), deadline)
-        assert wait_for(lambda: len(slow.of("copy", "scatter")) > 0, lambda: decode.get_finished(set())), \
-            "layer 0's copy was not issued as it arrived"
+        with decode_and_sender(sides, slow) as (decode, d_kv, sender, peer):
+            src = cache(3)
+            names = list(src)
+            data = np.ascontiguousarray(src[names[0]].numpy()[[2]]).reshape(-1)
+            decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="L2", first_block=0,
+                                                      block_ids=(0,))]))
+            deadline = time.monotonic() + 10
+            sender.push_layer("L2", peer, 0, 1, (data.data,), deadline)
+            assert wait_for(lambda: len(slow.of("copy", "scatter")) > 0, lambda: decode.get_finished(set())), \
+                "layer 0's copy was not issued as it arrived"
 
-        def broken(_deadline: float) -> bool:
-            raise RuntimeError("device lost (injected)")
+            def broken(_deadline: float) -> bool:
+                raise RuntimeError("device lost (injected)")
 
-        sender.push_layer("L2", peer, 1, 1, (), deadline, broken)  # the sender fails the rest and aborts
-        reported = wait_for(lambda: decode.take_load_errors() == {0}, lambda: decode.get_finished(set()))
-        assert reported, "the failed load was not reported"
-        assert bytes_of(d_kv[names[0]][[0]]) == data.tobytes(), "reported before the copy that wrote its block ran"
+            sender.push_layer("L2", peer, 1, 1, (), deadline, broken)  # the sender fails the rest and aborts
+            reported = wait_for(lambda: decode.take_load_errors() == {0}, lambda: decode.get_finished(set()))
+            assert reported, "the failed load was not reported"
+            assert bytes_of(d_kv[names[0]][[0]]) == data.tobytes(), "reported before the copy that wrote its block ran"
     finally:
-        sender.close()
         slow.close()
 
 
