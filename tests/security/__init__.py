@@ -1,0 +1,1 @@
+"""Attacks on real engines and proxies on loopback: each bounded in count and time, each asserting what must hold."""
