@@ -78,6 +78,8 @@ class ExtraConfig:
     heartbeat_format: HeartbeatFormat = HeartbeatFormat.P2PKV
     auth_secret: str = ""
     max_frame_bytes: int = 1 << 20
+    max_connections: int = 256
+    connection_idle_s: float = 300.0
     integrity_check: bool = False
     weights_check: bool = True
     huge_pages: bool = True
@@ -198,6 +200,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "heartbeat_format": _as_enum("heartbeat_format", HeartbeatFormat),
     "auth_secret": _as_str("auth_secret"),
     "max_frame_bytes": _as_int("max_frame_bytes", 1024, 1 << 30),
+    "max_connections": _as_int("max_connections", 1, 65536),
+    "connection_idle_s": _as_float("connection_idle_s", 0.0, 86400.0, open_low=True),
     "integrity_check": _as_bool("integrity_check"),
     "weights_check": _as_bool("weights_check"),
     "huge_pages": _as_bool("huge_pages"),

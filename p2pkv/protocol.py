@@ -204,6 +204,7 @@ class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):
     # client should not push whole blocks through host memory, but send PullInstead and hold them for a pull.
     pull_instead: bool = False
     digests: bool = False  # integrity_check on the listener: payloads on this link, both ways, carry their digest
+    idle_s: float = 0.0  # the listener closes this connection after so long without a frame; 0: never
 
 
 class PipeOpen(msgspec.Struct, tag="pipe_open", frozen=True):

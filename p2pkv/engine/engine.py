@@ -55,6 +55,8 @@ class EngineSettings:
     # with copies that never wait for the host.
     pinned_staging: bool = False
     pull_lane_idle_s: float = IDLE_S  # a puller idle this long ends (`p2pkv.engine.lanes`)
+    max_connections: int = 256  # peer connections the listener serves at once; more are closed at once
+    connection_idle_s: float = 300.0  # a peer connection with no frame for this long is closed
 
     @classmethod
     def from_config(cls, extra: ExtraConfig, port: int, metrics_port: int) -> EngineSettings:
@@ -74,6 +76,8 @@ class EngineSettings:
             pull_over_device=extra.pull_over_device,
             integrity_check=extra.integrity_check,
             towards=extra.proxy_host,
+            max_connections=extra.max_connections,
+            connection_idle_s=extra.connection_idle_s,
         )
 
 
@@ -139,7 +143,8 @@ class TransferEngine:
                                   metrics=self.metrics, frame_timeout_s=s.transfer_timeout_s, offer=offer,
                                   device=export, pipes=pipes, pipe_setup_s=s.connect_timeout_s,
                                   pulls_over_device=self._pull_rule(device, pipes), digests=s.integrity_check,
-                                  cache_digest=cache_digest, refused=self.refused)
+                                  cache_digest=cache_digest, refused=self.refused,
+                                  max_connections=s.max_connections, idle_s=s.connection_idle_s)
         self._receiver.start()
         hello = Hello(engine_id=self.engine_id, rank=self.rank, layout=self.layout, cma=offer,
                       device_kind=device.kind if device is not None else "",

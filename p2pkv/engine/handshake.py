@@ -58,6 +58,7 @@ def client_handshake(conn: Connection, hello: Hello, deadline: float, require_sh
         conn.peer_pipe = reply.pipe_kind if reply.pipe_kind == hello.pipe_kind else ""
         conn.pull_instead = reply.pull_instead
         conn.digests = hello.digests or reply.digests
+        conn.peer_idle_s = reply.idle_s
         if hello.cma is None or not isinstance(conn, TcpConnection):
             return conn
         reason = why_unreadable(reply.cma)
@@ -69,7 +70,7 @@ def client_handshake(conn: Connection, hello: Hello, deadline: float, require_sh
         pid = reply.cma.pid if reply.cma is not None else 0
         shm = ShmConnection(conn, pid, sends_by_reference=reply.reads_you, reads_by_reference=not reason)
         shm.peer_device, shm.peer_pipe, shm.pull_instead = reply.device, conn.peer_pipe, reply.pull_instead
-        shm.digests = conn.digests
+        shm.digests, shm.peer_idle_s = conn.digests, reply.idle_s
         return shm
     except P2pkvError:
         conn.close()
@@ -78,21 +79,21 @@ def client_handshake(conn: Connection, hello: Hello, deadline: float, require_sh
 
 def server_reply(conn: Connection, hello: Hello, offer: CmaOffer | None, deadline: float,
                  device: DeviceExport | None = None, pipe_kind: str = "", pull_instead: bool = False,
-                 digests: bool = False) -> Connection:
+                 digests: bool = False, idle_s: float = 0.0) -> Connection:
     """Accept a compatible client; with shm on both sides, answer with our offer and wrap the connection. Our
     device export goes to a client that can open that kind (cuda_ipc); a pipe is agreed when both make its kind.
     `pull_instead`: ask the client to leave its pushes for us to pull over that device path. `digests`: we check
-    integrity; the link does when either side asks."""
+    integrity; the link does when either side asks. `idle_s`: how long we keep the connection without a frame."""
     export = device if device is not None and hello.device_kind == device.kind else None
     pipe = pipe_kind if pipe_kind and hello.pipe_kind == pipe_kind else ""
     if offer is None or hello.cma is None or not isinstance(conn, TcpConnection):
         conn.send_frame(HelloReply(accepted=True, device=export, pipe_kind=pipe, pull_instead=pull_instead,
-                                   digests=digests), (), deadline)
+                                   digests=digests, idle_s=idle_s), (), deadline)
         conn.peer_pipe, conn.digests = pipe, digests or hello.digests
         return conn
     reason = why_unreadable(hello.cma)
     conn.send_frame(HelloReply(accepted=True, cma=offer, reads_you=not reason, device=export, pipe_kind=pipe,
-                               pull_instead=pull_instead, digests=digests), (), deadline)
+                               pull_instead=pull_instead, digests=digests, idle_s=idle_s), (), deadline)
     # The client answers our offer with a CmaStatus frame, which the shm connection consumes.
     shm = ShmConnection(conn, hello.cma.pid, sends_by_reference=False, reads_by_reference=not reason)
     shm.peer_pipe, shm.digests = pipe, digests or hello.digests

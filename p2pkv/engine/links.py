@@ -1,10 +1,12 @@
 """Connections to peers, one per peer, kept between transfers: the handshake runs on first use, and a link found
-stale (the peer restarted) is replaced, with one retry of the send that found it so."""
+stale (the peer restarted) is replaced, with one retry of the send that found it so. A link unused for half the
+time its listener keeps an idle connection is replaced before use, so no send races the listener's close."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from p2pkv.engine.handshake import client_handshake
@@ -28,6 +30,7 @@ class Links:
         self._require_shm = require_shm
         self._lock = threading.Lock()
         self._conns: dict[Address, Connection] = {}
+        self._used: dict[Address, float] = {}  # when each link was last opened for use
 
     def get(self, peer: Address) -> Connection | None:
         """The cached link, if any; no I/O."""
@@ -36,15 +39,23 @@ class Links:
 
     def _open(self, peer: Address, deadline: float) -> tuple[Connection, bool]:
         """The cached link if it still looks alive (True), else a new one after a handshake (False)."""
-        conn = self.get(peer)
-        if conn is not None and conn.is_alive():
+        now = time.monotonic()
+        with self._lock:
+            conn = self._conns.get(peer)
+            idle = now - self._used.get(peer, now)
+            self._used[peer] = now
+        if conn is not None and conn.peer_idle_s and idle > conn.peer_idle_s / 2:
+            log.debug("connection to %s idle for %.0f s; reconnecting before the peer closes it", peer, idle)
+            self.drop(peer)
+        elif conn is not None and conn.is_alive():
             return conn, True
-        if conn is not None:
+        elif conn is not None:
             log.info("connection to %s was closed by the peer; reconnecting", peer)
             self.drop(peer)
         conn = client_handshake(self._connect(peer, deadline), self._hello, deadline, self._require_shm)
         with self._lock:
             self._conns[peer] = conn
+            self._used[peer] = time.monotonic()
         return conn, False
 
     def open(self, peer: Address, deadline: float) -> Connection:
@@ -73,6 +84,7 @@ class Links:
     def drop(self, peer: Address) -> None:
         with self._lock:
             conn = self._conns.pop(peer, None)
+            self._used.pop(peer, None)
         if conn is not None:
             conn.close()
 
@@ -80,5 +92,6 @@ class Links:
         with self._lock:
             conns = list(self._conns.values())
             self._conns.clear()
+            self._used.clear()
         for conn in conns:
             conn.close()

@@ -21,6 +21,9 @@ class EngineMetrics:
         self.bytes_loaded = Counter("p2pkv_bytes_loaded", "KV bytes written into the paged cache", registry=r)
         self.transfers = Counter("p2pkv_transfers", "Finished transfers", ["direction", "outcome"], registry=r)
         self.bad_frames = Counter("p2pkv_bad_frames", "Malformed or unauthenticated frames dropped", registry=r)
+        self.refused_connections = Counter("p2pkv_refused_connections", "Peer connections closed as they came: the "
+                                           "connection cap reached (cap), no thread to serve one (no_thread), or "
+                                           "accept failed (accept)", ["reason"], registry=r)
         self.refused_peers = Counter("p2pkv_refused_peers", "Peers refused at the handshake", registry=r)
         self.staging_bytes = Gauge("p2pkv_staging_bytes", "Bytes of received KV waiting to be loaded", registry=r)
         self.pool_bytes = Gauge("p2pkv_pool_bytes", "Bytes of the host pool holding staged KV", registry=r)

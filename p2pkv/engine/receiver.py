@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from p2pkv.engine.device import CacheDigest, Pipe, PipeMaker, Placed, PlaceSource
 from p2pkv.engine.handshake import server_reply
 from p2pkv.engine.metrics import EngineMetrics
+from p2pkv.engine.occasional import Occasional
 from p2pkv.engine.offers import Offer, OfferTable, ViewSource
 from p2pkv.engine.pipes import PipeSlot
 from p2pkv.engine.refused import RefusedPeers
@@ -42,6 +43,9 @@ from p2pkv.way import WhyPull
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
+# After accept failed (out of descriptors) or a reader could not be started (out of threads): the pause before the
+# next accept, so the listener neither spins nor gives up while the shortage lasts.
+_BACKOFF_S = 0.1
 _MAX_RENEWALS = 65536  # transfers renewed per frame at most (a decode instance's waiting queue is far shorter)
 
 
@@ -53,12 +57,13 @@ class Receiver:
                  device: DeviceExport | None = None, pipes: PipeMaker | None = None,
                  pipe_setup_s: float = 5.0, pulls_over_device: Callable[[Hello], bool] | None = None,
                  digests: bool = False, cache_digest: CacheDigest | None = None,
-                 refused: RefusedPeers | None = None) -> None:
+                 refused: RefusedPeers | None = None, max_connections: int = 256, idle_s: float = 300.0) -> None:
         """`pulls_over_device`: whether this worker would pull a client's blocks over a device path (opening its
         export, or through a pipe) rather than take them pushed through host memory. `digests`: integrity_check
         (payloads on every link carry their digest, checked where they land); `cache_digest`: how the blocks a
         pull copies cache to cache are digested here; `refused`: where the peers refused at their hello are
-        noted."""
+        noted; `max_connections`: readers at once (a connection beyond is closed as it comes); `idle_s`: a
+        connection that sends no frame for this long is closed (its client reconnects at its next transfer)."""
         self.refused = refused if refused is not None else RefusedPeers()
         self._digests = digests
         self._cache_digest = cache_digest
@@ -73,6 +78,9 @@ class Receiver:
         self._layout = layout
         self._metrics = metrics
         self._frame_timeout_s = frame_timeout_s
+        self._max_connections = max_connections
+        self._idle_s = idle_s
+        self._refusals = Occasional(log)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._readers: dict[threading.Thread, Connection] = {}
@@ -86,19 +94,40 @@ class Receiver:
         while not self._stop.is_set():
             try:
                 conn = self._listener.accept(_POLL_S)
-            except OSError as exc:
-                if not self._stop.is_set():
-                    log.error("listener failed: %s", exc)
-                return
-            if conn is None:
+            except OSError as exc:  # e.g. out of file descriptors: the shortage may pass
+                self._refuse("accept", "accepting a connection failed: %s", exc)
+                self._stop.wait(_BACKOFF_S)
                 continue
-            thread = engine_thread(functools.partial(self._serve, conn), f"p2pkv-reader-{conn.peer}")
-            with self._lock:
-                if self._stop.is_set():
-                    conn.close()
-                    return
-                self._readers[thread] = conn
+            if conn is not None:
+                self._admit(conn)
+
+    def _admit(self, conn: Connection) -> None:
+        """Serve `conn` on a reader thread of its own, or close it at once: past the cap, or with no thread."""
+        thread = engine_thread(functools.partial(self._serve, conn), f"p2pkv-reader-{conn.peer}")
+        with self._lock:
+            if self._stop.is_set():
+                conn.close()
+                return
+            if len(self._readers) >= self._max_connections:
+                self._refuse("cap", "connection cap reached (%d): closed a connection from %s",
+                             self._max_connections, conn.peer)
+                conn.close()
+                return
+            self._readers[thread] = conn
+        try:
             thread.start()
+        except RuntimeError as exc:  # can't start new thread
+            with self._lock:
+                self._readers.pop(thread, None)
+            self._refuse("no_thread", "no thread to serve a connection from %s: %s", conn.peer, exc)
+            conn.close()
+            self._stop.wait(_BACKOFF_S)  # the shortage may pass: neither spin nor stop
+
+    def _refuse(self, reason: str, message: str, *args: object) -> None:
+        """Count and (now and then) log a connection closed as it came."""
+        self._metrics.of(self._metrics.refused_connections, reason).inc()
+        self._metrics.add(f"refused_connections_{reason}", 1)
+        self._refusals.note(logging.WARNING, message, *args)
 
     def _bad_frame(self, peer: str, exc: Exception) -> None:
         self._metrics.bad_frames.inc()
@@ -135,7 +164,8 @@ class Receiver:
         sliced = self._layout.sliced_with(hello.layout)  # pulls slices over tcp or shm: no device path for them
         pull_instead = not sliced and self._pulls_over_device is not None and self._pulls_over_device(hello)
         served = server_reply(conn, hello, self._offer, deadline, self._device,
-                              self._maker.kind if self._maker is not None else "", pull_instead, self._digests)
+                              self._maker.kind if self._maker is not None else "", pull_instead, self._digests,
+                              self._idle_s)
         return served, sliced
 
     def _join_pipe(self, conn: Connection, ask: PipeOpen, slot: PipeSlot | None) -> PipeSlot:
@@ -156,9 +186,13 @@ class Receiver:
                 return
             conn, sliced = served
             refused: set[str] = set()  # pushes refused on this connection (the peer holds other heads or layers)
+            idle_until = time.monotonic() + self._idle_s
             while not self._stop.is_set():
                 got = conn.recv_frame(_POLL_S, time.monotonic() + self._frame_timeout_s)
                 if got is None:
+                    if time.monotonic() > idle_until:
+                        log.debug("closing the connection from %s: no frame for %.0f s", conn.peer, self._idle_s)
+                        return
                     continue
                 message, payload_len = got
                 deadline = time.monotonic() + self._frame_timeout_s
@@ -186,6 +220,7 @@ class Receiver:
                     self._store.fail(message.transfer_id, f"sender aborted: {message.reason}", create=False)
                 else:
                     raise ProtocolError(f"unexpected {type(message).__name__} frame")
+                idle_until = time.monotonic() + self._idle_s
         except ProtocolError as exc:
             self._bad_frame(conn.peer, exc)
         except P2pkvError as exc:  # a transfer error, or a pipe or device copy that failed

@@ -18,6 +18,7 @@ class Connection(Protocol):
     peer_pipe: str  # the pipe kind both sides can make (nccl), or empty
     pull_instead: bool  # client side: the listener pulls over a device path rather than take pushed blocks
     digests: bool  # either side asked for integrity checks: every payload frame carries its digest
+    peer_idle_s: float  # client side: the listener closes the connection after so long without a frame; 0: never
 
     def send_frame(self, message: Message, payload: Sequence[memoryview], deadline: float) -> None:
         """Send one message followed by the concatenation of `payload`."""

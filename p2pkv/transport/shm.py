@@ -55,6 +55,7 @@ class ShmConnection:
     peer_pipe: str = ""  # set by the handshake
     pull_instead: bool = False  # set by the handshake
     digests: bool = False  # set by the handshake: payloads both ways carry their digest (integrity_check)
+    peer_idle_s: float = 0.0  # set by the handshake: the listener closes the connection after so long idle
 
     def __init__(self, inner: TcpConnection, peer_pid: int, sends_by_reference: bool,
                  reads_by_reference: bool) -> None:

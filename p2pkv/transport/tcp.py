@@ -57,6 +57,7 @@ class TcpConnection:
     peer_pipe: str = ""  # set by the handshake
     pull_instead: bool = False  # set by the handshake
     digests: bool = False  # set by the handshake: payloads both ways carry their digest (integrity_check)
+    peer_idle_s: float = 0.0  # set by the handshake: the listener closes the connection after so long idle
 
     def __init__(self, sock: socket.socket, peer: str, secret: bytes, limits: FrameLimits) -> None:
         sock.setblocking(False)
@@ -327,10 +328,18 @@ class TcpListener:
             return None
         try:
             sock, addr = self._sock.accept()
-        except OSError:
+        except (BlockingIOError, ConnectionAbortedError):  # the client gave up between the select and the accept
             return None
-        tune_socket(sock)
-        return TcpConnection(sock, f"{addr[0]}:{addr[1]}", self._secret, self._limits)
+        except OSError:
+            if self._closed:
+                return None
+            raise  # out of descriptors, say: the caller decides whether to go on
+        try:
+            tune_socket(sock)
+            return TcpConnection(sock, f"{addr[0]}:{addr[1]}", self._secret, self._limits)
+        except OSError:  # reset already
+            sock.close()
+            return None
 
     def close(self) -> None:
         if not self._closed:
