@@ -24,6 +24,8 @@ class EngineMetrics:
         self.refused_connections = Counter("p2pkv_refused_connections", "Peer connections closed as they came: the "
                                            "connection cap reached (cap), no thread to serve one (no_thread), or "
                                            "accept failed (accept)", ["reason"], registry=r)
+        self.foreign_frames = Counter("p2pkv_foreign_frames", "Frames naming a transfer that another connection "
+                                      "began, ignored (that transfer goes on)", ["frame"], registry=r)
         self.refused_peers = Counter("p2pkv_refused_peers", "Peers refused at the handshake", registry=r)
         self.staging_bytes = Gauge("p2pkv_staging_bytes", "Bytes of received KV waiting to be loaded", registry=r)
         self.pool_bytes = Gauge("p2pkv_pool_bytes", "Bytes of the host pool holding staged KV", registry=r)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -47,6 +48,7 @@ _POLL_S = 0.2
 # next accept, so the listener neither spins nor gives up while the shortage lasts.
 _BACKOFF_S = 0.1
 _MAX_RENEWALS = 65536  # transfers renewed per frame at most (a decode instance's waiting queue is far shorter)
+_MAX_REFUSED = 4096  # refusals remembered per connection (each answered once); forgotten all at once beyond
 
 
 class Receiver:
@@ -84,6 +86,7 @@ class Receiver:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._readers: dict[threading.Thread, Connection] = {}
+        self._serial = itertools.count()  # names each connection's transfers apart from any other's
         self._thread = engine_thread(self._accept_loop, "p2pkv-listener")
         self._warned_bad_frame = False
 
@@ -178,7 +181,7 @@ class Receiver:
                         self._metrics)
 
     def _serve(self, conn: Connection) -> None:
-        source = f"{conn.peer}#{id(conn)}"
+        source = f"{conn.peer}#{next(self._serial)}"
         slot: PipeSlot | None = None  # this connection's pipe (nccl), once the client asks for one
         try:
             served = self._handshake(conn)
@@ -196,10 +199,12 @@ class Receiver:
                     continue
                 message, payload_len = got
                 deadline = time.monotonic() + self._frame_timeout_s
+                if len(refused) > _MAX_REFUSED:
+                    refused.clear()
                 if isinstance(message, PushBlocks) and sliced:
-                    self._refuse_push(conn, message, payload_len, refused, deadline)
+                    self._refuse_push(conn, message, payload_len, source, refused, deadline)
                 elif isinstance(message, PushBlocks):
-                    self._receive_chunk(conn, message, payload_len, source, deadline)
+                    self._receive_chunk(conn, message, payload_len, source, refused, deadline)
                 elif isinstance(message, PullRequest):
                     conn.discard_payload(payload_len, deadline)
                     self._serve_pull(conn, message, deadline, slot.ready() if slot is not None else None, sliced)
@@ -208,7 +213,7 @@ class Receiver:
                     slot = self._join_pipe(conn, message, slot)
                 elif isinstance(message, PullInstead):
                     conn.discard_payload(payload_len, deadline)
-                    self._store.refer(message.transfer_id, WhyPull.DEVICE_PATH.value)
+                    self._store.refer(message.transfer_id, WhyPull.DEVICE_PATH.value, source)
                 elif isinstance(message, RenewLeases):
                     conn.discard_payload(payload_len, deadline)
                     renewed = self._offers.renew(message.transfer_ids[:_MAX_RENEWALS])
@@ -217,7 +222,8 @@ class Receiver:
                               len(message.transfer_ids))
                 elif isinstance(message, PushAbort):
                     conn.discard_payload(payload_len, deadline)
-                    self._store.fail(message.transfer_id, f"sender aborted: {message.reason}", create=False)
+                    self._store.fail(message.transfer_id, f"sender aborted: {message.reason}", create=False,
+                                     source=source)
                 else:
                     raise ProtocolError(f"unexpected {type(message).__name__} frame")
                 idle_until = time.monotonic() + self._idle_s
@@ -235,11 +241,15 @@ class Receiver:
             with self._lock:
                 self._readers.pop(threading.current_thread(), None)
 
-    def _receive_chunk(self, conn: Connection, push: PushBlocks, payload_len: int, source: str,
+    def _receive_chunk(self, conn: Connection, push: PushBlocks, payload_len: int, source: str, refused: set[str],
                        deadline: float) -> None:
+        """Stage a chunk; the transfer's verdict goes back once (a refusal is remembered: later chunks of a refused
+        transfer, a duplicate's say, are dropped without another)."""
         view, ack = self._store.begin_chunk(push, payload_len, source, conn.name)
-        if ack is not None:
+        if ack is not None and push.transfer_id not in refused:
             conn.queue_frame(ack)  # goes out with the next reply, or before this connection waits for input
+            if not ack.accepted:
+                refused.add(push.transfer_id)
         if view is None:
             conn.discard_payload(payload_len, deadline)
             return
@@ -247,23 +257,23 @@ class Receiver:
         whole = False
         try:
             conn.recv_payload_into(view, deadline, landed)
-            whole = landed is None or self._digest_matches(conn, push, landed.intdigest())
+            whole = landed is None or self._digest_matches(conn, push, landed.intdigest(), source)
         finally:
             self._store.end_chunk(push, whole)  # its memory may go only now, whatever happened
         if whole:
             self._metrics.count_bytes("received", payload_len, conn.name)
 
-    def _digest_matches(self, conn: Connection, push: PushBlocks, landed: int) -> bool:
+    def _digest_matches(self, conn: Connection, push: PushBlocks, landed: int, source: str) -> bool:
         """Check a landed payload against its frame's digest; a mismatch fails the transfer (its load then fails and
         vLLM recomputes the prompt)."""
         bad = frame_mismatch(push, landed)
         self._metrics.count_digest("receive", bad is None)
         if bad is not None:
             log.error("%s (from %s over %s); the transfer is dropped", bad, conn.peer, conn.name)
-            self._store.fail(push.transfer_id, str(bad), create=False)
+            self._store.fail(push.transfer_id, str(bad), create=False, source=source)
         return bad is None
 
-    def _refuse_push(self, conn: Connection, push: PushBlocks, payload_len: int, refused: set[str],
+    def _refuse_push(self, conn: Connection, push: PushBlocks, payload_len: int, source: str, refused: set[str],
                      deadline: float) -> None:
         """A peer of another tensor- or pipeline-parallel size pushed whole blocks of its own heads or layers,
         which are not ours: refuse the transfer (its sender then holds the blocks, and this side pulls what it
@@ -272,7 +282,7 @@ class Receiver:
         if push.transfer_id in refused:
             return
         refused.add(push.transfer_id)
-        self._store.fail(push.transfer_id, WhyPull.HEADS_DIFFER.value)
+        self._store.fail(push.transfer_id, WhyPull.HEADS_DIFFER.value, source=source, frame=None)
         conn.queue_frame(PushAck(push.transfer_id, False, WhyPull.HEADS_DIFFER.value))
 
     def _sliced_source(self, pull: PullRequest, claim: Offer, sliced: bool) -> ViewSource | str:

@@ -10,12 +10,14 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from p2pkv.engine.metrics import EngineMetrics
+from p2pkv.engine.occasional import Occasional
 from p2pkv.memory import HostPool, PoolBuffer
 from p2pkv.protocol import PushAck, PushBlocks
 from p2pkv.way import WhyPull
 
 log = logging.getLogger(__name__)
 DISCARDED = "discarded: no request here loads it"
+DUPLICATE = "duplicate transfer id"
 _EMPTY = memoryview(b"")
 _MIN_HEAP = 4096
 
@@ -62,7 +64,10 @@ class StagedTransfer:
 
 
 class ReceiveStore:
-    """Thread-safe map of transfer id to staged bytes. Payloads are written outside the lock."""
+    """Thread-safe map of transfer id to staged bytes. Payloads are written outside the lock.
+
+    A transfer belongs to the connection (`source`) whose frame named it first: frames of another connection that
+    name it are ignored and counted, and never change it (a peer cannot fail, refer or fill another's transfer)."""
 
     def __init__(self, budget_bytes: int, expiry_s: float, block_bytes: int, num_layers: int,
                  metrics: EngineMetrics, pool: HostPool | None = None, pinned: bool = False) -> None:
@@ -86,6 +91,13 @@ class ReceiveStore:
         self._discarded: dict[str, float] = {}
         self._writing: dict[str, StagedTransfer] = {}  # transfer id -> its item, while a chunk of it is written
         self._in_use = 0
+        self._foreign = Occasional(log)
+
+    def _foreign_locked(self, frame: str, item: StagedTransfer, source: str) -> None:
+        self._metrics.of(self._metrics.foreign_frames, frame).inc()
+        self._metrics.add("foreign_frames", 1)
+        self._foreign.note(logging.WARNING, "ignored a %s frame from %s naming transfer %s, which %s began", frame,
+                           source.partition("#")[0], item.transfer_id, item.source.partition("#")[0] or "this side")
 
     @property
     def bytes_in_use(self) -> int:
@@ -104,7 +116,8 @@ class ReceiveStore:
                 and push.layer + push.layers <= push.num_layers and push.num_blocks > 0
                 and 0 <= push.first_block and push.first_block + push.num_blocks <= push.total_blocks
                 and (push.layers == 1 or whole) and payload_len == push.layers * push.num_blocks * self._block_bytes):
-            self.fail(push.transfer_id, f"invalid chunk {push!r} with {payload_len} payload bytes")
+            self.fail(push.transfer_id, f"invalid chunk {push!r} with {payload_len} payload bytes", source=source,
+                      frame="push")
             return None, None
         ack = None
         with self._lock:
@@ -119,6 +132,12 @@ class ReceiveStore:
                 item.transport = transport
                 accepted = item.state is StageState.RECEIVING
                 ack = PushAck(push.transfer_id, accepted, "" if accepted else item.reason)
+            elif item.source != source:
+                self._foreign_locked("push", item, source)
+                return None, PushAck(push.transfer_id, False, f"{DUPLICATE}: another connection pushed "
+                                     f"{push.transfer_id}")
+            if item.state is StageState.COMPLETE and ack is None:  # every block is here: a new transfer, same id
+                return None, PushAck(push.transfer_id, False, f"{DUPLICATE}: {push.transfer_id} was received already")
             if item.state is not StageState.RECEIVING:
                 return None, ack
             item.touched = time.monotonic()
@@ -227,26 +246,37 @@ class ReceiveStore:
         self._release_locked(item)
         self._discarded.pop(item.transfer_id, None)
 
-    def fail(self, transfer_id: str, reason: str, create: bool = True) -> None:
-        """Fail a transfer; with `create`, record the failure even for an unknown id so its load fails fast."""
+    def fail(self, transfer_id: str, reason: str, create: bool = True, source: str = "",
+             frame: str | None = "abort") -> None:
+        """Fail a transfer; with `create`, record the failure even for an unknown id so its load fails fast. With
+        `source` (a connection's `frame` asks), a transfer another connection began is left alone (and counted,
+        unless `frame` is None: several connections may name it)."""
         with self._lock:
             item = self._items.get(transfer_id)
             if item is None and not create:
                 return
             if item is None:
-                item = StagedTransfer(transfer_id, 0, 0, self._block_bytes, "", _EMPTY, time.monotonic())
+                item = StagedTransfer(transfer_id, 0, 0, self._block_bytes, source, _EMPTY, time.monotonic())
                 self._items[transfer_id] = item
+            elif source and item.source != source:
+                if frame is not None:
+                    self._foreign_locked(frame, item, source)
+                return
             self._fail_locked(item, reason)
 
-    def refer(self, transfer_id: str, reason: str) -> None:
+    def refer(self, transfer_id: str, reason: str, source: str = "") -> None:
         """The sender holds this transfer's blocks for a pull instead of pushing them (`reason`): record that, so
-        the load pulls at once. Expected, not an error: no warning."""
+        the load pulls at once. Expected, not an error: no warning. A transfer another connection than `source`
+        began is left alone."""
         with self._lock:
             item = self._items.get(transfer_id)
+            if item is not None and source and item.source != source:
+                self._foreign_locked("pull_instead", item, source)
+                return
             if item is not None:
                 self._fail_locked(item, reason)
                 return
-            item = StagedTransfer(transfer_id, 0, 0, self._block_bytes, "", _EMPTY, time.monotonic())
+            item = StagedTransfer(transfer_id, 0, 0, self._block_bytes, source, _EMPTY, time.monotonic())
             item.state, item.reason = StageState.FAILED, reason
             self._items[transfer_id] = item
             self._settled.notify_all()
