@@ -16,4 +16,6 @@ __version__ = "0.1.0"
 #     PullRequest.by_pipe replaces pipe_runs, one export handle per storage
 # 12  the layout digest names the physical order of a block (LayoutDigest.block_order) and the KV cache's quantized
 #     format (the model factor kv_cache_dtype)
-PROTOCOL_VERSION = 12
+# 13  frames of a connection are signed under a per-connection key and a sequence number (Hello.nonce,
+#     HelloReply.nonce and hello_nonce); HelloReply.idle_s
+PROTOCOL_VERSION = 13

@@ -5,8 +5,12 @@ A frame is a fixed 52-byte prefix, a msgpack-encoded message and an optional raw
     magic "P2KV" | version u16 | reserved u16 | message length u32 | payload length u64 | HMAC-SHA256 (32 bytes)
 
 The HMAC (zeros when no secret is configured) covers the prefix fields and the message, so a message cannot
-be forged or altered; payload bytes are bulk KV and are not covered. Sizes are validated against caps before
-anything is allocated from them.
+be forged or altered. On a connection it also covers the frame's sequence number in its direction (counted by both
+sides, never sent), and every frame after the hello and its reply is keyed with the connection's own key, made
+from the secret and both sides' random nonces (`FrameAuth`): a frame replayed, reordered or moved to another
+connection fails its check. Payload bytes are bulk KV, covered through their digest in the signed message
+(`PushBlocks.digest`, on whenever a secret is set). Sizes are validated against caps before anything is allocated
+from them.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ MAGIC = b"P2KV"
 _PREFIX = struct.Struct("!4sHHIQ")
 MAC_BYTES = 32
 PREFIX_BYTES = _PREFIX.size + MAC_BYTES
+NONCE_BYTES = 16
+_SEQUENCE = struct.Struct("!Q")
+_NO_MAC = bytes(MAC_BYTES)
 
 
 class LayoutDigest(msgspec.Struct, frozen=True):
@@ -188,6 +195,7 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     # Which start of its instance the speaker is (`p2pkv.config.launch_of`; "": not said): a refusal is of that
     # start, and a load whose prefill instance started since does not fail on it (`DecodeParams.prefill_launch`).
     launch: str = ""
+    nonce: bytes = b""  # random, new for each connection (`FrameAuth.bind`); a listener refuses one it has seen
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):
@@ -205,6 +213,8 @@ class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):
     pull_instead: bool = False
     digests: bool = False  # integrity_check on the listener: payloads on this link, both ways, carry their digest
     idle_s: float = 0.0  # the listener closes this connection after so long without a frame; 0: never
+    nonce: bytes = b""  # the listener's, random, new for each connection (`FrameAuth.bind`)
+    hello_nonce: bytes = b""  # the hello's nonce: this reply answers that hello and no other
 
 
 class PipeOpen(msgspec.Struct, tag="pipe_open", frozen=True):
@@ -373,15 +383,56 @@ class FramePrefix(NamedTuple):  # a tuple: built for every frame, and cheaper th
 
 def _mac(secret: bytes, prefix: bytes, message: bytes) -> bytes:
     if not secret:
-        return bytes(MAC_BYTES)
+        return _NO_MAC
     return hmac.digest(secret, prefix + message, "sha256")  # one-shot: a fifth cheaper than hmac.new
 
 
 def encode_frame(message: Message, payload_len: int, secret: bytes) -> bytes:
-    """Prefix and message bytes of one frame; the caller sends `payload_len` payload bytes after it."""
+    """Prefix and message bytes of one frame standing alone (a datagram: no sequence, no connection key); the
+    caller sends `payload_len` payload bytes after it. Connections sign theirs with `FrameAuth`."""
     body = _encoder.encode(message)
     prefix = _PREFIX.pack(MAGIC, PROTOCOL_VERSION, 0, len(body), payload_len)
     return prefix + _mac(secret, prefix, body) + body
+
+
+class FrameAuth:
+    """How one connection signs and checks its frames: each frame's MAC covers its sequence number in its direction
+    (both sides count, nothing is sent), the prefix and the message. The hello and its reply are keyed with the
+    secret; once the client has the reply, both sides `bind` the connection to its own key, HMAC(secret,
+    "p2pkv connection" + client nonce + listener nonce). Without a secret every MAC is zeros. One `hmac.digest`
+    per frame, as for a datagram."""
+
+    __slots__ = ("_key", "_received", "_secret", "_sent")
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+        self._key = secret
+        self._sent = 0
+        self._received = 0
+
+    def bind(self, client_nonce: bytes, server_nonce: bytes) -> None:
+        if self._secret:
+            self._key = hmac.digest(self._secret, b"p2pkv connection" + client_nonce + server_nonce, "sha256")
+
+    def _mac(self, sequence: int, prefix: bytes, body: bytes) -> bytes:
+        if not self._key:
+            return _NO_MAC
+        return hmac.digest(self._key, _SEQUENCE.pack(sequence) + prefix + body, "sha256")
+
+    def encode(self, message: Message, payload_len: int) -> bytes:
+        """The next frame's prefix and message; frames go on the wire in the order they are encoded."""
+        body = _encoder.encode(message)
+        prefix = _PREFIX.pack(MAGIC, PROTOCOL_VERSION, 0, len(body), payload_len)
+        mac = self._mac(self._sent, prefix, body)
+        self._sent += 1
+        return prefix + mac + body
+
+    def decode(self, prefix_raw: bytes, prefix: FramePrefix, body: bytes) -> Message:
+        """The next frame's message, once its MAC is checked (the sequence then moves on)."""
+        if not hmac.compare_digest(self._mac(self._received, bytes(prefix_raw[: _PREFIX.size]), body), prefix.mac):
+            raise ProtocolError("frame authentication failed")
+        self._received += 1
+        return _decode_body(body)
 
 
 def decode_prefix(raw: bytes, limits: FrameLimits) -> FramePrefix:
@@ -404,6 +455,10 @@ def decode_message(prefix_raw: bytes, prefix: FramePrefix, body: bytes, secret: 
     expected = _mac(secret, bytes(prefix_raw[: _PREFIX.size]), body)
     if not hmac.compare_digest(expected, prefix.mac):
         raise ProtocolError("frame authentication failed")
+    return _decode_body(body)
+
+
+def _decode_body(body: bytes) -> Message:
     try:
         return _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -139,10 +139,12 @@ class TransferEngine:
         if s.transport is Transport.NCCL and pipes is None:
             log.warning("transport nccl: this worker cannot make NCCL pipes (no GPU KV, or no CuPy); using shm or tcp")
         cache_digest = self._cache_digest(device, pipes)
+        # With a secret, payloads are covered by the signed frames through their digests, whatever integrity_check.
+        digests = s.integrity_check or bool(s.secret)
         self._receiver = Receiver(listener, store=self.store, offers=self.offers, layout=self.layout,
                                   metrics=self.metrics, frame_timeout_s=s.transfer_timeout_s, offer=offer,
                                   device=export, pipes=pipes, pipe_setup_s=s.connect_timeout_s,
-                                  pulls_over_device=self._pull_rule(device, pipes), digests=s.integrity_check,
+                                  pulls_over_device=self._pull_rule(device, pipes), digests=digests,
                                   cache_digest=cache_digest, refused=self.refused,
                                   max_connections=s.max_connections, idle_s=s.connection_idle_s)
         self._receiver.start()
@@ -150,7 +152,7 @@ class TransferEngine:
                       device_kind=device.kind if device is not None else "",
                       pipe_kind=pipes.kind if pipes is not None else "",
                       home=DeviceHome(export.kind, export.boot_id, export.device) if export is not None else None,
-                      digests=s.integrity_check, kv_address=str(Address.advertised(s.host, listener.port, s.towards)),
+                      digests=digests, kv_address=str(Address.advertised(s.host, listener.port, s.towards)),
                       launch=s.launch)
         require_shm = s.transport is Transport.SHM
         self._sender = Sender(self._connect, hello, self.metrics, require_shm)

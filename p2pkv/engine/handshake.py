@@ -7,8 +7,10 @@ import logging
 import os
 import time
 
-from p2pkv.errors import IncompatiblePeerError, P2pkvError, TransferError
-from p2pkv.protocol import CmaOffer, CmaStatus, DeviceExport, Hello, HelloReply
+import msgspec
+
+from p2pkv.errors import IncompatiblePeerError, P2pkvError, ProtocolError, TransferError
+from p2pkv.protocol import NONCE_BYTES, CmaOffer, CmaStatus, DeviceExport, Hello, HelloReply
 from p2pkv.transport import cma
 from p2pkv.transport.base import Connection
 from p2pkv.transport.shm import ShmConnection
@@ -44,16 +46,26 @@ def _note_fallback(peer: str, reason: str, loud: bool) -> None:
 
 
 def client_handshake(conn: Connection, hello: Hello, deadline: float, require_shm: bool = False) -> Connection:
-    """Send our layout; raise IncompatiblePeerError with the peer's reasons if it refuses us. Closes on error.
-    Returns the connection to use: `conn` itself, or an shm connection over it."""
+    """Send our layout (under a nonce of its own); raise IncompatiblePeerError with the peer's reasons if it refuses
+    us. Closes on error. Returns the connection to use, bound to its own key: `conn` itself, or an shm connection
+    over it."""
+    hello = msgspec.structs.replace(hello, nonce=os.urandom(NONCE_BYTES))
     try:
         conn.send_frame(hello, (), deadline)
-        got = conn.recv_frame(max(0.0, deadline - time.monotonic()), deadline)
+        try:
+            got = conn.recv_frame(max(0.0, deadline - time.monotonic()), deadline)
+        except TransferError as exc:
+            # A listener that cannot check our hello closes at once and says nothing (nor does one at its cap).
+            raise TransferError(f"{conn.peer} closed the connection at our hello (authentication failed? "
+                                f"auth_secret must be the same on both sides): {exc}") from None
         if got is None or not isinstance(got[0], HelloReply):
             raise TransferError(f"no handshake reply from {conn.peer}")
         reply = got[0]
+        if reply.hello_nonce != hello.nonce:
+            raise ProtocolError(f"authentication failed: the reply of {conn.peer} answers another hello")
         if not reply.accepted:
             raise IncompatiblePeerError(f"peer {conn.peer} refused us: {reply.reason}")
+        conn.bind(hello.nonce, reply.nonce)
         conn.peer_device = reply.device
         conn.peer_pipe = reply.pipe_kind if reply.pipe_kind == hello.pipe_kind else ""
         conn.pull_instead = reply.pull_instead
@@ -86,14 +98,19 @@ def server_reply(conn: Connection, hello: Hello, offer: CmaOffer | None, deadlin
     integrity; the link does when either side asks. `idle_s`: how long we keep the connection without a frame."""
     export = device if device is not None and hello.device_kind == device.kind else None
     pipe = pipe_kind if pipe_kind and hello.pipe_kind == pipe_kind else ""
+    nonce = os.urandom(NONCE_BYTES)
     if offer is None or hello.cma is None or not isinstance(conn, TcpConnection):
         conn.send_frame(HelloReply(accepted=True, device=export, pipe_kind=pipe, pull_instead=pull_instead,
-                                   digests=digests, idle_s=idle_s), (), deadline)
+                                   digests=digests, idle_s=idle_s, nonce=nonce, hello_nonce=hello.nonce), (),
+                        deadline)
+        conn.bind(hello.nonce, nonce)
         conn.peer_pipe, conn.digests = pipe, digests or hello.digests
         return conn
     reason = why_unreadable(hello.cma)
     conn.send_frame(HelloReply(accepted=True, cma=offer, reads_you=not reason, device=export, pipe_kind=pipe,
-                               pull_instead=pull_instead, digests=digests, idle_s=idle_s), (), deadline)
+                               pull_instead=pull_instead, digests=digests, idle_s=idle_s, nonce=nonce,
+                               hello_nonce=hello.nonce), (), deadline)
+    conn.bind(hello.nonce, nonce)
     # The client answers our offer with a CmaStatus frame, which the shm connection consumes.
     shm = ShmConnection(conn, hello.cma.pid, sends_by_reference=False, reads_by_reference=not reason)
     shm.peer_pipe, shm.digests = pipe, digests or hello.digests

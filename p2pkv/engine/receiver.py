@@ -7,6 +7,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from p2pkv.engine.device import CacheDigest, Pipe, PipeMaker, Placed, PlaceSource
@@ -20,6 +21,7 @@ from p2pkv.engine.store import ReceiveStore
 from p2pkv.errors import P2pkvError, ProtocolError, TransferError
 from p2pkv.integrity import digest, frame_mismatch, hasher
 from p2pkv.protocol import (
+    NONCE_BYTES,
     BlockPlaces,
     CmaOffer,
     DeviceExport,
@@ -48,6 +50,7 @@ _POLL_S = 0.2
 # next accept, so the listener neither spins nor gives up while the shortage lasts.
 _BACKOFF_S = 0.1
 _MAX_RENEWALS = 65536  # transfers renewed per frame at most (a decode instance's waiting queue is far shorter)
+_NONCES_KEPT = 1 << 16  # hello nonces remembered, to refuse a hello played again
 _MAX_REFUSED = 4096  # refusals remembered per connection (each answered once); forgotten all at once beyond
 
 
@@ -83,12 +86,13 @@ class Receiver:
         self._max_connections = max_connections
         self._idle_s = idle_s
         self._refusals = Occasional(log)
+        self._bad_frames = Occasional(log)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._readers: dict[threading.Thread, Connection] = {}
+        self._nonces: OrderedDict[bytes, None] = OrderedDict()
         self._serial = itertools.count()  # names each connection's transfers apart from any other's
         self._thread = engine_thread(self._accept_loop, "p2pkv-listener")
-        self._warned_bad_frame = False
 
     def start(self) -> None:
         self._thread.start()
@@ -135,10 +139,7 @@ class Receiver:
     def _bad_frame(self, peer: str, exc: Exception) -> None:
         self._metrics.bad_frames.inc()
         self._metrics.add("bad_frames", 1)
-        if not self._warned_bad_frame:
-            self._warned_bad_frame = True
-            log.warning("dropping connection from %s after a bad frame: %s (further ones are only counted)",
-                        peer, exc)
+        self._bad_frames.note(logging.WARNING, "dropping the connection from %s after a bad frame: %s", peer, exc)
 
     def _handshake(self, conn: Connection) -> tuple[Connection, bool] | None:
         """The connection to serve (shm or plain) and whether the peer holds other heads or layers than this worker
@@ -149,6 +150,8 @@ class Receiver:
         hello, payload_len = got
         if not isinstance(hello, Hello) or payload_len:
             raise ProtocolError(f"expected a hello frame, got {type(hello).__name__}")
+        if not self._fresh(hello.nonce):
+            raise ProtocolError("authentication failed: a hello played again (its nonce was seen before)")
         diffs = self._layout.differences(hello.layout)
         deadline = time.monotonic() + self._frame_timeout_s
         if diffs:
@@ -161,7 +164,7 @@ class Receiver:
             self._metrics.refused_peers.inc()
             if hello.kv_address:  # GET: what it was to pull will not reach it, nor be pulled by another
                 self._offers.refused(hello.kv_address, reason)
-            conn.send_frame(HelloReply(accepted=False, reason=reason), (), deadline)
+            conn.send_frame(HelloReply(accepted=False, reason=reason, hello_nonce=hello.nonce), (), deadline)
             return None
         self.refused.accepted(hello.kv_address)
         sliced = self._layout.sliced_with(hello.layout)  # pulls slices over tcp or shm: no device path for them
@@ -170,6 +173,19 @@ class Receiver:
                               self._maker.kind if self._maker is not None else "", pull_instead, self._digests,
                               self._idle_s)
         return served, sliced
+
+    def _fresh(self, nonce: bytes) -> bool:
+        """A hello's nonce is new: of the right size, and not among the latest hellos' (the oldest are forgotten;
+        a hello played again after that gets a reply, but its connection's next frame fails: the key is new)."""
+        if len(nonce) != NONCE_BYTES:
+            return False
+        with self._lock:
+            if nonce in self._nonces:
+                return False
+            self._nonces[nonce] = None
+            if len(self._nonces) > _NONCES_KEPT:
+                self._nonces.popitem(last=False)
+        return True
 
     def _join_pipe(self, conn: Connection, ask: PipeOpen, slot: PipeSlot | None) -> PipeSlot:
         """The client is making a pipe for this connection: join it on a thread of its own."""

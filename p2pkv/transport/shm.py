@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from p2pkv.errors import ProtocolError, TransferError
 from p2pkv.integrity import Hasher
-from p2pkv.protocol import CmaStatus, DeviceExport, Message, PayloadCopied, PushBlocks, encode_frame
+from p2pkv.protocol import CmaStatus, DeviceExport, Message, PayloadCopied, PushBlocks
 from p2pkv.transport import cma
 from p2pkv.transport.split_read import SplitReader
 from p2pkv.transport.tcp import TcpConnection
@@ -64,7 +64,6 @@ class ShmConnection:
         self.peer_pid = peer_pid
         self.sends_by_reference = sends_by_reference
         self.reads_by_reference = reads_by_reference
-        self._secret = inner.secret
         self._reader = SplitReader(peer_pid)  # no thread until a large payload is read
         # The payload being read: its frame, and the peer's ranges not yet copied.
         self._frame: PushBlocks | None = None
@@ -84,10 +83,13 @@ class ShmConnection:
         buffers: list[bytes] = []
         for message, payload in frames:
             total = sum(v.nbytes for v in payload)
-            buffers.append(encode_frame(message, total, self._secret))
+            buffers.append(self._inner.encode(message, total))
             if total:
                 buffers.append(encode_ranges(payload))
         self._inner.send_buffers(buffers, deadline)
+
+    def bind(self, client_nonce: bytes, server_nonce: bytes) -> None:
+        self._inner.bind(client_nonce, server_nonce)
 
     def queue_frame(self, message: Message) -> None:
         self._inner.queue_frame(message)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from p2pkv.errors import TransferError, TransferTimeout
 from p2pkv.integrity import Hasher
 from p2pkv.params import Address
-from p2pkv.protocol import PREFIX_BYTES, DeviceExport, FrameLimits, Message, decode_message, decode_prefix, encode_frame
+from p2pkv.protocol import PREFIX_BYTES, DeviceExport, FrameAuth, FrameLimits, Message, decode_prefix
 
 _SOCKET_BUFFER = 4 << 20
 _READ_BUFFER = 64 << 10
@@ -63,7 +63,7 @@ class TcpConnection:
         sock.setblocking(False)
         self._sock = sock
         self.peer = peer
-        self._secret = secret
+        self._auth = FrameAuth(secret)
         self._limits = limits
         self._closed = False
         self._readable = select.poll()
@@ -78,9 +78,13 @@ class TcpConnection:
         self._lowat = 1  # the socket's SO_RCVLOWAT
         self._lowat_cap = max(1, min(_LOWAT, sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2))
 
-    @property
-    def secret(self) -> bytes:
-        return self._secret
+    def bind(self, client_nonce: bytes, server_nonce: bytes) -> None:
+        """The handshake is done: later frames both ways are signed with this connection's own key."""
+        self._auth.bind(client_nonce, server_nonce)
+
+    def encode(self, message: Message, payload_len: int) -> bytes:
+        """The next frame's prefix and message, signed in sequence: to be sent before any frame encoded after it."""
+        return self._auth.encode(message, payload_len)
 
     @property
     def buffered(self) -> int:
@@ -108,7 +112,7 @@ class TcpConnection:
         """Several frames in as few system calls as the socket allows."""
         buffers: list[memoryview | bytes] = []
         for message, payload in frames:
-            buffers.append(encode_frame(message, sum(v.nbytes for v in payload), self._secret))
+            buffers.append(self._auth.encode(message, sum(v.nbytes for v in payload)))
             buffers.extend(payload)
         self.send_buffers(buffers, deadline)
 
@@ -117,7 +121,7 @@ class TcpConnection:
         old or long (checked as each frame is read)."""
         if not self._outbox:
             self._queued_at = time.monotonic()
-        self._outbox.append(encode_frame(message, 0, self._secret))
+        self._outbox.append(self._auth.encode(message, 0))
 
     def flush(self, deadline: float) -> None:
         if self._outbox:
@@ -255,7 +259,7 @@ class TcpConnection:
         raw = self._take_bytes(PREFIX_BYTES, deadline)
         prefix = decode_prefix(raw, self._limits)
         body = self._take_bytes(prefix.message_len, deadline)
-        return decode_message(raw, prefix, body, self._secret), prefix.payload_len
+        return self._auth.decode(raw, prefix, body), prefix.payload_len
 
     def recv_payload_into(self, view: memoryview, deadline: float, hasher: Hasher | None = None) -> None:
         self.recv_exact_into(view, deadline, hasher)

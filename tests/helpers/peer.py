@@ -22,9 +22,10 @@ import numpy as np
 
 from p2pkv.config import ExtraConfig, Transport
 from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.handshake import client_handshake
 from p2pkv.engine.sender import OutState
 from p2pkv.params import Address
-from p2pkv.protocol import FrameLimits, Hello, LayoutDigest, PushBlocks, encode_frame
+from p2pkv.protocol import FrameLimits, Hello, LayoutDigest, PushBlocks
 from p2pkv.transport.tcp import TcpConnection
 
 TRANSPORT_ENV = "P2PKV_TEST_TRANSPORT"
@@ -107,10 +108,9 @@ def serve(layers: int, block_bytes: int, secret: str) -> None:
 
 def stall(peer: Address, transfer_id: str, block_bytes: int) -> None:
     conn = TcpConnection.connect(peer, time.monotonic() + 5, b"", FrameLimits())
-    conn.send_frame(Hello("stall", 0, layout(1, block_bytes)), (), time.monotonic() + 5)
-    assert conn.recv_frame(5, time.monotonic() + 5) is not None
+    assert client_handshake(conn, Hello("stall", 0, layout(1, block_bytes)), time.monotonic() + 5) is conn
     half = memoryview(bytes(2 * block_bytes))[: block_bytes]
-    frame = encode_frame(PushBlocks(transfer_id, 0, 0, 2, 2, 1), 2 * block_bytes, b"")
+    frame = conn.encode(PushBlocks(transfer_id, 0, 0, 2, 2, 1), 2 * block_bytes)
     conn._sock.sendall(frame + bytes(half))
     print(json.dumps({"state": "stalled"}), flush=True)
     time.sleep(600)

@@ -10,11 +10,13 @@ import pytest
 import xxhash
 
 from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.handshake import client_handshake
 from p2pkv.engine.store import StageState
 from p2pkv.errors import ProtocolError
 from p2pkv.integrity import DigestMismatch, digest, frame_mismatch
 from p2pkv.params import Address
 from p2pkv.protocol import FrameLimits, Hello, PushBlocks
+from p2pkv.transport.base import Connection
 from p2pkv.transport.tcp import TcpConnection
 from tests.helpers.peer import SCRIBBLE_ENV, TRANSPORT_ENV, engine_config, layout, payload
 from tests.helpers.procs import BLOCK_BYTES, BLOCKS, LAYERS, Offerer, Peer
@@ -183,10 +185,10 @@ def test_pulls_on_a_checking_link_land_whole_and_are_counted(checking: TransferE
 
 
 def test_a_push_without_a_digest_on_a_checking_link_is_a_bad_frame(checking: TransferEngine) -> None:
-    conn = TcpConnection.connect(Address.parse(checking.address), time.monotonic() + 5, b"", FrameLimits())
+    conn: Connection = TcpConnection.connect(Address.parse(checking.address), time.monotonic() + 5, b"",
+                                             FrameLimits())
     try:
-        conn.send_frame(Hello("raw", 0, layout(LAYERS, BLOCK_BYTES)), (), time.monotonic() + 5)
-        assert conn.recv_frame(5, time.monotonic() + 5) is not None
+        conn = client_handshake(conn, Hello("raw", 0, layout(LAYERS, BLOCK_BYTES)), time.monotonic() + 5)
         body = memoryview(bytes(BLOCKS * BLOCK_BYTES))
         conn.send_frame(PushBlocks("bare", 0, 0, BLOCKS, BLOCKS, LAYERS), (body,), time.monotonic() + 5)
         deadline = time.monotonic() + 10

@@ -14,7 +14,7 @@ import pytest
 from p2pkv.engine.sender import PushJob, _frames
 from p2pkv.errors import TransferTimeout
 from p2pkv.params import Address
-from p2pkv.protocol import FrameLimits, PayloadCopied, PushAck, PushBlocks, encode_frame
+from p2pkv.protocol import FrameLimits, PayloadCopied, PushAck, PushBlocks
 from p2pkv.transport.tcp import TcpConnection, tune_socket
 
 
@@ -203,7 +203,7 @@ def test_a_large_payload_is_waited_for_by_the_mib_never_past_its_end_and_later_f
     payload = np.random.default_rng(6).integers(0, 256, 2 * cap + tail, np.uint8)
 
     def send_in_three() -> None:  # each part arrives once the reader already waits for it
-        sender.send_buffers([encode_frame(PushBlocks("t", 0, 0, 1, 1, 1), payload.size, b"k"),
+        sender.send_buffers([sender.encode(PushBlocks("t", 0, 0, 1, 1, 1), payload.size),
                              memoryview(payload[:cap].data)], soon())
         time.sleep(0.3)
         sender.send_buffers([memoryview(payload[cap : 2 * cap].data)], soon())
