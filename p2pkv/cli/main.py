@@ -112,6 +112,12 @@ def _bench_plan(args: argparse.Namespace) -> int:
                       args.repeats)
 
 
+def _bench_abuse(args: argparse.Namespace) -> int:
+    from p2pkv.bench.abuse import main as bench_abuse
+
+    return bench_abuse()
+
+
 def _bench_proxy(args: argparse.Namespace) -> int:
     from p2pkv.bench.proxy import main as bench_proxy
 
@@ -293,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     bproxy.add_argument("--requests", type=int, default=2000)
     bproxy.add_argument("--concurrency", type=int, default=16)
     bproxy.set_defaults(func=_bench_proxy)
+    babuse = bench.add_parser("abuse", help="every attack on the proxy and the KV port while good traffic flows: "
+                                            "good p50/p99 against a same-run baseline, descriptors, threads, memory")
+    babuse.set_defaults(func=_bench_abuse)
 
     tiny = sub.add_parser("tiny-model", help="write the tiny test model (deterministic, no network) to DIR")
     tiny.add_argument("dir")
