@@ -28,7 +28,9 @@ def _proxy(args: argparse.Namespace) -> int:
                          decode_policy=args.decode_policy, api_key=os.environ.get("P2PKV_PROXY_API_KEY", ""),
                          discovery_host=args.discovery_host, discovery_port=args.discovery_port,
                          heartbeat_misses=args.heartbeat_misses, secret=os.environ.get(AUTH_SECRET_ENV, ""),
-                         probe_interval_s=args.probe_interval)
+                         probe_interval_s=args.probe_interval,
+                         allow_unauthenticated_discovery=args.allow_unauthenticated_discovery,
+                         max_instances=args.max_instances)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -134,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--discovery-host", default="", help="where heartbeats are received (default: --host)")
     proxy.add_argument("--discovery-port", type=int, default=30001,
                        help="ZMQ port for instance heartbeats, old and new format (0: static lists only)")
+    proxy.add_argument("--allow-unauthenticated-discovery", action="store_true",
+                       help="take unsigned heartbeats on a discovery port beyond loopback (without it, such a proxy "
+                            "needs P2PKV_AUTH_SECRET): anyone who reaches the port can join the cluster")
+    proxy.add_argument("--max-instances", type=int, default=256,
+                       help="instances known at once; heartbeats of new ones beyond are refused")
     proxy.add_argument("--heartbeat-misses", type=float, default=3.0,
                        help="heartbeat intervals an instance may miss before it is dropped")
     proxy.add_argument("--probe-interval", type=float, default=10.0,

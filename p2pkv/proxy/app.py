@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from p2pkv.config import AUTH_SECRET_ENV
 from p2pkv.proxy.control import add_control_routes
 from p2pkv.proxy.discovery import DiscoveryListener, start
 from p2pkv.proxy.instances import ProxyConfig
@@ -42,9 +43,12 @@ def create_app(config: ProxyConfig) -> FastAPI:
             app.state.router = router
             task: asyncio.Task[None] | None = None
             if config.discovery_port:
-                host = config.discovery_host or config.host
-                if not config.secret and host not in ("127.0.0.1", "::1", "localhost"):
-                    log.warning("discovery on %s accepts unauthenticated heartbeats; set P2PKV_AUTH_SECRET", host)
+                host = config.discovery_bind
+                if config.unauthenticated_beyond_loopback:  # only with --allow-unauthenticated-discovery
+                    log.warning("UNAUTHENTICATED DISCOVERY on %s:%d (--allow-unauthenticated-discovery): anyone who "
+                                "reaches this port can add instances that receive client requests, or take over "
+                                "expired ones; set %s on the proxy and the instances instead", host,
+                                config.discovery_port, AUTH_SECRET_ENV)
                 listener = DiscoveryListener(host, config.discovery_port, config.secret.encode(), router.announce,
                                              router.metrics.heartbeats.labels("refused").inc)
                 task = start(listener)
