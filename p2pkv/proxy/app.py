@@ -10,13 +10,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from p2pkv.config import AUTH_SECRET_ENV
+from p2pkv.proxy.admin import admin_refusal
 from p2pkv.proxy.control import add_control_routes
 from p2pkv.proxy.discovery import DiscoveryListener, start
 from p2pkv.proxy.instances import ProxyConfig
+from p2pkv.proxy.limits import BodyLimit
 from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.passthrough import add_passthrough_routes
 from p2pkv.proxy.poll import StaticPoller
@@ -67,6 +69,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
                             await running
 
     app = FastAPI(title="p2pkv proxy", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=int(config.max_body_mb * (1 << 20)), timeout_s=config.body_timeout_s)
 
     async def route(request: Request, path: str) -> Response:
         router: Router = request.app.state.router
@@ -115,15 +118,21 @@ def create_app(config: ProxyConfig) -> FastAPI:
     add_control_routes(app)
 
     @app.get("/instances")
-    async def instances(request: Request) -> dict[str, list[dict[str, object]]]:
+    async def instances(request: Request) -> Response:
         router: Router = request.app.state.router
+        refusal = admin_refusal(request, config.admin_key)
+        if refusal is not None:
+            return refusal
         for pool in router.pools:
             pool.prune()
-        return {"instances": [s.describe() for pool in router.pools for s in pool.states]}
+        return JSONResponse({"instances": [s.describe() for pool in router.pools for s in pool.states]})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         router: Router = request.app.state.router
+        refusal = admin_refusal(request, config.admin_key)
+        if refusal is not None:
+            return refusal
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")

@@ -22,9 +22,11 @@ from fastapi.responses import Response, StreamingResponse
 
 from p2pkv.discovery import Announcement
 from p2pkv.params import Address, DiscardParams, PrefillParams, ProbeParams
+from p2pkv.proxy.admin import bearer_is, instance_headers
 from p2pkv.proxy.batch import batch_prompts, merge, merge_streams, trace_headers
 from p2pkv.proxy.discard import Discarder, discard_of
 from p2pkv.proxy.instances import Instance, ProxyConfig
+from p2pkv.proxy.limits import MAX_NESTING, too_deep
 from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.pairs import Said, news, refusals, why_not_paired
 from p2pkv.proxy.passthrough import forward_headers, holder
@@ -181,8 +183,7 @@ class Router:
     async def static_probe(self, instance: Instance) -> dict[str, Any]:
         """A probe of a static instance for what its heartbeats would say (`p2pkv.proxy.poll`, which bounds it),
         with the key the proxy passes on to instances."""
-        key = self.config.api_key
-        return await self._probe(instance, {"authorization": f"Bearer {key}"} if key else {})
+        return await self._probe(instance, instance_headers(self.config.api_key))
 
     async def _probe(self, instance: Instance, headers: dict[str, str]) -> dict[str, Any]:
         headers = instance.headers(headers)
@@ -198,19 +199,22 @@ class Router:
         return dict(answer)
 
     def authorized(self, request: Request) -> bool:
-        key = self.config.api_key
-        return not key or request.headers.get("authorization") == f"Bearer {key}"
+        return not self.config.api_key or bearer_is(request, self.config.api_key)
 
     async def handle(self, request: Request, path: str) -> Response:
         started = time.monotonic()
         try:
             body: Any = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             self.metrics.requests.labels("bad_request").inc()
             return error_response(400, "request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
             self.metrics.requests.labels("bad_request").inc()
             return error_response(400, "request body must be a JSON object", "invalid_request_error")
+        if too_deep(body):
+            self.metrics.requests.labels("bad_request").inc()
+            return error_response(400, f"request body nests deeper than {MAX_NESTING} levels",
+                                  "invalid_request_error")
         if not self.running.is_set():
             remaining = self.config.request_timeout_s - (time.monotonic() - started)
             try:
@@ -220,6 +224,10 @@ class Router:
                 return error_response(503, "the cluster is paused (POST /resume to the proxy resumes it)")
         headers = forward_headers(request)
         prompts = batch_prompts(body, path)
+        if prompts is not None and len(prompts) > self.config.max_prompts:
+            self.metrics.requests.labels("bad_request").inc()
+            return error_response(400, f"{len(prompts)} prompts in one request: at most {self.config.max_prompts} "
+                                  "(--max-prompts)", "invalid_request_error")
         if prompts is not None:
             return await self._batch(body, prompts, path, headers, started)
         return await self._one(body, path, headers, started)
@@ -259,7 +267,7 @@ class Router:
             return RelayResponse(events, [events.aclose, *(r.aclose for r in relays)], headers)
         try:
             merged = merge([bytes(a.body) for a in answers])
-        except (ValueError, TypeError, AttributeError) as exc:
+        except (ValueError, TypeError, AttributeError, RecursionError) as exc:
             return error_response(502, f"an answer to a prompt of the batch is not a completion: {exc!r}")
         return Response(merged, media_type="application/json", headers=headers)
 

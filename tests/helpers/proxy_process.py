@@ -4,6 +4,7 @@ messages, as an attacker on the network would send them."""
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -54,6 +55,12 @@ class ProxyProcess:
         instances: list[dict[str, Any]] = self.get("/instances").json()["instances"]
         return instances
 
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.popen.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
     def metric(self, name: str) -> float:
         for line in self.get("/metrics").text.splitlines():
             if line.startswith(name + " "):
@@ -62,14 +69,17 @@ class ProxyProcess:
 
 
 @contextmanager
-def proxy_process(log_dir: Path, *args: str, env: dict[str, str] | None = None, host: str = "127.0.0.1"
-                  ) -> Iterator[ProxyProcess]:
-    """A proxy started with `args` (after its ports), healthy, stopped after."""
+def proxy_process(log_dir: Path, *args: str, env: dict[str, str] | None = None, host: str = "127.0.0.1",
+                  open_files: int = 0) -> Iterator[ProxyProcess]:
+    """A proxy started with `args` (after its ports), healthy, stopped after; `open_files`: its limit of open
+    files, which it cannot raise."""
     port, discovery_port = free_ports(2)
     log_path = log_dir / f"proxy-{port}.log"
     with log_path.open("wb") as log:
+        limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))) if open_files else None
         popen = subprocess.Popen(proxy_argv(port, discovery_port, *args, host=host), stdout=log,
-                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=proxy_env(env))
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=proxy_env(env),
+                                 preexec_fn=limit)
     proxy = ProxyProcess(f"http://127.0.0.1:{port}", port, discovery_port, log_path, popen)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
