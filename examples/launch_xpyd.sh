@@ -9,7 +9,7 @@
 # Environment: MODEL (required), P, D (default 1 each), DP (each instance's --data-parallel-size, 1: the proxy then
 # routes to each engine of an instance apart, see docs/deployment.md), FIRST_GPU (0), HOST (this host's address, default
 # 127.0.0.1), PROXY_PORT (10001), DISCOVERY_PORT (30001), BASE_HTTP (8100), BASE_KV (21001), EXTRA_ARGS (more vLLM
-# arguments, e.g. "--max-model-len 8192"), READY_TIMEOUT (seconds, 900), P2PKV_AUTH_SECRET (optional: signs every control frame and heartbeat),
+# arguments, e.g. "--max-model-len 8192"), READY_TIMEOUT (seconds, 900), P2PKV_AUTH_SECRET (signs every control frame and heartbeat; required where HOST is not loopback),
 # FAILURE_POLICY (kv_load_failure_policy, recompute): with "fail" a decode instance whose KV did not arrive fails the
 # request instead of prefilling it among its decodes, and the proxy sends it again as a new transfer through another
 # prefill instance (p2pkv proxy --transfer-retries, 1). DECODE_SEND_TYPE (optional): GET has the decode instances pull

@@ -10,13 +10,15 @@
    reload failed on some instances only, the proxy pairs no prefill and decode instances across that split until
    a reload reaches them all: run this again once the checkpoint is readable everywhere).
 
-The instances must serve vLLM's dev-mode endpoints (`VLLM_SERVER_DEV_MODE=1`). Exit status 0 only if all three
-steps succeeded on every instance.
+The instances must serve vLLM's dev-mode endpoints (`VLLM_SERVER_DEV_MODE=1`). These are the proxy's admin routes:
+run this on the proxy's host, or give the proxy's admin key (`--admin-key`, or `P2PKV_PROXY_ADMIN_KEY`). Exit status
+0 only if all three steps succeeded on every instance.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -42,8 +44,8 @@ def step(client: httpx.Client, what: str, path: str, **kwargs: Any) -> bool:
     return resp.status_code == 200
 
 
-def update(proxy: str, weights: str, api_key: str = "", timeout_s: float = 600.0) -> bool:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def update(proxy: str, weights: str, admin_key: str = "", timeout_s: float = 600.0) -> bool:
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     rpc = {"method": "reload_weights", "kwargs": {"weights_path": weights}}
     with httpx.Client(base_url=proxy, headers=headers, timeout=timeout_s) as client:
         if not step(client, "pause", "/pause"):
@@ -59,10 +61,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--proxy", default="http://127.0.0.1:10001", help="p2pkv proxy URL")
     parser.add_argument("--weights", required=True, help="checkpoint directory every instance can read")
-    parser.add_argument("--api-key", default="", help="the proxy's API key, if it has one")
+    parser.add_argument("--admin-key", default=os.environ.get("P2PKV_PROXY_ADMIN_KEY", ""),
+                        help="the proxy's admin key, if it has one (default: $P2PKV_PROXY_ADMIN_KEY)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds each step may take")
     args = parser.parse_args()
-    return 0 if update(args.proxy, args.weights, args.api_key, args.timeout) else 1
+    return 0 if update(args.proxy, args.weights, args.admin_key, args.timeout) else 1
 
 
 if __name__ == "__main__":

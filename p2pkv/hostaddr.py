@@ -10,6 +10,7 @@ other host can reach."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 
@@ -42,3 +43,17 @@ def advertised_host(bound: str, towards: str = "") -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address to bind or a client's address) is on loopback only: 127.0.0.0/8, ::1 (also as
+    an IPv4-mapped address) or `localhost`. A wildcard or any other name is not."""
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host.strip("[]").partition("%")[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback

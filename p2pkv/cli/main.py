@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ def _proxy(args: argparse.Namespace) -> int:
 
     from p2pkv.config import AUTH_SECRET_ENV
     from p2pkv.proxy import Instance, ProxyConfig, create_app
+    from p2pkv.proxy.admin import ADMIN_KEY_ENV, API_KEY_ENV
 
     config = ProxyConfig(prefill=tuple(Instance.parse(p) for p in args.prefill),
                          decode=tuple(Instance.parse(d) for d in args.decode), host=args.host, port=args.port,
@@ -25,12 +27,35 @@ def _proxy(args: argparse.Namespace) -> int:
                          prefill_retries=args.prefill_retries, transfer_retries=args.transfer_retries,
                          stream_resumes=args.stream_resumes,
                          prefill_policy=args.prefill_policy,
-                         decode_policy=args.decode_policy, api_key=os.environ.get("P2PKV_PROXY_API_KEY", ""),
+                         decode_policy=args.decode_policy, api_key=os.environ.get(API_KEY_ENV, ""),
+                         admin_key=os.environ.get(ADMIN_KEY_ENV, ""),
                          discovery_host=args.discovery_host, discovery_port=args.discovery_port,
                          heartbeat_misses=args.heartbeat_misses, secret=os.environ.get(AUTH_SECRET_ENV, ""),
-                         probe_interval_s=args.probe_interval)
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
+                         probe_interval_s=args.probe_interval,
+                         allow_unauthenticated_discovery=args.allow_unauthenticated_discovery,
+                         max_instances=args.max_instances, max_body_mb=args.max_body_mb,
+                         max_prompts=args.max_prompts, max_connections=args.max_connections,
+                         body_timeout_s=args.body_timeout)
+    _raise_fd_limit(config.max_connections)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning",
+                limit_concurrency=config.max_connections)
     return 0
+
+
+def _raise_fd_limit(connections: int) -> None:
+    """Open files up to the hard limit: each client request may hold three sockets (its own, a prefill's and a
+    decode's); out of them, the proxy could accept no connection, not even from a good client."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(ValueError, OSError):  # an unlimited hard limit may be above the kernel's
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if soft != resource.RLIM_INFINITY and soft < 3 * connections + 64:
+        logging.getLogger("p2pkv.proxy").warning(
+            "open files are limited to %d: fewer than --max-connections %d may be served at once (raise ulimit -n)",
+            soft, connections)
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
@@ -130,7 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     proxy = sub.add_parser("proxy", help="run the prefill/decode routing proxy",
                            epilog="Set P2PKV_PROXY_API_KEY to require 'Authorization: Bearer <key>' from clients, "
-                                  "and P2PKV_AUTH_SECRET to accept only heartbeats signed with that secret.")
+                                  "P2PKV_PROXY_ADMIN_KEY to open the admin routes (/pause, /resume, "
+                                  "/reset_prefix_cache, /is_paused, /collective_rpc, /instances, /metrics) to "
+                                  "'Authorization: Bearer <admin key>' (without it they answer loopback only), and "
+                                  "P2PKV_AUTH_SECRET to accept only heartbeats signed with that secret.")
     proxy.add_argument("--host", default="127.0.0.1")
     proxy.add_argument("--port", type=int, default=10001)
     proxy.add_argument("--prefill", nargs="*", default=[], metavar="HOST:PORT",
@@ -140,6 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--discovery-host", default="", help="where heartbeats are received (default: --host)")
     proxy.add_argument("--discovery-port", type=int, default=30001,
                        help="ZMQ port for instance heartbeats, old and new format (0: static lists only)")
+    proxy.add_argument("--allow-unauthenticated-discovery", action="store_true",
+                       help="take unsigned heartbeats on a discovery port beyond loopback (without it, such a proxy "
+                            "needs P2PKV_AUTH_SECRET): anyone who reaches the port can join the cluster")
+    proxy.add_argument("--max-instances", type=int, default=256,
+                       help="instances known at once; heartbeats of new ones beyond are refused")
+    proxy.add_argument("--max-body-mb", type=float, default=16.0,
+                       help="largest request body in MiB; larger ones are answered 413")
+    proxy.add_argument("--max-prompts", type=int, default=256,
+                       help="prompts in one completion request; more are answered 400")
+    proxy.add_argument("--max-connections", type=int, default=1024,
+                       help="connections and requests served at once; more are answered 503")
+    proxy.add_argument("--body-timeout", type=float, default=30.0,
+                       help="seconds a client may take to send its request body; slower ones are answered 408")
     proxy.add_argument("--heartbeat-misses", type=float, default=3.0,
                        help="heartbeat intervals an instance may miss before it is dropped")
     proxy.add_argument("--probe-interval", type=float, default=10.0,

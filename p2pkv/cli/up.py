@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import shlex
 import signal
 import sys
@@ -16,7 +18,7 @@ from types import FrameType
 from typing import Any
 
 from p2pkv.bench.cluster import Cluster, InstanceSpec, free_port, free_ports, wait_for_huge_pages
-from p2pkv.config import parse_extra_config
+from p2pkv.config import AUTH_SECRET_ENV, parse_extra_config
 from p2pkv.errors import ConfigError, P2pkvError
 from p2pkv.models import ModelUnavailable, resolve_model
 from p2pkv.proxy.trace import TRANSFER_HEADER
@@ -70,6 +72,11 @@ def _vllm_args(text: str, option: str) -> tuple[str, ...]:
 def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[Cluster, dict[str, Any]]:
     """The cluster to start, and what the ready file will say about it."""
     cluster = Cluster(model=model, log_dir=log_dir, host=args.host, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb)
+    shared = _extra_config(args.extra_config)
+    if not shared.get("auth_secret") and not os.environ.get(AUTH_SECRET_ENV):
+        # Heartbeats and KV frames are signed, also on loopback: any local user could otherwise join the cluster.
+        # Passed in the environment (read by the connector and the proxy), not on command lines anyone can list.
+        cluster.extra_env[AUTH_SECRET_ENV] = secrets.token_hex(32)
     n = args.prefill + args.decode
     # Rank r of an instance (over its pipeline stages and data-parallel engines) binds its KV and metrics ports + r.
     ranks = max(args.prefill_tp * args.prefill_pp * args.prefill_dp, args.decode_tp * args.decode_pp * args.decode_dp)
@@ -88,7 +95,6 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
     own_vllm = {role: _vllm_args(text, f"--{role}-vllm-args")
                 for role, text in (("prefill", args.prefill_vllm_args), ("decode", args.decode_vllm_args))}
     # The instances find the proxy by heartbeats, as in a real deployment; nothing is listed statically.
-    shared = _extra_config(args.extra_config)
     extra = {"send_type": args.send_type, "proxy_ip": args.host, "proxy_port": discovery_port, **shared}
     own = {role: _extra_config(text, f"--{role}-extra-config", shared)
            for role, text in (("prefill", args.prefill_extra_config), ("decode", args.decode_extra_config))}
@@ -203,6 +209,9 @@ def run_up(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    if AUTH_SECRET_ENV in cluster.extra_env:
+        _say(f"heartbeats and KV frames are signed with a secret generated for this cluster (set {AUTH_SECRET_ENV} "
+             "or auth_secret in --extra-config to choose it)")
     _say(f"starting {args.prefill} prefill and {args.decode} decode vLLM instances; logs in {log_dir}")
     try:
         cluster.start(args.ready_timeout, progress=_say)

@@ -10,12 +10,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from p2pkv.config import AUTH_SECRET_ENV
+from p2pkv.proxy.admin import admin_refusal
 from p2pkv.proxy.control import add_control_routes
 from p2pkv.proxy.discovery import DiscoveryListener, start
 from p2pkv.proxy.instances import ProxyConfig
+from p2pkv.proxy.limits import BodyLimit
 from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.passthrough import add_passthrough_routes
 from p2pkv.proxy.poll import StaticPoller
@@ -42,9 +45,12 @@ def create_app(config: ProxyConfig) -> FastAPI:
             app.state.router = router
             task: asyncio.Task[None] | None = None
             if config.discovery_port:
-                host = config.discovery_host or config.host
-                if not config.secret and host not in ("127.0.0.1", "::1", "localhost"):
-                    log.warning("discovery on %s accepts unauthenticated heartbeats; set P2PKV_AUTH_SECRET", host)
+                host = config.discovery_bind
+                if config.unauthenticated_beyond_loopback:  # only with --allow-unauthenticated-discovery
+                    log.warning("UNAUTHENTICATED DISCOVERY on %s:%d (--allow-unauthenticated-discovery): anyone who "
+                                "reaches this port can add instances that receive client requests, or take over "
+                                "expired ones; set %s on the proxy and the instances instead", host,
+                                config.discovery_port, AUTH_SECRET_ENV)
                 listener = DiscoveryListener(host, config.discovery_port, config.secret.encode(), router.announce,
                                              router.metrics.heartbeats.labels("refused").inc)
                 task = start(listener)
@@ -63,6 +69,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
                             await running
 
     app = FastAPI(title="p2pkv proxy", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=int(config.max_body_mb * (1 << 20)), timeout_s=config.body_timeout_s)
 
     async def route(request: Request, path: str) -> Response:
         router: Router = request.app.state.router
@@ -111,15 +118,21 @@ def create_app(config: ProxyConfig) -> FastAPI:
     add_control_routes(app)
 
     @app.get("/instances")
-    async def instances(request: Request) -> dict[str, list[dict[str, object]]]:
+    async def instances(request: Request) -> Response:
         router: Router = request.app.state.router
+        refusal = admin_refusal(request, config.admin_key)
+        if refusal is not None:
+            return refusal
         for pool in router.pools:
             pool.prune()
-        return {"instances": [s.describe() for pool in router.pools for s in pool.states]}
+        return JSONResponse({"instances": [s.describe() for pool in router.pools for s in pool.states]})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         router: Router = request.app.state.router
+        refusal = admin_refusal(request, config.admin_key)
+        if refusal is not None:
+            return refusal
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")

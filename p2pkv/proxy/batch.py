@@ -20,6 +20,8 @@ from p2pkv.proxy.trace import DECODE_HEADER, PREFILL_HEADER, PREFILL_MS_HEADER, 
 from p2pkv.proxy.upstream import Relay
 
 _TRACE_HEADERS = (TRANSFER_HEADER, PREFILL_HEADER, PREFILL_MS_HEADER, DECODE_HEADER)
+# Prompts a batch's trace headers name: HTTP clients refuse headers much larger than 16 KiB in all.
+TRACED_PROMPTS = 32
 
 
 def batch_prompts(body: dict[str, Any], path: str) -> list[Any] | None:
@@ -70,8 +72,11 @@ def merge(answers: list[bytes]) -> bytes:
 
 
 def trace_headers(headers: list[dict[str, str]]) -> dict[str, str]:
-    """Each prompt's trace headers, joined with commas in prompt order."""
-    return {name: ",".join(h.get(name, "") for h in headers) for name in _TRACE_HEADERS}
+    """Each prompt's trace headers, joined with commas in prompt order: the first `TRACED_PROMPTS`, then `+N` for
+    the N prompts not named (each prompt's log line names all)."""
+    named, more = headers[:TRACED_PROMPTS], len(headers) - TRACED_PROMPTS
+    rest = [f"+{more}"] if more > 0 else []
+    return {name: ",".join([*(h.get(name, "") for h in named), *rest]) for name in _TRACE_HEADERS}
 
 
 _DONE = b"data: [DONE]"

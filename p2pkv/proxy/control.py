@@ -15,10 +15,11 @@ lease ends. Through the proxy:
 - `POST /collective_rpc` (vLLM's: a method run on every worker, e.g. `reload_weights` from a checkpoint path) goes
   to every instance at once, with the client's body unchanged. Where it fails on some instances only, the proxy
   pairs no prefill instance with a decode instance on the other side of that split until an update reaches both.
-Each answers with every instance's answer, and 502 if any instance failed. One request per API server (its
-data-parallel engines pause together). From a pause until the resume, client requests wait at the proxy (at most
-their `request_timeout_s`, then 503), not in a paused instance's queue, where their prefill would time out and go
-to a decode instance alone.
+They are admin routes (`p2pkv.proxy.admin`): what they send the instances carries the clients' key, never the
+admin key. Each answers with every instance's answer, and 502 if any instance failed (503 with no instance known:
+then nothing is paused). One request per API server (its data-parallel engines pause together). From a pause until
+the resume, client requests wait at the proxy (at most their `request_timeout_s`, then 503), not in a paused
+instance's queue, where their prefill would time out and go to a decode instance alone.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from p2pkv.params import Address
-from p2pkv.proxy.passthrough import forward_headers
+from p2pkv.proxy.admin import admin_refusal, instance_headers
+from p2pkv.proxy.instances import ProxyConfig
 from p2pkv.proxy.registry import Pool
 from p2pkv.proxy.upstream import error_response
 
@@ -45,12 +47,11 @@ CONTROL_TIMEOUT_S = 600.0  # a pause in mode=wait lasts as long as the longest r
 class Controlled(Protocol):
     """What of the proxy's router the controls use."""
 
+    config: ProxyConfig
     client: httpx.AsyncClient
     prefill: Pool
     decode: Pool
     running: asyncio.Event  # cleared while paused: new requests wait at the proxy
-
-    def authorized(self, request: Request) -> bool: ...
 
 
 def _servers(pool: Pool) -> list[Address]:
@@ -95,8 +96,10 @@ def _truthy(value: str | None, default: bool) -> bool:
 
 async def pause(router: Controlled, request: Request) -> Response:
     params = dict(request.query_params)
-    headers = forward_headers(request)
+    headers = instance_headers(router.config.api_key)
     prefill, decode = _servers(router.prefill), _servers(router.decode)
+    if not prefill and not decode:  # nothing to pause: requests must not wait for a resume
+        return _answer("status", "failed", [])
     answers: list[dict[str, Any]] = []
     router.running.clear()  # from now on, new requests wait here for the resume
     if params.get("mode", "abort") == "abort" and _truthy(params.get("clear_cache"), True):
@@ -116,7 +119,7 @@ async def pause(router: Controlled, request: Request) -> Response:
 
 
 async def reset_prefix_cache(router: Controlled, request: Request) -> Response:
-    params, headers = dict(request.query_params), forward_headers(request)
+    params, headers = dict(request.query_params), instance_headers(router.config.api_key)
     answers = await _send(router, "POST", "prefill", _servers(router.prefill), "/reset_prefix_cache", params, headers)
     answers += await _send(router, "POST", "decode", _servers(router.decode), "/reset_prefix_cache", params, headers)
     success = _ok(answers) and all(isinstance(a["body"], dict) and a["body"].get("success") for a in answers)
@@ -124,7 +127,7 @@ async def reset_prefix_cache(router: Controlled, request: Request) -> Response:
 
 
 async def resume(router: Controlled, request: Request) -> Response:
-    headers = forward_headers(request)
+    headers = instance_headers(router.config.api_key)
     answers = await _send(router, "POST", "decode", _servers(router.decode), "/resume", {}, headers)
     answers += await _send(router, "POST", "prefill", _servers(router.prefill), "/resume", {}, headers)
     router.running.set()  # an instance that failed to resume queues what it gets; the others serve
@@ -132,7 +135,7 @@ async def resume(router: Controlled, request: Request) -> Response:
 
 
 async def is_paused(router: Controlled, request: Request) -> Response:
-    headers = forward_headers(request)
+    headers = instance_headers(router.config.api_key)
     answers = await _send(router, "GET", "prefill", _servers(router.prefill), "/is_paused", {}, headers)
     answers += await _send(router, "GET", "decode", _servers(router.decode), "/is_paused", {}, headers)
     paused = _ok(answers) and all(isinstance(a["body"], dict) and a["body"].get("is_paused") for a in answers)
@@ -142,7 +145,7 @@ async def is_paused(router: Controlled, request: Request) -> Response:
 async def collective_rpc(router: Controlled, request: Request) -> Response:
     """Every instance runs the method (each its own weights, so all at once). The body is vLLM's to check. Where
     it failed on some instances only, their weights may now differ from the others': see `took_update`."""
-    body, headers = await request.body(), forward_headers(request)
+    body, headers = await request.body(), instance_headers(router.config.api_key)
     prefill, decode = await asyncio.gather(
         _send(router, "POST", "prefill", _servers(router.prefill), "/collective_rpc", {}, headers, body),
         _send(router, "POST", "decode", _servers(router.decode), "/collective_rpc", {}, headers, body))
@@ -175,7 +178,7 @@ def took_update(router: Controlled, method: str, answers: list[dict[str, Any]]) 
 def _method(body: bytes) -> str:
     try:
         parsed = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return "collective_rpc"
     method = parsed.get("method") if isinstance(parsed, dict) else None
     return method[:64] if isinstance(method, str) and method else "collective_rpc"
@@ -192,8 +195,9 @@ def add_control_routes(app: FastAPI) -> None:
 def _endpoint(handler: Any) -> Any:
     async def endpoint(request: Request) -> Response:
         router: Controlled = request.app.state.router
-        if not router.authorized(request):
-            return error_response(401, "missing or wrong API key", "authentication_error")
+        refusal = admin_refusal(request, router.config.admin_key)
+        if refusal is not None:
+            return refusal
         response: Response = await handler(router, request)
         return response
     return endpoint

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from p2pkv.config import AUTH_SECRET_ENV
 from p2pkv.errors import ConfigError
+from p2pkv.hostaddr import is_loopback
 from p2pkv.params import Address
 
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: which of the API server's engines serves the request
@@ -72,6 +74,23 @@ class ProxyConfig:
     heartbeat_misses: float = 3.0
     secret: str = ""  # shared secret: heartbeats must carry a valid HMAC
     probe_interval_s: float = 10.0  # how often static instances without heartbeats are asked for them (0: never)
+    # Discovery beyond loopback without `secret`: anyone who reaches the port could join the cluster, so only this.
+    allow_unauthenticated_discovery: bool = False
+    max_instances: int = 256  # instances known at once: heartbeats of new ones beyond are refused
+    admin_key: str = ""  # opens the admin routes (`p2pkv.proxy.admin`); without it only loopback clients reach them
+    max_body_mb: float = 16.0  # larger request bodies are answered 413
+    max_prompts: int = 256  # prompts in one completion request; more are answered 400
+    max_connections: int = 1024  # connections and requests served at once; more are answered 503
+    body_timeout_s: float = 30.0  # for a client to send its whole request body; slower ones are answered 408
+
+    @property
+    def discovery_bind(self) -> str:
+        return self.discovery_host or self.host
+
+    @property
+    def unauthenticated_beyond_loopback(self) -> bool:
+        """Heartbeats from anyone who reaches the discovery port are taken (allowed by the flag)."""
+        return bool(self.discovery_port) and not self.secret and not is_loopback(self.discovery_bind)
 
     def __post_init__(self) -> None:
         if not self.discovery_port and not self.prefill:
@@ -82,6 +101,23 @@ class ProxyConfig:
             raise ConfigError("--discovery-port: expected 0 (off) or a port number")
         if not 0 <= self.probe_interval_s <= 3600:
             raise ConfigError("--probe-interval: expected 0 (off) to 3600 seconds")
+        if self.unauthenticated_beyond_loopback and not self.allow_unauthenticated_discovery:
+            raise ConfigError(f"discovery on {self.discovery_bind}:{self.discovery_port} listens beyond loopback: set "
+                              f"{AUTH_SECRET_ENV} (the instances' auth_secret) so that only signed heartbeats count, "
+                              "or pass --allow-unauthenticated-discovery to take anyone's")
+        if self.max_instances < 1:
+            raise ConfigError("--max-instances: expected at least 1")
+        if self.admin_key and self.admin_key == self.api_key:
+            raise ConfigError("P2PKV_PROXY_ADMIN_KEY: must differ from P2PKV_PROXY_API_KEY (clients must not reach "
+                              "the admin routes)")
+        if not 0 < self.max_body_mb <= 4096:
+            raise ConfigError("--max-body-mb: expected more than 0 and at most 4096")
+        if self.max_prompts < 1:
+            raise ConfigError("--max-prompts: expected at least 1")
+        if self.max_connections < 1:
+            raise ConfigError("--max-connections: expected at least 1")
+        if not 0 < self.body_timeout_s <= 3600:
+            raise ConfigError("--body-timeout: expected more than 0 and at most 3600 seconds")
         if self.heartbeat_misses < 1:
             raise ConfigError("--heartbeat-misses: expected at least 1")
         for name in ("prefill_policy", "decode_policy"):

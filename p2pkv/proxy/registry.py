@@ -139,10 +139,8 @@ class Pool:
                                              discovered=True, engine_id=engine_id, launch=launch, weights=weights))
             return True
         state.last_heartbeat = wall
-        if state.discovered:
+        if state.discovered:  # its KV address is as before (`identity_change`)
             state.expires_at = expires_at
-            if state.instance != instance:  # restarted with another KV address
-                state.instance = instance
         return False
 
     def remove(self, instance: Instance) -> bool:
@@ -176,6 +174,27 @@ class Pool:
             yield
         finally:
             state.in_flight -= 1
+
+
+def identity_change(live: list[InstanceState], role: str, instance: Instance, engine_id: str, launch: str
+                    ) -> str | None:
+    """What a heartbeat would change of a live discovered instance (its states, one per pool): its role, KV address,
+    engine id or start; None if nothing. Its heartbeats may only renew it: one from anyone else naming its address
+    would otherwise take its prefills or its clients. A restart is taken once the old instance expired (its
+    engine id kept in `Pool._gone` tells it restarted)."""
+    if not live:
+        return None
+    state = live[0]
+    now_role = "both" if len(live) > 1 else state.role
+    if role != now_role:
+        return f"its role from {now_role} to {role}"
+    if instance.kv != state.instance.kv:
+        return f"its KV address from {state.instance.kv} to {instance.kv}"
+    if engine_id != state.engine_id:
+        return f"its engine id from {state.engine_id or 'none'} to {engine_id or 'none'}"
+    if launch != state.launch:
+        return f"its start from {state.launch or 'none'} to {launch or 'none'}"
+    return None
 
 
 def static_pool(role: str, instances: tuple[Instance, ...], policy: Policy) -> Pool:

@@ -22,21 +22,24 @@ from fastapi.responses import Response, StreamingResponse
 
 from p2pkv.discovery import Announcement
 from p2pkv.params import Address, DiscardParams, PrefillParams, ProbeParams
+from p2pkv.proxy.admin import bearer_is, instance_headers
 from p2pkv.proxy.batch import batch_prompts, merge, merge_streams, trace_headers
 from p2pkv.proxy.discard import Discarder, discard_of
 from p2pkv.proxy.instances import Instance, ProxyConfig
+from p2pkv.proxy.limits import MAX_NESTING, too_deep
 from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.pairs import Said, news, refusals, why_not_paired
 from p2pkv.proxy.passthrough import forward_headers, holder
 from p2pkv.proxy.poll import Probed
 from p2pkv.proxy.prefill import RESPONSES, Prefiller, prefill_body, whole_prompt_on_decode
-from p2pkv.proxy.registry import InstanceState, Policy, Pool, static_pool
+from p2pkv.proxy.registry import InstanceState, Policy, Pool, identity_change, static_pool
 from p2pkv.proxy.resume import Progress, resumable, with_token_ids
 from p2pkv.proxy.trace import RequestTrace
 from p2pkv.proxy.upstream import Decoder, Relay, RelayResponse, Resume, error_response
 
 log = logging.getLogger(__name__)
 _DETOKENIZE_S = 10.0  # for an instance to detokenize a broken-off stream's tokens (`Progress.settle`)
+REFUSAL_LOG_S = 60.0  # refused heartbeats of one kind are logged at most once in this long
 
 
 class KvTarget(NamedTuple):
@@ -72,17 +75,36 @@ class Router:
         # the resume, rather than in a paused instance's queue, where their prefill would time out and be retried.
         self.running = asyncio.Event()
         self.running.set()
+        self._refused: dict[str, int] = {}  # heartbeats refused, by outcome
+        self._refusal_logged: dict[str, float] = {}  # when each outcome was last logged (monotonic)
         for pool in (self.prefill, self.decode):
             metrics.instances.labels(pool.role).set_function(pool.count)
         metrics.unpaired.set_function(lambda: sum(len(self.unpaired(state)) for state in self.decode.states))
 
     def announce(self, a: Announcement) -> None:
-        """A heartbeat arrived: add the instance to its role's pool, or renew it there."""
-        self.metrics.heartbeats.labels("accepted").inc()
+        """A heartbeat arrived: add the instance to its role's pool, or renew it there. Refused: one that would
+        change a live instance's role, KV address, engine or start (`identity_change`), and one of a new instance
+        beyond `max_instances`."""
         instance = Instance(a.http, a.kv, a.dp_rank)
+        now = time.monotonic()
+        for pool in self.pools:
+            pool.prune(now)  # an expired instance is gone before its restart's first heartbeat is read
+        live = [s for pool in self.pools if (s := pool.find(instance)) is not None and s.discovered]
+        change = identity_change(live, a.role, instance, a.engine_id, a.launch)
+        if change is not None:
+            self._refuse("rewrite", f"refused a heartbeat naming live {live[0].role} instance {instance.name}: it "
+                         f"would change {change}; heartbeats may change it once it has expired (no heartbeat for "
+                         f"{self.config.heartbeat_misses:g} of its intervals)")
+            return
+        known = {s.instance.name for pool in self.pools for s in pool.states}
+        if instance.name not in known and len(known) >= self.config.max_instances:
+            self._refuse("over_cap", f"refused the heartbeat of new instance {instance.name}: {len(known)} instances "
+                         f"are known, --max-instances {self.config.max_instances}")
+            return
+        self.metrics.heartbeats.labels("accepted").inc()
         if a.tp_size:
             self._sizes[a.http] = a.tp_size, a.pp_size, a.pulls
-        expires_at = time.monotonic() + self.config.heartbeat_misses * a.interval_s
+        expires_at = now + self.config.heartbeat_misses * a.interval_s
         wanted = {"prefill": (self.prefill,), "decode": (self.decode,), "both": self.pools}[a.role]
         heard: list[InstanceState] = []
         for pool in self.pools:
@@ -94,6 +116,15 @@ class Router:
             elif pool.remove(instance):
                 log.info("instance %s is no longer a %s instance", instance.name, pool.role)
         self._heard(heard, a.engine_id, max(1, a.tp_size * a.pp_size), a.refused, a.launch)
+
+    def _refuse(self, outcome: str, line: str) -> None:
+        """Count a refused heartbeat; log it at most once a minute per kind (a flood must not flood the log)."""
+        self.metrics.heartbeats.labels(outcome).inc()
+        self._refused[outcome] = self._refused.get(outcome, 0) + 1
+        now = time.monotonic()
+        if now - self._refusal_logged.get(outcome, -REFUSAL_LOG_S) >= REFUSAL_LOG_S:
+            self._refusal_logged[outcome] = now
+            log.warning("%s (%d refused so far)", line, self._refused[outcome])
 
     def probed(self, states: list[InstanceState], probed: Probed) -> None:
         """A static instance without heartbeats answered a probe (`p2pkv.proxy.poll`)."""
@@ -152,8 +183,7 @@ class Router:
     async def static_probe(self, instance: Instance) -> dict[str, Any]:
         """A probe of a static instance for what its heartbeats would say (`p2pkv.proxy.poll`, which bounds it),
         with the key the proxy passes on to instances."""
-        key = self.config.api_key
-        return await self._probe(instance, {"authorization": f"Bearer {key}"} if key else {})
+        return await self._probe(instance, instance_headers(self.config.api_key))
 
     async def _probe(self, instance: Instance, headers: dict[str, str]) -> dict[str, Any]:
         headers = instance.headers(headers)
@@ -169,19 +199,22 @@ class Router:
         return dict(answer)
 
     def authorized(self, request: Request) -> bool:
-        key = self.config.api_key
-        return not key or request.headers.get("authorization") == f"Bearer {key}"
+        return not self.config.api_key or bearer_is(request, self.config.api_key)
 
     async def handle(self, request: Request, path: str) -> Response:
         started = time.monotonic()
         try:
             body: Any = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             self.metrics.requests.labels("bad_request").inc()
             return error_response(400, "request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
             self.metrics.requests.labels("bad_request").inc()
             return error_response(400, "request body must be a JSON object", "invalid_request_error")
+        if too_deep(body):
+            self.metrics.requests.labels("bad_request").inc()
+            return error_response(400, f"request body nests deeper than {MAX_NESTING} levels",
+                                  "invalid_request_error")
         if not self.running.is_set():
             remaining = self.config.request_timeout_s - (time.monotonic() - started)
             try:
@@ -191,6 +224,10 @@ class Router:
                 return error_response(503, "the cluster is paused (POST /resume to the proxy resumes it)")
         headers = forward_headers(request)
         prompts = batch_prompts(body, path)
+        if prompts is not None and len(prompts) > self.config.max_prompts:
+            self.metrics.requests.labels("bad_request").inc()
+            return error_response(400, f"{len(prompts)} prompts in one request: at most {self.config.max_prompts} "
+                                  "(--max-prompts)", "invalid_request_error")
         if prompts is not None:
             return await self._batch(body, prompts, path, headers, started)
         return await self._one(body, path, headers, started)
@@ -230,7 +267,7 @@ class Router:
             return RelayResponse(events, [events.aclose, *(r.aclose for r in relays)], headers)
         try:
             merged = merge([bytes(a.body) for a in answers])
-        except (ValueError, TypeError, AttributeError) as exc:
+        except (ValueError, TypeError, AttributeError, RecursionError) as exc:
             return error_response(502, f"an answer to a prompt of the batch is not a completion: {exc!r}")
         return Response(merged, media_type="application/json", headers=headers)
 

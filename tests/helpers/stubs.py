@@ -248,3 +248,18 @@ def failing_relay(target: str, failing: str, answers: list[str]) -> FastAPI:
         return Response(resp.content, status_code=resp.status_code, headers=passed)
 
     return app
+
+
+def with_controls(app: FastAPI, name: str, calls: list[dict[str, Any]]) -> FastAPI:
+    """`app` with vLLM's dev-mode controls added, each call recorded (instance, path, Authorization, body)."""
+
+    async def record(request: Request) -> JSONResponse:
+        body = (await request.body()).decode(errors="replace")
+        calls.append({"name": name, "path": request.url.path, "auth": request.headers.get("authorization"),
+                      "body": body})
+        return JSONResponse({"status": "ok", "success": True, "is_paused": False, "results": []})
+
+    for path in ("/pause", "/resume", "/reset_prefix_cache", "/collective_rpc"):
+        app.add_api_route(path, record, methods=["POST"])
+    app.add_api_route("/is_paused", record, methods=["GET"])
+    return app

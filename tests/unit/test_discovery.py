@@ -161,12 +161,19 @@ def test_with_a_secret_only_signed_heartbeats_count() -> None:
         wait_for(lambda: len(listed(proxy)) == 1)
 
 
-def test_a_role_change_moves_the_instance() -> None:
+def test_a_role_change_moves_the_instance_once_it_has_expired() -> None:
+    """A heartbeat that changes a live instance's role is refused (anyone could send it); once the instance has
+    missed its heartbeats (a restart with another role), the new role is taken."""
     with serve(stub_decode([])) as d, discovering_proxy() as (proxy, send, _):
-        send(typed("prefill", d))
+        send(typed("prefill", d, interval_s=0.2))
         wait_for(lambda: [i["role"] for i in listed(proxy)] == ["prefill"])
-        send(typed("decode", d))
+        send(typed("decode", d, interval_s=0.2))
+        wait_for(lambda: metric(proxy, 'p2pkv_proxy_heartbeats_total{outcome="rewrite"}') == 1)
+        assert [i["role"] for i in listed(proxy)] == ["prefill"]
+        wait_for(lambda: listed(proxy) == [])
+        send(typed("decode", d, interval_s=0.2))
         wait_for(lambda: [i["role"] for i in listed(proxy)] == ["decode"])
+        wait_for(lambda: listed(proxy) == [])
         send(typed("both", d))
         wait_for(lambda: sorted(i["role"] for i in listed(proxy)) == ["decode", "prefill"])
 
@@ -359,8 +366,9 @@ def test_instances_that_refused_each_other_are_not_paired_until_the_refusal_is_o
     d_seen: list[dict[str, Any]] = []
     p1_kv, p2_kv, d_kv = Address("127.0.0.1", 7100), Address("127.0.0.1", 7200), Address("127.0.0.1", 7300)
 
-    def beat(role: str, http: str, kv: Address, refused: tuple[PeerRefused, ...] = (), engine: str = "e") -> bytes:
-        return encode_datagram(Heartbeat(role, http, str(kv), 3.0, engine, 2, 1, refused=refused), b"")
+    def beat(role: str, http: str, kv: Address, refused: tuple[PeerRefused, ...] = (), engine: str = "e",
+             interval_s: float = 3.0) -> bytes:
+        return encode_datagram(Heartbeat(role, http, str(kv), interval_s, engine, 2, 1, refused=refused), b"")
 
     def ask(n: int) -> None:
         for _ in range(n):
@@ -400,6 +408,8 @@ def test_instances_that_refused_each_other_are_not_paired_until_the_refusal_is_o
         before = len(p1_seen)
         ask(2)
         assert len(p1_seen) == before
+        send(beat("prefill", p1, p1_kv, interval_s=0.1))  # its last heartbeat; it restarts
+        wait_for(lambda: p1 not in [i["address"] for i in listed(proxy)])
         send(beat("prefill", p1, p1_kv, engine="e2"))
         time.sleep(0.5)
         ask(2)
@@ -415,8 +425,10 @@ def test_the_decode_instances_start_goes_to_the_prefill_instance_with_each_reque
     with serve(stub_prefill(p_seen)) as p, serve(stub_decode([])) as d, discovering_proxy() as (proxy, send, _):
         for launch in ("0123456789abcdef", "fedcba9876543210"):
             send(encode_datagram(Heartbeat("prefill", p, str(p_kv), 3.0, "p"), b""))
-            send(encode_datagram(Heartbeat("decode", d, str(d_kv), 3.0, f"d-{launch}", 1, 1, pulls=True,
-                                           launch=launch), b""))
+            # The first start stops beating after one (0.2 s) interval: the restart's are taken once it expired.
+            wait_for(lambda: d not in [i["address"] for i in listed(proxy)])
+            send(encode_datagram(Heartbeat("decode", d, str(d_kv), 0.2 if launch[0] == "0" else 3.0, f"d-{launch}",
+                                           1, 1, pulls=True, launch=launch), b""))
             wait_for(lambda: [i["launch"] for i in listed(proxy) if i["role"] == "decode"] == [launch])  # noqa: B023
             resp = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert resp.status_code == 200, resp.text

@@ -92,3 +92,15 @@ def test_the_proxy_runs_as_p2pkv_proxy_takes_it_on_its_services_ports() -> None:
     ports = {p["name"]: p["targetPort"] for p in _by("Service")["p2pkv-proxy"]["spec"]["ports"]}
     assert (args.port, args.discovery_port) == (ports["http"], ports["discovery"])
     assert {args.port, args.discovery_port} <= {p["containerPort"] for p in container["ports"]}
+
+
+def test_every_container_signs_with_one_secret() -> None:
+    """The proxy listens for heartbeats beyond loopback, which it does only with a secret; the instances sign theirs
+    (and their KV frames) with the same one."""
+    sources = []
+    for deployment in _by("Deployment").values():
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            env = {e["name"]: e for e in container.get("env", [])}
+            sources.append(json.dumps(env["P2PKV_AUTH_SECRET"]["valueFrom"], sort_keys=True))
+    assert len(sources) == 3 and len(set(sources)) == 1
+

@@ -79,7 +79,7 @@ def stub_instance(name: str, calls: list[dict[str, Any]], pause_status: int = 20
 
 @contextmanager
 def cluster(prefill: list[FastAPI], decode: list[FastAPI], api_key: str = "", dp: bool = False,
-            request_timeout_s: float = 600.0) -> Iterator[str]:
+            request_timeout_s: float = 600.0, admin_key: str = "") -> Iterator[str]:
     """A proxy over the stub instances; with `dp`, each is listed as two data-parallel engines of one server."""
     with ExitStack() as stack:
         def listed(apps: list[FastAPI]) -> tuple[Instance, ...]:
@@ -87,7 +87,7 @@ def cluster(prefill: list[FastAPI], decode: list[FastAPI], api_key: str = "", dp
             return tuple(Instance.parse(f"{s}#{r}" if dp else s) for s in servers for r in ((0, 1) if dp else (0,)))
 
         config = ProxyConfig(prefill=listed(prefill), decode=listed(decode), api_key=api_key,
-                             request_timeout_s=request_timeout_s)
+                             request_timeout_s=request_timeout_s, admin_key=admin_key)
         yield stack.enter_context(serve(create_app(config)))
 
 
@@ -166,14 +166,18 @@ def test_reset_prefix_cache_succeeds_only_where_every_instance_did(prefill_ok: b
     assert all(c["query"] == {"reset_external": "true"} for c in calls)
 
 
-def test_controls_need_the_api_key_pass_it_on_and_go_once_per_api_server() -> None:
-    """An instance's data-parallel engines pause together: one call per API server. The proxy's API key guards
-    the controls, and goes on to the instances (vLLM's `--api-key`)."""
+def test_controls_need_the_admin_key_pass_the_client_key_on_and_go_once_per_api_server() -> None:
+    """An instance's data-parallel engines pause together: one call per API server. The proxy's admin key guards
+    the controls (the clients' key does not open them); the instances get the clients' key (vLLM's `--api-key`),
+    never the admin key."""
     calls: list[dict[str, Any]] = []
-    with cluster([stub_instance("p0", calls)], [stub_instance("d0", calls)], api_key="k1", dp=True) as proxy:
+    with cluster([stub_instance("p0", calls)], [stub_instance("d0", calls)], api_key="k1", dp=True,
+                 admin_key="a1") as proxy:
         assert httpx.post(f"http://{proxy}/pause", timeout=30).status_code == 401
+        assert httpx.post(f"http://{proxy}/pause", headers={"Authorization": "Bearer k1"}, timeout=30
+                          ).status_code == 401
         assert calls == []
-        resp = httpx.post(f"http://{proxy}/pause", headers={"Authorization": "Bearer k1"}, timeout=30)
+        resp = httpx.post(f"http://{proxy}/pause", headers={"Authorization": "Bearer a1"}, timeout=30)
     assert resp.status_code == 200
     assert paths(calls) == [("p0", "/reset_prefix_cache"), ("p0", "/pause"), ("d0", "/pause")]
     assert {c["auth"] for c in calls} == {"Bearer k1"}
@@ -181,14 +185,17 @@ def test_controls_need_the_api_key_pass_it_on_and_go_once_per_api_server() -> No
 
 def test_collective_rpc_runs_on_every_instance_at_once_with_the_clients_body() -> None:
     """A trainer reloads the weights of the whole cluster in one call: each API server gets the body as sent
-    (once, with the API key), all at the same time, and each answer comes back."""
+    (once, with the clients' API key), all at the same time, and each answer comes back. The caller needs the
+    admin key."""
     calls: list[dict[str, Any]] = []
     body = {"method": "reload_weights", "kwargs": {"weights_path": "/ckpt/step-2"}}
     with cluster([stub_instance("p0", calls), stub_instance("p1", calls)], [stub_instance("d0", calls)],
-                 api_key="k1", dp=True) as proxy:
+                 api_key="k1", dp=True, admin_key="a1") as proxy:
         assert httpx.post(f"http://{proxy}/collective_rpc", json=body, timeout=30).status_code == 401
+        assert httpx.post(f"http://{proxy}/collective_rpc", json=body, headers={"Authorization": "Bearer k1"},
+                          timeout=30).status_code == 401
         assert calls == []
-        resp = httpx.post(f"http://{proxy}/collective_rpc", json=body, headers={"Authorization": "Bearer k1"},
+        resp = httpx.post(f"http://{proxy}/collective_rpc", json=body, headers={"Authorization": "Bearer a1"},
                           timeout=30)
     assert resp.status_code == 200, resp.text
     assert resp.json()["status"] == "done"
@@ -217,9 +224,9 @@ def test_the_weight_update_example_pauses_reloads_and_always_resumes(rpc_status:
     calls: list[dict[str, Any]] = []
     example = Path(__file__).resolve().parents[2] / "examples" / "rl_weight_update.py"
     with cluster([stub_instance("p0", calls)], [stub_instance("d0", calls, rpc_status=rpc_status)],
-                 api_key="k1") as proxy:
+                 api_key="k1", admin_key="a1") as proxy:
         run = subprocess.run([sys.executable, str(example), "--proxy", f"http://{proxy}", "--weights", "/ckpt/2",
-                              "--api-key", "k1"], capture_output=True, text=True, timeout=120)
+                              "--admin-key", "a1"], capture_output=True, text=True, timeout=120)
     assert run.returncode == (0 if rpc_status == 200 else 1), run.stdout + run.stderr
     steps = [(c["name"], c["path"]) for c in sorted(calls, key=lambda c: c["ended"])
              if c["path"] != "/reset_prefix_cache"]
@@ -231,11 +238,13 @@ def test_the_weight_update_example_pauses_reloads_and_always_resumes(rpc_status:
 
 
 def test_no_instances_is_an_error_not_a_success() -> None:
-    """A proxy that has discovered no instance yet paused nothing."""
+    """A proxy that has discovered no instance yet paused nothing, and does not hold requests for a resume."""
     with serve(create_app(ProxyConfig(prefill=(), decode=(), discovery_host="127.0.0.1",
-                                      discovery_port=free_port()))) as proxy:
+                                      discovery_port=free_port(), request_timeout_s=1.0))) as proxy:
         resp = httpx.post(f"http://{proxy}/pause", timeout=30)
+        held = httpx.post(f"http://{proxy}/v1/completions", json={"prompt": "x"}, timeout=30)
     assert resp.status_code == 503
+    assert held.status_code == 503 and "no decode instance" in held.json()["error"]["message"]
 
 
 def test_requests_wait_at_the_proxy_while_the_cluster_is_paused_and_go_on_when_it_resumes() -> None:

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from p2pkv.cli.main import build_parser
 from p2pkv.cli.up import DEMO_QUESTION, build_cluster, has_chat_template, listed_refusals, send_demo_request
+from p2pkv.config import AUTH_SECRET_ENV
 from p2pkv.errors import ConfigError
 from p2pkv.proxy.trace import TRANSFER_HEADER
 from tests.helpers.servers import serve
@@ -45,6 +46,22 @@ def test_a_send_type_for_one_role_applies_to_it_over_the_shared_one(tmp_path: Pa
     """Decode instances that pull (GET) beside prefill instances that push: links pull when either side says GET."""
     extras = _extras(tmp_path, "--send-type", "PUT", "--decode-extra-config", '{"send_type": "GET"}')
     assert [extras[name]["send_type"] for name in ("prefill0", "decode0", "decode1")] == ["PUT", "GET", "GET"]
+
+
+def test_a_cluster_without_a_secret_gets_one_of_its_own_kept_off_command_lines(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every process (the proxy too) signs with the same generated secret, given in its environment; a secret
+    given is used instead."""
+    monkeypatch.delenv(AUTH_SECRET_ENV, raising=False)
+    args = build_parser().parse_args(["up", "--model", "m", "--prefill", "1", "--decode", "2"])
+    cluster, description = build_cluster(args, "m", tmp_path)
+    secrets = {proc.env.get(AUTH_SECRET_ENV) for proc in cluster.processes}
+    assert len(secrets) == 1 and len(next(iter(secrets)) or "") == 64
+    assert not any(next(iter(secrets)) in " ".join(proc.argv) for proc in cluster.processes)
+    assert next(iter(secrets)) not in json.dumps(description)
+    args = build_parser().parse_args(["up", "--model", "m", "--extra-config", '{"auth_secret": "s"}'])
+    cluster, _ = build_cluster(args, "m", tmp_path)
+    assert AUTH_SECRET_ENV not in cluster.extra_env
 
 
 @pytest.mark.parametrize(("argv", "message"), [
