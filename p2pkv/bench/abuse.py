@@ -105,7 +105,7 @@ def run(window_s: float = WINDOW_S) -> Outcome:
             raise RuntimeError("the good traffic did not start")
         good_pipe.recv()
         target = Target(proxy_url, f"127.0.0.1:{discovery_port}", client_key, admin_key, kv_address, secret,
-                        MAX_CONNECTIONS, BODY_TIMEOUT_S, transfer_ids)
+                        MAX_CONNECTIONS, BODY_TIMEOUT_S, transfer_ids, landed)
         time.sleep(2.0)  # warm: connections made, first requests served
         for name, attack in (("baseline (no attack)", None), *ATTACKS):
             drain(transfer_ids)

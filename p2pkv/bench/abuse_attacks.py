@@ -12,7 +12,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.queues import Queue
 
 import httpx
@@ -61,7 +61,7 @@ class Target:
     max_connections: int
     body_timeout_s: float
     transfer_ids: Queue[str]
-    flood: list[socket.socket] = field(default_factory=list)
+    landed: Queue[str | None]  # transfers for the attacked engine to take, as a decode worker would
 
     def admin(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.admin_key}"}
@@ -278,6 +278,7 @@ def replayed_stream(target: Target) -> Verdict:
         views = [(memoryview(data)[i * BLOCKS * BLOCK_BYTES:(i + 1) * BLOCKS * BLOCK_BYTES],) for i in range(LAYERS)]
         sender.push_layers("recorded-1", Address.parse(recorder.address), 0, BLOCKS, views, time.monotonic() + 10)
         sender.wait_outgoing("recorded-1", 10)
+        target.landed.put("recorded-1")
     finally:
         sender.close()
         recorder.close()
