@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pkv.config import AUTH_SECRET_ENV
-from p2pkv.errors import P2pkvError
+from p2pkv.errors import ConfigError, P2pkvError
 
 _PR_SET_PDEATHSIG = 1
 
@@ -47,13 +47,21 @@ def free_ports(count: int, host: str = "127.0.0.1", run: int = 1, avoid: Sequenc
     low, high = 10000, _ephemeral_low() - run
     rng = random.SystemRandom()
     chosen: list[int] = []
-    while len(chosen) < count:
+    for _ in range(_MAX_TRIES):
+        if len(chosen) == count:
+            return chosen
         port = rng.randrange(low, high)
         if any(abs(port - c) < run for c in chosen) or any(port <= a < port + run for a in avoid):
             continue
         if all(_bindable(host, p) for p in range(port, port + run)):
             chosen.append(port)
-    return chosen
+    if len(chosen) == count:
+        return chosen
+    raise ConfigError(f"found {len(chosen)} of {count} free ports on {host} in {_MAX_TRIES} tries: is {host} an "
+                      "address of this host?")
+
+
+_MAX_TRIES = 4096  # a host this machine cannot bind finds no port: said, not looped on for ever
 
 
 def _bindable(host: str, port: int) -> bool:

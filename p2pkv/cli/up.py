@@ -20,7 +20,9 @@ from typing import Any
 from p2pkv.bench.cluster import Cluster, InstanceSpec, free_port, free_ports, wait_for_huge_pages
 from p2pkv.config import AUTH_SECRET_ENV, parse_extra_config
 from p2pkv.errors import ConfigError, P2pkvError
+from p2pkv.hostaddr import is_loopback
 from p2pkv.models import ModelUnavailable, resolve_model
+from p2pkv.proxy.admin import ADMIN_KEY_ENV
 from p2pkv.proxy.trace import TRANSFER_HEADER
 
 DISCOVERY_TIMEOUT_S = 30.0
@@ -77,6 +79,9 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
         # Heartbeats and KV frames are signed, also on loopback: any local user could otherwise join the cluster.
         # Passed in the environment (read by the connector and the proxy), not on command lines anyone can list.
         cluster.extra_env[AUTH_SECRET_ENV] = secrets.token_hex(32)
+    if not is_loopback(args.host) and not os.environ.get(ADMIN_KEY_ENV):
+        # Its own calls to the proxy's admin routes (`/instances`) come from beyond loopback: they need a key.
+        cluster.extra_env[ADMIN_KEY_ENV] = secrets.token_hex(32)
     n = args.prefill + args.decode
     # Rank r of an instance (over its pipeline stages and data-parallel engines) binds its KV and metrics ports + r.
     ranks = max(args.prefill_tp * args.prefill_pp * args.prefill_dp, args.decode_tp * args.decode_pp * args.decode_dp)
@@ -120,21 +125,23 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
                      "model": model, "instances": described, "log_dir": str(log_dir)}
 
 
-def _listed(proxy_url: str) -> list[dict[str, Any]]:
-    """The instances the proxy lists (`GET /instances`); none if it does not answer."""
+def _listed(proxy_url: str, admin_key: str = "") -> list[dict[str, Any]]:
+    """The instances the proxy lists (`GET /instances`, an admin route); none if it does not answer."""
+    headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
     try:
-        with urllib.request.urlopen(f"{proxy_url}/instances", timeout=2) as resp:
+        with urllib.request.urlopen(urllib.request.Request(f"{proxy_url}/instances", headers=headers),
+                                    timeout=2) as resp:
             instances: list[dict[str, Any]] = json.loads(resp.read())["instances"]
             return instances
     except (OSError, ValueError, KeyError, TypeError):
         return []
 
 
-def wait_discovered(proxy_url: str, expected: int, timeout_s: float) -> None:
+def wait_discovered(proxy_url: str, expected: int, timeout_s: float, admin_key: str = "") -> None:
     """Wait until the proxy has heard from every instance."""
     deadline = time.monotonic() + timeout_s
     while True:
-        known = len(_listed(proxy_url))
+        known = len(_listed(proxy_url, admin_key))
         if known >= expected:
             return
         if time.monotonic() > deadline:
@@ -175,13 +182,13 @@ def send_demo_request(proxy_url: str, model: str, chat: bool = False) -> tuple[s
     return line, bool(cached.get("cached_tokens"))
 
 
-def listed_refusals(proxy_url: str, wait_s: float) -> list[str]:
+def listed_refusals(proxy_url: str, wait_s: float, admin_key: str = "") -> list[str]:
     """The refusals the proxy lists (`GET /instances`: instances whose KV workers refused another's at their
     hello), one line each; waited for up to `wait_s` (a heartbeat carries them), none if none came."""
     deadline = time.monotonic() + wait_s
     while True:
         lines = [f"{i['role']} instance {i['address']} refused the KV worker at {r['address']}: {r['reason']}"
-                 for i in _listed(proxy_url) for r in i.get("refused") or ()]
+                 for i in _listed(proxy_url, admin_key) for r in i.get("refused") or ()]
         if lines or time.monotonic() >= deadline:
             return lines
         time.sleep(0.5)
@@ -212,6 +219,10 @@ def run_up(args: argparse.Namespace) -> int:
     if AUTH_SECRET_ENV in cluster.extra_env:
         _say(f"heartbeats and KV frames are signed with a secret generated for this cluster (set {AUTH_SECRET_ENV} "
              "or auth_secret in --extra-config to choose it)")
+    if ADMIN_KEY_ENV in cluster.extra_env:
+        _say(f"the proxy's admin routes need a key beyond loopback: one was generated (set {ADMIN_KEY_ENV} to "
+             "choose it and use them)")
+    admin_key = cluster.env().get(ADMIN_KEY_ENV, "")
     _say(f"starting {args.prefill} prefill and {args.decode} decode vLLM instances; logs in {log_dir}")
     try:
         cluster.start(args.ready_timeout, progress=_say)
@@ -220,7 +231,7 @@ def run_up(args: argparse.Namespace) -> int:
         wait_for_huge_pages([p for p in cluster.processes if p.ranks], progress=_say)
         # Each data-parallel engine announces itself: the proxy routes to each.
         engines = args.prefill * args.prefill_dp + args.decode * args.decode_dp
-        wait_discovered(proxy_url, engines, DISCOVERY_TIMEOUT_S)
+        wait_discovered(proxy_url, engines, DISCOVERY_TIMEOUT_S, admin_key)
         _say(f"proxy ready at {proxy_url}; it found every instance by its heartbeats")
         if args.ready_file:
             description["pids"] = [p.popen.pid for p in cluster.processes if p.popen is not None]
@@ -238,7 +249,7 @@ def run_up(args: argparse.Namespace) -> int:
             if not moved:
                 _say(f"the demo request's KV did not move: the decode instance computed its prompt itself (look for "
                      f"'load failed' and 'refusing peer' in {log_dir}/decode0.log and prefill0.log)")
-                for refusal in listed_refusals(proxy_url, REFUSALS_WAIT_S):
+                for refusal in listed_refusals(proxy_url, REFUSALS_WAIT_S, admin_key):
                     _say(refusal)
             if args.exit_after_demo:
                 return 0 if moved else 1

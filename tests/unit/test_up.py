@@ -11,10 +11,12 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from p2pkv.bench.cluster import free_port
 from p2pkv.cli.main import build_parser
 from p2pkv.cli.up import DEMO_QUESTION, build_cluster, has_chat_template, listed_refusals, send_demo_request
 from p2pkv.config import AUTH_SECRET_ENV
 from p2pkv.errors import ConfigError
+from p2pkv.proxy.admin import ADMIN_KEY_ENV
 from p2pkv.proxy.trace import TRANSFER_HEADER
 from tests.helpers.servers import serve
 
@@ -62,6 +64,36 @@ def test_a_cluster_without_a_secret_gets_one_of_its_own_kept_off_command_lines(t
     args = build_parser().parse_args(["up", "--model", "m", "--extra-config", '{"auth_secret": "s"}'])
     cluster, _ = build_cluster(args, "m", tmp_path)
     assert AUTH_SECRET_ENV not in cluster.extra_env
+
+
+def test_off_loopback_its_own_polls_of_the_proxy_carry_an_admin_key(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`p2pkv up --host ADDRESS` calls the proxy's `/instances` (an admin route) from beyond loopback: its proxy gets
+    a generated admin key, which its polls send; on loopback none is made."""
+    monkeypatch.delenv(ADMIN_KEY_ENV, raising=False)
+    args = build_parser().parse_args(["up", "--model", "m", "--host", "10.1.2.3", "--base-port", "20000",
+                                      "--port", "20999"])
+    cluster, _ = build_cluster(args, "m", tmp_path)
+    keys = {proc.env.get(ADMIN_KEY_ENV) for proc in cluster.processes}
+    assert len(keys) == 1 and len(next(iter(keys)) or "") == 64
+    args = build_parser().parse_args(["up", "--model", "m"])
+    assert ADMIN_KEY_ENV not in build_cluster(args, "m", tmp_path)[0].extra_env
+    app = FastAPI()
+    seen: list[str] = []
+
+    @app.get("/instances")
+    async def instances(request: Request) -> dict[str, Any]:
+        seen.append(request.headers.get("authorization", ""))
+        return {"instances": [{"role": "decode", "address": "x", "refused": [{"address": "y", "reason": "r"}]}]}
+
+    with serve(app) as address:
+        assert listed_refusals(f"http://{address}", 1.0, "k3y") == ["decode instance x refused the KV worker at y: r"]
+    assert seen == ["Bearer k3y"]
+
+
+def test_a_host_this_machine_cannot_bind_is_said_not_looped_on() -> None:
+    with pytest.raises(ConfigError, match=r"is 10\.1\.2\.3 an address of this host"):
+        free_port("10.1.2.3")
 
 
 @pytest.mark.parametrize(("argv", "message"), [
