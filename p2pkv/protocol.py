@@ -255,11 +255,13 @@ class PushBlocks(msgspec.Struct, tag="push", frozen=True):
 
 class PushAck(msgspec.Struct, tag="push_ack", frozen=True):
     """The receiver's verdict on a pushed transfer, sent once, on its first chunk: staged, or refused for lack
-    of space (the sender then keeps the blocks for the receiver to pull)."""
+    of space (the sender then keeps the blocks for the receiver to pull); `duplicate`: refused because another
+    connection began that transfer id or it was received already (the sender lets its blocks go: no pull follows)."""
 
     transfer_id: str
     accepted: bool
     reason: str = ""
+    duplicate: bool = False
 
 
 class PullInstead(msgspec.Struct, tag="pull_instead", frozen=True):
@@ -398,38 +400,43 @@ def encode_frame(message: Message, payload_len: int, secret: bytes) -> bytes:
 class FrameAuth:
     """How one connection signs and checks its frames: each frame's MAC covers its sequence number in its direction
     (both sides count, nothing is sent), the prefix and the message. The hello and its reply are keyed with the
-    secret; once the client has the reply, both sides `bind` the connection to its own key, HMAC(secret,
-    "p2pkv connection" + client nonce + listener nonce). Without a secret every MAC is zeros. One `hmac.digest`
-    per frame, as for a datagram."""
+    secret; once the client has the reply, both sides `bind` the connection to its own keys, one per direction,
+    HMAC(secret, "p2pkv connection" + direction + client nonce + listener nonce): a frame sent back to its sender
+    fails too. Without a secret every MAC is zeros. One `hmac.digest` per frame, as for a datagram."""
 
-    __slots__ = ("_key", "_received", "_secret", "_sent")
+    __slots__ = ("_received", "_receiving", "_secret", "_sending", "_sent")
 
     def __init__(self, secret: bytes) -> None:
         self._secret = secret
-        self._key = secret
+        self._sending = self._receiving = secret
         self._sent = 0
         self._received = 0
 
-    def bind(self, client_nonce: bytes, server_nonce: bytes) -> None:
+    def bind(self, client_nonce: bytes, server_nonce: bytes, client: bool) -> None:
+        """`client`: this side sent the hello."""
         if self._secret:
-            self._key = hmac.digest(self._secret, b"p2pkv connection" + client_nonce + server_nonce, "sha256")
+            keys = [hmac.digest(self._secret, b"p2pkv connection" + way + client_nonce + server_nonce, "sha256")
+                    for way in (b"client to listener", b"listener to client")]
+            self._sending, self._receiving = keys if client else keys[::-1]
 
-    def _mac(self, sequence: int, prefix: bytes, body: bytes) -> bytes:
-        if not self._key:
+    @staticmethod
+    def _mac(key: bytes, sequence: int, prefix: bytes, body: bytes) -> bytes:
+        if not key:
             return _NO_MAC
-        return hmac.digest(self._key, _SEQUENCE.pack(sequence) + prefix + body, "sha256")
+        return hmac.digest(key, _SEQUENCE.pack(sequence) + prefix + body, "sha256")
 
     def encode(self, message: Message, payload_len: int) -> bytes:
         """The next frame's prefix and message; frames go on the wire in the order they are encoded."""
         body = _encoder.encode(message)
         prefix = _PREFIX.pack(MAGIC, PROTOCOL_VERSION, 0, len(body), payload_len)
-        mac = self._mac(self._sent, prefix, body)
+        mac = self._mac(self._sending, self._sent, prefix, body)
         self._sent += 1
         return prefix + mac + body
 
     def decode(self, prefix_raw: bytes, prefix: FramePrefix, body: bytes) -> Message:
         """The next frame's message, once its MAC is checked (the sequence then moves on)."""
-        if not hmac.compare_digest(self._mac(self._received, bytes(prefix_raw[: _PREFIX.size]), body), prefix.mac):
+        expected = self._mac(self._receiving, self._received, bytes(prefix_raw[: _PREFIX.size]), body)
+        if not hmac.compare_digest(expected, prefix.mac):
             raise ProtocolError("frame authentication failed")
         self._received += 1
         return _decode_body(body)

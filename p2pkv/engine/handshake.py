@@ -65,7 +65,7 @@ def client_handshake(conn: Connection, hello: Hello, deadline: float, require_sh
             raise ProtocolError(f"authentication failed: the reply of {conn.peer} answers another hello")
         if not reply.accepted:
             raise IncompatiblePeerError(f"peer {conn.peer} refused us: {reply.reason}")
-        conn.bind(hello.nonce, reply.nonce)
+        conn.bind(hello.nonce, reply.nonce, client=True)
         conn.peer_device = reply.device
         conn.peer_pipe = reply.pipe_kind if reply.pipe_kind == hello.pipe_kind else ""
         conn.pull_instead = reply.pull_instead
@@ -103,14 +103,14 @@ def server_reply(conn: Connection, hello: Hello, offer: CmaOffer | None, deadlin
         conn.send_frame(HelloReply(accepted=True, device=export, pipe_kind=pipe, pull_instead=pull_instead,
                                    digests=digests, idle_s=idle_s, nonce=nonce, hello_nonce=hello.nonce), (),
                         deadline)
-        conn.bind(hello.nonce, nonce)
+        conn.bind(hello.nonce, nonce, client=False)
         conn.peer_pipe, conn.digests = pipe, digests or hello.digests
         return conn
     reason = why_unreadable(hello.cma)
     conn.send_frame(HelloReply(accepted=True, cma=offer, reads_you=not reason, device=export, pipe_kind=pipe,
                                pull_instead=pull_instead, digests=digests, idle_s=idle_s, nonce=nonce,
                                hello_nonce=hello.nonce), (), deadline)
-    conn.bind(hello.nonce, nonce)
+    conn.bind(hello.nonce, nonce, client=False)
     # The client answers our offer with a CmaStatus frame, which the shm connection consumes.
     shm = ShmConnection(conn, hello.cma.pid, sends_by_reference=False, reads_by_reference=not reason)
     shm.peer_pipe, shm.digests = pipe, digests or hello.digests

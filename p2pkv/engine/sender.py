@@ -447,7 +447,8 @@ class Sender:
                 item.acked = True
                 self._maybe_done_locked(item)
             else:
-                self._finish_locked(item, OutState.REFUSED, ack.reason)
+                # A duplicate (a resend on a new link, a reused id) is no pull to wait for: its blocks go.
+                self._finish_locked(item, OutState.FAILED if ack.duplicate else OutState.REFUSED, ack.reason)
 
     def _on_copied(self, copied: PayloadCopied) -> None:
         with self._lock:

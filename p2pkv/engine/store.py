@@ -135,9 +135,10 @@ class ReceiveStore:
             elif item.source != source:
                 self._foreign_locked("push", item, source)
                 return None, PushAck(push.transfer_id, False, f"{DUPLICATE}: another connection pushed "
-                                     f"{push.transfer_id}")
+                                     f"{push.transfer_id}", duplicate=True)
             if item.state is StageState.COMPLETE and ack is None:  # every block is here: a new transfer, same id
-                return None, PushAck(push.transfer_id, False, f"{DUPLICATE}: {push.transfer_id} was received already")
+                return None, PushAck(push.transfer_id, False, f"{DUPLICATE}: {push.transfer_id} was received already",
+                                     duplicate=True)
             if item.state is not StageState.RECEIVING:
                 return None, ack
             item.touched = time.monotonic()

@@ -26,9 +26,9 @@ class Connection(Protocol):
     def send_frames(self, frames: Sequence[tuple[Message, Sequence[memoryview]]], deadline: float) -> None:
         """Several frames, in order, in as few system calls as the transport allows."""
 
-    def bind(self, client_nonce: bytes, server_nonce: bytes) -> None:
-        """The handshake is done: later frames both ways are signed with this connection's own key
-        (`p2pkv.protocol.FrameAuth`)."""
+    def bind(self, client_nonce: bytes, server_nonce: bytes, client: bool) -> None:
+        """The handshake is done: later frames both ways are signed with this connection's own keys, one per
+        direction (`p2pkv.protocol.FrameAuth`; `client`: this side sent the hello)."""
 
     def queue_frame(self, message: Message) -> None:
         """A payload-less frame to send with the next send, or before the connection next waits for input."""

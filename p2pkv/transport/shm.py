@@ -88,8 +88,8 @@ class ShmConnection:
                 buffers.append(encode_ranges(payload))
         self._inner.send_buffers(buffers, deadline)
 
-    def bind(self, client_nonce: bytes, server_nonce: bytes) -> None:
-        self._inner.bind(client_nonce, server_nonce)
+    def bind(self, client_nonce: bytes, server_nonce: bytes, client: bool) -> None:
+        self._inner.bind(client_nonce, server_nonce, client)
 
     def queue_frame(self, message: Message) -> None:
         self._inner.queue_frame(message)

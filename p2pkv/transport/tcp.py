@@ -78,9 +78,10 @@ class TcpConnection:
         self._lowat = 1  # the socket's SO_RCVLOWAT
         self._lowat_cap = max(1, min(_LOWAT, sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2))
 
-    def bind(self, client_nonce: bytes, server_nonce: bytes) -> None:
-        """The handshake is done: later frames both ways are signed with this connection's own key."""
-        self._auth.bind(client_nonce, server_nonce)
+    def bind(self, client_nonce: bytes, server_nonce: bytes, client: bool) -> None:
+        """The handshake is done: later frames both ways are signed with this connection's own keys (`client`: this
+        side sent the hello)."""
+        self._auth.bind(client_nonce, server_nonce, client)
 
     def encode(self, message: Message, payload_len: int) -> bytes:
         """The next frame's prefix and message, signed in sequence: to be sent before any frame encoded after it."""

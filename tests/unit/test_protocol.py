@@ -7,6 +7,7 @@ from p2pkv.errors import ProtocolError
 from p2pkv.protocol import (
     PREFIX_BYTES,
     BlockPlaces,
+    FrameAuth,
     FrameLimits,
     Hello,
     LayerPlace,
@@ -14,6 +15,7 @@ from p2pkv.protocol import (
     PipeOpen,
     PullReply,
     PullRequest,
+    PushAbort,
     PushBlocks,
     decode_message,
     decode_prefix,
@@ -149,3 +151,32 @@ def test_layouts_of_the_same_shape_computed_another_way_differ_by_each_model_fac
     hello = Hello("e", 0, ours)
     prefix_raw, body = _split(encode_frame(hello, 0, b""))
     assert decode_message(prefix_raw, decode_prefix(prefix_raw, FrameLimits()), body, b"") == hello
+
+
+def test_a_connection_frame_checks_only_in_its_direction_sequence_and_connection() -> None:
+    """Per-connection keys, one per direction, over a sequence number: a frame is accepted once, by the other side
+    of its own connection, in order; sent back to its sender (a reflection), played again, or taken to another
+    connection, it fails."""
+    def pair(client_nonce: bytes, server_nonce: bytes) -> tuple[FrameAuth, FrameAuth]:
+        client, server = FrameAuth(b"shared"), FrameAuth(b"shared")
+        client.bind(client_nonce, server_nonce, client=True)
+        server.bind(client_nonce, server_nonce, client=False)
+        return client, server
+
+    def check(auth: FrameAuth, frame: bytes) -> object:
+        head, body = _split(frame)
+        return auth.decode(head, decode_prefix(head, FrameLimits()), body)
+
+    client, server = pair(b"c" * 16, b"s" * 16)
+    first, second = PushAbort("t", "one"), PushAbort("t", "two")
+    sent = [client.encode(first, 0), client.encode(second, 0)]
+    with pytest.raises(ProtocolError, match="authentication failed"):
+        check(pair(b"c" * 16, b"s" * 16)[0], sent[0])  # back to a client of the same nonces: the other direction
+    with pytest.raises(ProtocolError, match="authentication failed"):
+        check(pair(b"c" * 16, b"x" * 16)[1], sent[0])  # another connection
+    with pytest.raises(ProtocolError, match="authentication failed"):
+        check(pair(b"c" * 16, b"s" * 16)[1], sent[1])  # out of order
+    assert check(server, sent[0]) == first
+    with pytest.raises(ProtocolError, match="authentication failed"):
+        check(server, sent[0])  # played again
+    assert check(server, sent[1]) == second  # a failed check does not move the sequence on
