@@ -30,7 +30,7 @@ class Links:
         self._require_shm = require_shm
         self._lock = threading.Lock()
         self._conns: dict[Address, Connection] = {}
-        self._used: dict[Address, float] = {}  # when each link was last opened for use
+        self._used: dict[Address, float] = {}  # when each link last carried our frames (the listener's idle clock)
 
     def get(self, peer: Address) -> Connection | None:
         """The cached link, if any; no I/O."""
@@ -43,7 +43,6 @@ class Links:
         with self._lock:
             conn = self._conns.get(peer)
             idle = now - self._used.get(peer, now)
-            self._used[peer] = now
         if conn is not None and conn.peer_idle_s and idle > conn.peer_idle_s / 2:
             log.debug("connection to %s idle for %.0f s; reconnecting before the peer closes it", peer, idle)
             self.drop(peer)
@@ -59,14 +58,22 @@ class Links:
         return conn, False
 
     def open(self, peer: Address, deadline: float) -> Connection:
-        """The link to `peer`, connected and through the handshake; no other I/O."""
-        return self._open(peer, deadline)[0]
+        """The link to `peer`, connected and through the handshake; no other I/O (its user sends at once)."""
+        conn = self._open(peer, deadline)[0]
+        self._sent(peer)
+        return conn
+
+    def _sent(self, peer: Address) -> None:
+        with self._lock:
+            if peer in self._conns:
+                self._used[peer] = time.monotonic()
 
     def send(self, peer: Address, frames: Frames, deadline: float) -> Connection:
         """Send `frames` to `peer`; a send that fails on a cached link is tried once more on a new one."""
         conn, cached = self._open(peer, deadline)
         try:
             conn.send_frames(frames, deadline)
+            self._sent(peer)
             return conn
         except TransferError as exc:
             self.drop(peer)
@@ -79,6 +86,7 @@ class Links:
         except TransferError:
             self.drop(peer)
             raise
+        self._sent(peer)
         return conn
 
     def drop(self, peer: Address) -> None:

@@ -50,6 +50,10 @@ _POLL_S = 0.2
 # next accept, so the listener neither spins nor gives up while the shortage lasts.
 _BACKOFF_S = 0.1
 _MAX_RENEWALS = 65536  # transfers renewed per frame at most (a decode instance's waiting queue is far shorter)
+# A peer says hello as soon as it connects: one that has not within this long is no peer. And connections from one
+# host still to say hello are capped, so that no host that holds none of the secret can fill `max_connections`.
+_HELLO_S = 10.0
+_WAITING_PER_HOST = 64
 _NONCES_KEPT = 1 << 16  # hello nonces remembered, to refuse a hello played again
 _MAX_REFUSED = 4096  # refusals remembered per connection (each answered once); forgotten all at once beyond
 
@@ -90,6 +94,7 @@ class Receiver:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._readers: dict[threading.Thread, Connection] = {}
+        self._waiting: dict[str, int] = {}  # connections still to say hello, by the peer's host
         self._nonces: OrderedDict[bytes, None] = OrderedDict()
         self._serial = itertools.count()  # names each connection's transfers apart from any other's
         self._thread = engine_thread(self._accept_loop, "p2pkv-listener")
@@ -120,15 +125,31 @@ class Receiver:
                              self._max_connections, conn.peer)
                 conn.close()
                 return
+            host = _host_of(conn.peer)
+            if self._waiting.get(host, 0) >= _WAITING_PER_HOST:
+                self._refuse("waiting", "%d connections from %s have not said hello yet: closed another",
+                             _WAITING_PER_HOST, host)
+                conn.close()
+                return
+            self._waiting[host] = self._waiting.get(host, 0) + 1
             self._readers[thread] = conn
         try:
             thread.start()
         except RuntimeError as exc:  # can't start new thread
             with self._lock:
                 self._readers.pop(thread, None)
+                self._said_hello(host)
             self._refuse("no_thread", "no thread to serve a connection from %s: %s", conn.peer, exc)
             conn.close()
             self._stop.wait(_BACKOFF_S)  # the shortage may pass: neither spin nor stop
+
+    def _said_hello(self, host: str) -> None:
+        """A connection from `host` is no longer waiting for its hello (it came, or will not); under the lock."""
+        left = self._waiting.get(host, 0) - 1
+        if left > 0:
+            self._waiting[host] = left
+        else:
+            self._waiting.pop(host, None)
 
     def _refuse(self, reason: str, message: str, *args: object) -> None:
         """Count and (now and then) log a connection closed as it came."""
@@ -144,9 +165,14 @@ class Receiver:
     def _handshake(self, conn: Connection) -> tuple[Connection, bool] | None:
         """The connection to serve (shm or plain) and whether the peer holds other heads or layers than this worker
         (another tensor- or pipeline-parallel size: it pulls slices); None when the peer was refused."""
-        got = conn.recv_frame(self._frame_timeout_s, time.monotonic() + self._frame_timeout_s)
+        hello_s = min(self._frame_timeout_s, _HELLO_S)
+        try:
+            got = conn.recv_frame(hello_s, time.monotonic() + hello_s)
+        finally:
+            with self._lock:
+                self._said_hello(_host_of(conn.peer))
         if got is None:
-            raise TransferError("no hello within the frame timeout")
+            raise TransferError(f"no hello within {hello_s:g} s")
         hello, payload_len = got
         if not isinstance(hello, Hello) or payload_len:
             raise ProtocolError(f"expected a hello frame, got {type(hello).__name__}")
@@ -434,3 +460,8 @@ class Receiver:
             conn.close()
         for thread, _ in readers:
             thread.join(timeout=5)
+
+
+def _host_of(peer: str) -> str:
+    """The host of a peer named `host:port` (`[v6]:port` too)."""
+    return peer.rpartition(":")[0] or peer

@@ -104,3 +104,26 @@ def test_idle_connections_are_closed_and_their_senders_reconnect_without_failing
     idle.close()
     silent.close()
     assert receiver.store.bytes_in_use == 0
+
+
+def test_one_host_cannot_fill_the_listener_with_connections_that_never_say_hello(
+        engines: list[TransferEngine]) -> None:
+    """Without the secret, a host holds at most 64 connections still to say hello, each for at most 10 s (here the
+    2 s transfer timeout): the rest of `max_connections` stays for peers, and once its silent ones are closed this
+    host's own good pushes go through again."""
+    receiver = listening(SECRET, max_connections=128, transfer_timeout_s=2.0)
+    sender = start_engine(LAYERS, BLOCK_BYTES, SECRET)
+    engines += [receiver, sender]
+    silent = [raw(receiver.address) for _ in range(64)]
+    time.sleep(0.3)
+    beyond = [raw(receiver.address) for _ in range(8)]
+    assert all(closed_by_peer(sock, 1) for sock in beyond), "a 65th silent connection from one host was served"
+    assert receiver.metrics.totals().get("refused_connections_waiting") == 8
+    started = time.monotonic()
+    assert all(closed_by_peer(sock, 4) for sock in silent), "a connection that never said hello was kept"
+    assert time.monotonic() - started < 3.5
+    assert push_with(sender, Address.parse(receiver.address), "after-silence", 9, BLOCKS)["state"] == "done"
+    assert landed_exact(receiver, "after-silence", 9)
+    for sock in silent + beyond:
+        sock.close()
+    assert receiver.store.bytes_in_use == 0
