@@ -69,7 +69,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
                             await running
 
     app = FastAPI(title="p2pkv proxy", lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=int(config.max_body_mb * (1 << 20)), timeout_s=config.body_timeout_s)
+    app.add_middleware(BodyLimit, max_bytes=int(config.max_body_mb * (1 << 20)), timeout_s=config.body_timeout_s,
+                       keys=(config.api_key, config.admin_key) if config.api_key else ())
 
     async def route(request: Request, path: str) -> Response:
         router: Router = request.app.state.router

@@ -9,6 +9,7 @@ is never read."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 from typing import Any
 
@@ -18,16 +19,25 @@ MAX_NESTING = 100  # JSON levels in a request body: deeper ones are refused befo
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float, keys: tuple[str, ...] = ()) -> None:
+        """`keys`: where clients need a key, the keys that open some route (the clients' and the admin key): a
+        request with a body and none of them is answered 401 before its body is read, so that clients without a
+        key cannot have the proxy hold their bodies."""
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.bearers = tuple(f"Bearer {key}".encode() for key in keys if key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        if self.bearers and scope["method"] not in ("GET", "HEAD") and not any(
+                hmac.compare_digest(headers.get(b"authorization", b""), bearer) for bearer in self.bearers):
+            await _refuse(send, 401, "missing or wrong API key", "authentication_error")
+            return
+        length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             await _refuse(send, 413, self._too_large())
             return
@@ -68,9 +78,9 @@ class BodyLimit:
         return f"the request body is larger than {self.max_bytes / (1 << 20):g} MiB (--max-body-mb)"
 
 
-async def _refuse(send: Send, status: int, message: str) -> None:
+async def _refuse(send: Send, status: int, message: str, kind: str = "invalid_request_error") -> None:
     """An OpenAI-style error, closing the connection (what is left of the body is not read)."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}}).encode()
+    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})

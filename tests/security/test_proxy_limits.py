@@ -84,6 +84,29 @@ def test_bodies_over_the_cap_are_refused_without_being_buffered(tmp_path: Path, 
         assert served(proxy) == [200] * 5
 
 
+def test_with_a_client_key_bodies_without_a_key_are_refused_before_they_are_read(tmp_path: Path,
+                                                                                  stubs: tuple[str, str]) -> None:
+    """Clients without the key cannot have the proxy hold their bodies: a request with a body and no key is answered
+    401 at its headers (a chunked body too: nothing of it is read), and the proxy's memory does not grow."""
+    p, d = stubs
+    key = "client-key"
+    with proxy_process(tmp_path, "--discovery-port", "0", "--prefill", p, "--decode", d,
+                       env={"P2PKV_PROXY_API_KEY": key}) as proxy:
+        before = proxy.rss_mb()
+        socks = [connect(proxy, 15 << 20) for _ in range(8)] + [connect(proxy, chunked=True) for _ in range(8)]
+        try:
+            for sock in socks:
+                status, data = answer(sock)
+                assert status == 401 and b"API key" in data, data[:300]
+        finally:
+            for sock in socks:
+                sock.close()
+        assert proxy.rss_mb() - before < 30
+        good = httpx.post(f"{proxy.url}/v1/completions", json=GOOD, headers={"authorization": f"Bearer {key}"},
+                          timeout=10)
+        assert good.status_code == 200
+
+
 def test_a_huge_batch_is_refused_and_a_large_one_has_headers_clients_can_read(tmp_path: Path,
                                                                               stubs: tuple[str, str]) -> None:
     """2,000 prompts in one request are answered 400 at once, naming --max-prompts; 40 (under the cap) are answered
