@@ -196,7 +196,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "lease_s": _as_float("lease_s", 0.0, 3600.0, open_low=True),
     "staging_expiry_s": _as_float("staging_expiry_s", 0.0, 86400.0, open_low=True),
     "metrics_port": _as_int("metrics_port", 0, 65535),
-    "heartbeat_interval_s": _as_float("heartbeat_interval_s", 0.0, 60.0, open_low=True),  # proxies refuse longer
+    "heartbeat_interval_s": _as_float("heartbeat_interval_s", 0.1, 60.0),  # proxies refuse longer
     "heartbeat_format": _as_enum("heartbeat_format", HeartbeatFormat),
     "auth_secret": _as_str("auth_secret"),
     "max_frame_bytes": _as_int("max_frame_bytes", 1024, 1 << 30),

@@ -20,6 +20,8 @@ LEGACY_INTERVAL_S = 3.0
 # The longest interval a heartbeat may announce: an instance is kept that many intervals after its last heartbeat,
 # so a longer one would keep a dead (or forged) instance listed for hours.
 MAX_INTERVAL_S = 60.0
+# Shorter intervals would let one sender cycle instances through the pools (each expiring at once) as fast as it sends.
+MIN_INTERVAL_S = 0.1
 MAX_ANNOUNCEMENT_BYTES = 4096
 MAX_REFUSED = 16  # refused peers one heartbeat may name (instances send 8 at most)
 _LEGACY_ROLES = {"P": "prefill", "D": "decode"}
@@ -59,8 +61,9 @@ def _typed(raw: bytes, secret: bytes) -> Announcement:
         raise ProtocolError(f"expected a heartbeat, got {type(message).__name__}")
     if message.role not in ROLES:
         raise ProtocolError(f"heartbeat role {message.role!r}: expected one of {', '.join(ROLES)}")
-    if not 0 < message.interval_s <= MAX_INTERVAL_S:
-        raise ProtocolError(f"heartbeat interval {message.interval_s!r} s is out of range (at most {MAX_INTERVAL_S:g})")
+    if not MIN_INTERVAL_S <= message.interval_s <= MAX_INTERVAL_S:
+        raise ProtocolError(f"heartbeat interval {message.interval_s!r} s is out of range ({MIN_INTERVAL_S:g} to "
+                            f"{MAX_INTERVAL_S:g})")
     kv = _address(message.kv_address, "kv_address") if message.kv_address else None
     for key, size in (("tp_size", message.tp_size), ("pp_size", message.pp_size)):
         if not 0 <= size <= 4096:

@@ -104,6 +104,9 @@ class Router:
         self.metrics.heartbeats.labels("accepted").inc()
         if a.tp_size:
             self._sizes[a.http] = a.tp_size, a.pp_size, a.pulls
+            if len(self._sizes) > 2 * self.config.max_instances:  # those of instances long gone go
+                alive = {s.instance.http for pool in self.pools for s in pool.states}
+                self._sizes = {http: sizes for http, sizes in self._sizes.items() if http in alive}
         expires_at = now + self.config.heartbeat_misses * a.interval_s
         wanted = {"prefill": (self.prefill,), "decode": (self.decode,), "both": self.pools}[a.role]
         heard: list[InstanceState] = []

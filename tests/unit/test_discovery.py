@@ -63,6 +63,8 @@ def test_both_formats_parse() -> None:
     (typed("prefill", "h:1", secret=b"other"), SECRET, "authentication failed"),
     (typed("leader", "h:1"), b"", "role"),
     (typed("decode", "h:1", interval_s=0), b"", "interval"),
+    (typed("decode", "h:1", interval_s=0.01), b"", "interval"),  # would cycle instances through the pools
+    (typed("decode", "h:1", interval_s=61), b"", "interval"),
     (typed("decode", "h:1")[:-3], b"", "datagram"),
     (encode_datagram(Heartbeat("decode", "h:1", "", 1.0, "e", -1), b""), b"", "tp_size"),
     (encode_datagram(Heartbeat("decode", "h:1", "", 1.0, "e", 1, 5000), b""), b"", "pp_size"),
