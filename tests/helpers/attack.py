@@ -11,8 +11,11 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from p2pkv.engine import EngineSettings, TransferEngine
 from p2pkv.engine.handshake import client_handshake
+from p2pkv.engine.store import StageState
 from p2pkv.params import Address
 from p2pkv.protocol import PREFIX_BYTES, FrameLimits, Hello, decode_prefix
 from p2pkv.transport.base import Connection
@@ -150,3 +153,15 @@ def frames(stream: bytes) -> list[bytes]:
         out.append(stream[at:end])
         at = end
     return out
+
+
+def landed_exact(receiver: TransferEngine, tid: str, data: np.ndarray) -> bool:
+    """The transfer completed on `receiver` holding exactly `data` (a row per layer); taken and let go."""
+    assert receiver.wait_staged(tid, 10) is StageState.COMPLETE
+    item = receiver.take_staged(tid)
+    assert item is not None
+    try:
+        return all(np.array_equal(np.frombuffer(item.layer_view(layer), dtype=np.uint8), data[layer])
+                   for layer in range(LAYERS))
+    finally:
+        receiver.release_staged(item)

@@ -8,9 +8,8 @@ import time
 import numpy as np
 
 from p2pkv.engine import TransferEngine
-from p2pkv.engine.store import StageState
 from p2pkv.params import Address
-from tests.helpers.attack import closed_by_peer, handshaken, listening, raw, wait_for
+from tests.helpers.attack import closed_by_peer, handshaken, landed_exact, listening, raw, wait_for
 from tests.helpers.peer import payload, push_with, start_engine
 from tests.helpers.procs import BLOCK_BYTES, BLOCKS, LAYERS
 from tests.helpers.starvable import Starvable
@@ -18,16 +17,9 @@ from tests.helpers.starvable import Starvable
 SECRET = "listener-secret"
 
 
-def landed_exact(receiver: TransferEngine, tid: str, seed: int) -> bool:
-    assert receiver.wait_staged(tid, 10) is StageState.COMPLETE
-    item = receiver.take_staged(tid)
-    assert item is not None
-    want = payload(seed, LAYERS, BLOCKS, BLOCK_BYTES)
-    try:
-        return all(np.array_equal(np.frombuffer(item.layer_view(layer), dtype=np.uint8), want[layer])
-                   for layer in range(LAYERS))
-    finally:
-        receiver.release_staged(item)
+def seeded(seed: int) -> np.ndarray:
+    """What `push_with` sends for `seed`."""
+    return payload(seed, LAYERS, BLOCKS, BLOCK_BYTES)
 
 
 def test_a_listener_out_of_threads_or_descriptors_closes_what_it_cannot_serve_and_keeps_accepting(
@@ -73,7 +65,8 @@ def test_connections_beyond_the_cap_are_closed_at_once_while_the_first_ones_and_
     assert receiver.metrics.totals().get("refused_connections_cap") == 1
     assert all(conn.is_alive() for conn in first)
     assert push_with(sender, Address.parse(receiver.address), "still-within-cap", 4, BLOCKS)["state"] == "done"
-    assert landed_exact(receiver, "within-cap", 3) and landed_exact(receiver, "still-within-cap", 4)
+    assert landed_exact(receiver, "within-cap", seeded(3))
+    assert landed_exact(receiver, "still-within-cap", seeded(4))
     first.pop().close()  # a place is free again once its reader has ended
     assert wait_for(lambda: handshaken(receiver.address, SECRET).is_alive(), 5)
     for conn in first:
@@ -100,7 +93,7 @@ def test_idle_connections_are_closed_and_their_senders_reconnect_without_failing
     time.sleep(0.95)
     assert push_with(sender, peer, "at-the-limit", 8, BLOCKS)["state"] == "done"
     for tid, seed in (("before-idle", 5), ("after-idle", 6), ("at-the-limit", 8)):
-        assert landed_exact(receiver, tid, seed)
+        assert landed_exact(receiver, tid, seeded(seed))
     idle.close()
     silent.close()
     assert receiver.store.bytes_in_use == 0
@@ -123,7 +116,7 @@ def test_one_host_cannot_fill_the_listener_with_connections_that_never_say_hello
     assert all(closed_by_peer(sock, 4) for sock in silent), "a connection that never said hello was kept"
     assert time.monotonic() - started < 3.5
     assert push_with(sender, Address.parse(receiver.address), "after-silence", 9, BLOCKS)["state"] == "done"
-    assert landed_exact(receiver, "after-silence", 9)
+    assert landed_exact(receiver, "after-silence", seeded(9))
     for sock in silent + beyond:
         sock.close()
     assert receiver.store.bytes_in_use == 0

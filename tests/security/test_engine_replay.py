@@ -15,7 +15,7 @@ from p2pkv.engine.sender import OutState
 from p2pkv.engine.store import StageState
 from p2pkv.params import Address
 from p2pkv.protocol import Hello, encode_frame
-from tests.helpers.attack import Recorder, closed_by_peer, frames, listening, raw, wait_for
+from tests.helpers.attack import Recorder, closed_by_peer, frames, landed_exact, listening, raw, wait_for
 from tests.helpers.peer import TRANSPORT_ENV, layout, payload
 from tests.helpers.procs import BLOCK_BYTES, BLOCKS, LAYERS
 from tests.helpers.relay import FlipRelay
@@ -39,17 +39,6 @@ def push(engine: TransferEngine, peer: str, tid: str, seed: int) -> tuple[OutSta
     return out.state, data
 
 
-def take_exact(receiver: TransferEngine, tid: str, data: np.ndarray) -> bool:
-    assert receiver.wait_staged(tid, 5) is StageState.COMPLETE
-    item = receiver.take_staged(tid)
-    assert item is not None
-    try:
-        return all(np.array_equal(np.frombuffer(item.layer_view(layer), dtype=np.uint8), data[layer])
-                   for layer in range(LAYERS))
-    finally:
-        receiver.release_staged(item)
-
-
 def bad_frames(engine: TransferEngine) -> float:
     return engine.metrics.totals().get("bad_frames", 0.0)
 
@@ -60,7 +49,7 @@ def test_a_recorded_hello_played_again_is_refused_without_a_word(engines: list[T
     mitm = Recorder(receiver.address)
     try:
         state, data = push(victim, mitm.address, "recorded", 31)
-        assert state is OutState.DONE and take_exact(receiver, "recorded", data)
+        assert state is OutState.DONE and landed_exact(receiver, "recorded", data)
         recorded = frames(bytes(mitm.sent[0]))
     finally:
         mitm.close()
@@ -80,13 +69,13 @@ def test_recorded_frames_played_into_the_same_or_the_next_connection_fail_authen
     mitm = Recorder(receiver.address)
     try:
         state, data = push(victim, mitm.address, "once", 41)
-        assert state is OutState.DONE and take_exact(receiver, "once", data)
+        assert state is OutState.DONE and landed_exact(receiver, "once", data)
         recorded = b"".join(frames(bytes(mitm.sent[0]))[1:])  # the transfer's frames, after the hello
         mitm.inject(recorded)  # again, in sequence after the frames already sent on that connection
         assert wait_for(lambda: bad_frames(receiver) == 1, 3), "frames played again were taken"
         assert receiver.staged_state("once") is None
         state, data = push(victim, mitm.address, "next", 42)  # on a new connection: the old one was dropped
-        assert state is OutState.DONE and take_exact(receiver, "next", data)
+        assert state is OutState.DONE and landed_exact(receiver, "next", data)
         assert len(mitm.sent) == 2
         mitm.inject(recorded)  # into the new connection, at the sequence numbers they were signed with
         assert wait_for(lambda: bad_frames(receiver) == 2, 3), "frames moved to another connection were taken"
@@ -106,7 +95,7 @@ def test_a_payload_swapped_under_a_signed_header_is_not_staged(engines: list[Tra
         assert receiver.wait_staged("swapped", 5) is StageState.FAILED
         assert "do not match" in receiver.staged_reason("swapped")
         state, data = push(victim, relay.address, "clean", 52)
-        assert state is OutState.DONE and take_exact(receiver, "clean", data)
+        assert state is OutState.DONE and landed_exact(receiver, "clean", data)
     finally:
         relay.close()
     assert receiver.store.bytes_in_use == 0

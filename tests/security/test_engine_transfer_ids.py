@@ -15,7 +15,7 @@ from p2pkv.integrity import digest
 from p2pkv.params import Address
 from p2pkv.protocol import PullInstead, PushAbort, PushAck, PushBlocks
 from p2pkv.transport.base import Connection
-from tests.helpers.attack import handshaken, listening, wait_for
+from tests.helpers.attack import handshaken, landed_exact, listening, wait_for
 from tests.helpers.peer import payload, start_engine
 from tests.helpers.procs import BLOCK_BYTES, BLOCKS, LAYERS
 
@@ -36,17 +36,6 @@ def outcome(engine: TransferEngine, tid: str) -> tuple[OutState, str]:
     out = engine.wait_outgoing(tid, VERDICT_S)
     assert out is not None
     return out.state, out.reason
-
-
-def landed_exact(receiver: TransferEngine, tid: str, data: np.ndarray) -> bool:
-    assert receiver.wait_staged(tid, 5) is StageState.COMPLETE
-    item = receiver.take_staged(tid)
-    assert item is not None
-    try:
-        return all(np.array_equal(np.frombuffer(item.layer_view(layer), dtype=np.uint8), data[layer])
-                   for layer in range(LAYERS))
-    finally:
-        receiver.release_staged(item)
 
 
 def forged_push(attacker: Connection, tid: str, layer: int) -> None:
