@@ -150,11 +150,3 @@ def beating(endpoint: str, beats: Callable[[], Sequence[bytes]], every_s: float)
     finally:
         stop.set()
         thread.join(10)
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)

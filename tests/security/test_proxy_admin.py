@@ -13,9 +13,10 @@ import pytest
 
 from p2pkv.hostaddr import local_ip_towards
 from p2pkv.protocol import Heartbeat, encode_datagram
-from tests.helpers.proxy_process import dealer, proxy_process, wait_for
+from tests.helpers.proxy_process import dealer, proxy_process
 from tests.helpers.servers import serve
 from tests.helpers.stubs import stub_decode, stub_prefill, with_controls
+from tests.helpers.unit import wait_for
 
 ADMIN = [("POST", "/pause"), ("POST", "/resume"), ("POST", "/reset_prefix_cache"), ("GET", "/is_paused"),
          ("POST", "/collective_rpc"), ("GET", "/instances"), ("GET", "/metrics")]

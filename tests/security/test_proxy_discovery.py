@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ipaddress
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,10 @@ from p2pkv.errors import ConfigError
 from p2pkv.hostaddr import local_ip_towards
 from p2pkv.protocol import Heartbeat, encode_datagram
 from p2pkv.proxy import ProxyConfig
-from tests.helpers.proxy_process import ProxyProcess, beating, dealer, proxy_argv, proxy_env, proxy_process, wait_for
+from tests.helpers.proxy_process import ProxyProcess, beating, dealer, proxy_argv, proxy_env, proxy_process
 from tests.helpers.servers import serve
-from tests.helpers.stubs import stub_decode, stub_prefill
+from tests.helpers.stubs import stub_decode
+from tests.helpers.unit import wait_for
 
 SECRET = "s3cret-of-the-cluster"
 ATTACKER_KV = "127.0.0.1:6666"
@@ -39,14 +39,6 @@ def legacy(kind: str, http: str, kv: str) -> bytes:
     return msgspec.msgpack.encode({"type": kind, "http_address": http, "zmq_address": kv})
 
 
-@pytest.fixture
-def stubs() -> Iterator[tuple[str, str, list[dict[str, Any]], list[dict[str, Any]]]]:
-    p_seen: list[dict[str, Any]] = []
-    d_seen: list[dict[str, Any]] = []
-    with serve(stub_prefill(p_seen)) as p, serve(stub_decode(d_seen)) as d:
-        yield p, d, p_seen, d_seen
-
-
 def heartbeats(proxy: ProxyProcess) -> float:
     """Discovery messages the proxy has read, whatever it made of them."""
     lines = proxy.get("/metrics").text.splitlines()
@@ -59,7 +51,7 @@ def _ask(url: str, n: int) -> None:
         assert resp.status_code == 200, resp.text
 
 
-def test_discovery_beyond_loopback_needs_the_secret(tmp_path: Path, stubs: Any) -> None:
+def test_discovery_beyond_loopback_needs_the_secret(tmp_path: Path, backends: Any) -> None:
     """Listening for heartbeats beyond loopback, a proxy without P2PKV_AUTH_SECRET exits at once with an error naming
     the variable and the flag; with the flag it starts and says so loudly. With the secret, it takes the real
     instances' signed heartbeats and none of the unsigned, wrongly signed or old-format ones an attacker sends from
@@ -77,7 +69,7 @@ def test_discovery_beyond_loopback_needs_the_secret(tmp_path: Path, stubs: Any) 
     with proxy_process(tmp_path, "--discovery-host", "0.0.0.0", "--allow-unauthenticated-discovery") as proxy:
         assert "UNAUTHENTICATED DISCOVERY" in proxy.log()
 
-    p, d, _, d_seen = stubs
+    p, d, _, d_seen = backends
     source = own_address() or "127.0.0.1"
     with proxy_process(tmp_path, "--discovery-host", "0.0.0.0", env={"P2PKV_AUTH_SECRET": SECRET}) as proxy:
         real = lambda: [beat("prefill", p, "127.0.0.1:7100", "p", secret=SECRET),  # noqa: E731
@@ -95,12 +87,12 @@ def test_discovery_beyond_loopback_needs_the_secret(tmp_path: Path, stubs: Any) 
         assert len(d_seen) == 10
 
 
-def test_forged_heartbeats_cannot_rewrite_a_live_instance(tmp_path: Path, stubs: Any) -> None:
+def test_forged_heartbeats_cannot_rewrite_a_live_instance(tmp_path: Path, backends: Any) -> None:
     """With discovery unauthenticated (loopback, no secret), forged heartbeats naming live instances try to move the
     decode instance's KV address to the attacker's port, to change roles and engine ids, in both formats: each is
     refused and counted, logged once, and every prefill still sends the KV to the real decode instance. After the
     real decode instance stops beating and expires, its restart (another engine id and KV port) is taken."""
-    p, d, p_seen, _ = stubs
+    p, d, p_seen, _ = backends
     real_kv = "127.0.0.1:7200"
     with proxy_process(tmp_path) as proxy:
         endpoint = f"tcp://127.0.0.1:{proxy.discovery_port}"
@@ -132,11 +124,11 @@ def test_forged_heartbeats_cannot_rewrite_a_live_instance(tmp_path: Path, stubs:
                 _ask(proxy.url, 2)
 
 
-def test_forged_instances_beyond_the_cap_and_long_intervals_are_refused(tmp_path: Path, stubs: Any) -> None:
+def test_forged_instances_beyond_the_cap_and_long_intervals_are_refused(tmp_path: Path, backends: Any) -> None:
     """An attacker announces 200 fake decode instances, and some with an hour-long interval (to linger): beyond
     --max-instances new instances are refused and counted, the real ones keep beating, and every client request is
     answered by the real instances."""
-    p, d, _, d_seen = stubs
+    p, d, _, d_seen = backends
     with proxy_process(tmp_path, "--max-instances", "3") as proxy:
         endpoint = f"tcp://127.0.0.1:{proxy.discovery_port}"
         real = lambda: [beat("prefill", p, "127.0.0.1:7100", "p", 0.5),  # noqa: E731

@@ -7,24 +7,14 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from tests.helpers.proxy_process import ProxyProcess, proxy_process
-from tests.helpers.servers import serve
-from tests.helpers.stubs import stub_decode, stub_prefill
 
 GOOD = {"model": "tiny", "prompt": "x", "max_tokens": 2}
-
-
-@pytest.fixture
-def stubs() -> Iterator[tuple[str, str]]:
-    with serve(stub_prefill([])) as p, serve(stub_decode([])) as d:
-        yield p, d
 
 
 def served(proxy: ProxyProcess, n: int = 5, timeout_s: float = 10.0) -> list[int]:
@@ -55,10 +45,10 @@ def answer(sock: socket.socket, timeout_s: float = 5.0) -> tuple[int, bytes]:
     return status, data
 
 
-def test_bodies_over_the_cap_are_refused_without_being_buffered(tmp_path: Path, stubs: tuple[str, str]) -> None:
+def test_bodies_over_the_cap_are_refused_without_being_buffered(tmp_path: Path, backends: Any) -> None:
     """A 100 MiB Content-Length is answered 413 before any of its body is read, four times over; a chunked body is
     answered 413 once it passes the cap, the connection closed; the proxy's memory does not grow by the bodies."""
-    p, d = stubs
+    p, d, _, _ = backends
     with proxy_process(tmp_path, "--discovery-port", "0", "--prefill", p, "--decode", d,
                        "--max-body-mb", "1") as proxy:
         assert served(proxy) == [200] * 5
@@ -85,10 +75,10 @@ def test_bodies_over_the_cap_are_refused_without_being_buffered(tmp_path: Path, 
 
 
 def test_with_a_client_key_bodies_without_a_key_are_refused_before_they_are_read(tmp_path: Path,
-                                                                                  stubs: tuple[str, str]) -> None:
+                                                                                  backends: Any) -> None:
     """Clients without the key cannot have the proxy hold their bodies: a request with a body and no key is answered
     401 at its headers (a chunked body too: nothing of it is read), and the proxy's memory does not grow."""
-    p, d = stubs
+    p, d, _, _ = backends
     key = "client-key"
     with proxy_process(tmp_path, "--discovery-port", "0", "--prefill", p, "--decode", d,
                        env={"P2PKV_PROXY_API_KEY": key}) as proxy:
@@ -108,10 +98,10 @@ def test_with_a_client_key_bodies_without_a_key_are_refused_before_they_are_read
 
 
 def test_a_huge_batch_is_refused_and_a_large_one_has_headers_clients_can_read(tmp_path: Path,
-                                                                              stubs: tuple[str, str]) -> None:
+                                                                              backends: Any) -> None:
     """2,000 prompts in one request are answered 400 at once, naming --max-prompts; 40 (under the cap) are answered
     with trace headers that name 32 prompts and count the rest."""
-    p, d = stubs
+    p, d, _, _ = backends
     with proxy_process(tmp_path, "--discovery-port", "0", "--prefill", p, "--decode", d) as proxy:
         started = time.monotonic()
         resp = httpx.post(f"{proxy.url}/v1/completions", json={**GOOD, "prompt": [f"p{i}" for i in range(2000)]},
@@ -127,10 +117,10 @@ def test_a_huge_batch_is_refused_and_a_large_one_has_headers_clients_can_read(tm
         assert served(proxy) == [200] * 5
 
 
-def test_deeply_nested_json_is_a_bad_request_not_a_crash(tmp_path: Path, stubs: tuple[str, str]) -> None:
+def test_deeply_nested_json_is_a_bad_request_not_a_crash(tmp_path: Path, backends: Any) -> None:
     """Bodies nested 5,000 and 150 levels deep are answered 400, with no traceback in the proxy's log; a weight
     update's body nested as deep reaches no 500 either."""
-    p, d = stubs
+    p, d, _, _ = backends
     with proxy_process(tmp_path, "--discovery-port", "0", "--prefill", p, "--decode", d) as proxy:
         for depth in (5000, 150):
             body = '{"prompt": "x", "a": ' + "[" * depth + "]" * depth + "}"
@@ -144,11 +134,11 @@ def test_deeply_nested_json_is_a_bad_request_not_a_crash(tmp_path: Path, stubs: 
         assert "Traceback" not in proxy.log()
 
 
-def test_slow_clients_are_cut_off_and_good_ones_served(tmp_path: Path, stubs: tuple[str, str]) -> None:
+def test_slow_clients_are_cut_off_and_good_ones_served(tmp_path: Path, backends: Any) -> None:
     """300 clients open requests and drip their bodies a byte at a time, on a proxy that may open 256 files: each
     is answered (408 once its body is late, 503 beyond the connections served at once) and closed, and good clients
     that come while the drip goes on are answered."""
-    p, d = stubs
+    p, d, _, _ = backends
     with proxy_process(tmp_path, "--discovery-port", "0", "--prefill", p, "--decode", d, "--body-timeout", "1",
                        "--max-connections", "64", open_files=256) as proxy:
         assert served(proxy) == [200] * 5
