@@ -17,6 +17,10 @@ from p2pkv.errors import ConfigError
 from p2pkv.params import Address
 
 AUTH_SECRET_ENV = "P2PKV_AUTH_SECRET"
+# How the proxy picks instances (`p2pkv.proxy.registry.Policy`): prefix only for prefill instances, whose blocks
+# its KV cache events say.
+DECODE_POLICIES = ("least-outstanding", "round-robin")
+PREFILL_POLICIES = (*DECODE_POLICIES, "prefix")
 T = TypeVar("T")
 
 

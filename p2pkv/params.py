@@ -183,6 +183,7 @@ class ProbeAnswer:
     kv_named: str = ""
     refused: tuple[tuple[str, str, float, str], ...] = ()
     launch: str = ""  # this start of the instance (`p2pkv.config.launch_of`)
+    kv_events: str = ""  # where its vLLM publishes KV cache events (`p2pkv.discovery.events`); "": nowhere
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {MARKER: PARAMS_VERSION, "kv_port": self.kv_port, "kv_host": self.kv_host}
@@ -202,6 +203,8 @@ class ProbeAnswer:
             out["refused_launches"] = [launch for *_, launch in self.refused]
         if self.launch:
             out["launch"] = self.launch
+        if self.kv_events:
+            out["kv_events"] = self.kv_events
         return out
 
 

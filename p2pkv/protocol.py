@@ -363,6 +363,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     refused: tuple[PeerRefused, ...] = ()  # the latest refusals of its workers (`p2pkv.proxy.pairs`); a few at most
     pulls: bool = False  # a decode instance that takes its KV by pulls (its send_type GET), whatever the prefill's
     launch: str = ""  # this start of the instance (`p2pkv.config.launch_of`); "": not said
+    kv_events: str = ""  # where its vLLM publishes KV cache events (a ZMQ endpoint); "": it does not
 
 
 Message = (Hello | HelloReply | BlockPlaces | PushBlocks | PushAck | PushAbort | PullRequest | PullReply | Heartbeat

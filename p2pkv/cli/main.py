@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from p2pkv.config import SendType, Transport
+from p2pkv.config import DECODE_POLICIES, PREFILL_POLICIES, SendType, Transport
 from p2pkv.errors import P2pkvError
 
 
@@ -26,7 +26,7 @@ def _proxy(args: argparse.Namespace) -> int:
                          request_timeout_s=args.request_timeout, prefill_timeout_s=args.prefill_timeout,
                          prefill_retries=args.prefill_retries, transfer_retries=args.transfer_retries,
                          stream_resumes=args.stream_resumes,
-                         prefill_policy=args.prefill_policy,
+                         prefill_policy=args.prefill_policy, decode_only_below=args.decode_only_below,
                          decode_policy=args.decode_policy, api_key=os.environ.get(API_KEY_ENV, ""),
                          admin_key=os.environ.get(ADMIN_KEY_ENV, ""),
                          discovery_host=args.discovery_host, discovery_port=args.discovery_port,
@@ -137,6 +137,14 @@ def _bench_plan(args: argparse.Namespace) -> int:
                       args.repeats)
 
 
+def _bench_routing(args: argparse.Namespace) -> int:
+    from p2pkv.bench.routing import main as bench_routing
+
+    if not args.rate > 0:
+        raise SystemExit("p2pkv bench routing: --rate must be more than 0")
+    return bench_routing(args.model, args.prefixes, args.questions, args.prefix_tokens, args.rate, args.seed)
+
+
 def _bench_abuse(args: argparse.Namespace) -> int:
     from p2pkv.bench.abuse import main as bench_abuse
 
@@ -197,9 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="times a completion or chat stream whose decode instance broke off after its answer "
                             "began is resumed: the rest is prefilled and decoded as a new transfer from the tokens "
                             "streamed (0: such a stream ends with an error event)")
-    policies = ["least-outstanding", "round-robin"]
-    proxy.add_argument("--prefill-policy", choices=policies, default="least-outstanding")
-    proxy.add_argument("--decode-policy", choices=policies, default="least-outstanding")
+    proxy.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="least-outstanding",
+                       help="prefix: the instance holding most of the prompt (from its KV cache events), balanced "
+                       "against its load")
+    proxy.add_argument("--decode-policy", choices=DECODE_POLICIES, default="least-outstanding")
+    proxy.add_argument("--decode-only-below", type=int, default=0, metavar="TOKENS",
+                       help="send a prompt to its decode instance alone when fewer of its tokens than this are left to "
+                       "compute there (its prefix cache counted, from its KV cache events); 0: never")
     proxy.set_defaults(func=_proxy)
 
     up = sub.add_parser("up", help="start a local xPyD cluster and the proxy; Ctrl-C stops everything")
@@ -220,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dtype", default="float32")
     up.add_argument("--kv-cache-gb", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE for CPU builds")
     up.add_argument("--send-type", default=SendType.PUT_ASYNC.value, choices=[t.value for t in SendType])
+    up.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="least-outstanding",
+                    help="the proxy's --prefill-policy; with prefix the instances publish their KV cache events to it")
+    up.add_argument("--decode-only-below", type=int, default=0, metavar="TOKENS",
+                    help="the proxy's --decode-only-below (the instances publish their KV cache events to it)")
     up.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                     help="what vLLM does with a request whose KV did not arrive")
     up.add_argument("--extra-config", default="{}", metavar="JSON",
@@ -340,6 +356,15 @@ def build_parser() -> argparse.ArgumentParser:
     bproxy.add_argument("--requests", type=int, default=2000)
     bproxy.add_argument("--concurrency", type=int, default=16)
     bproxy.set_defaults(func=_bench_proxy)
+    brouting = bench.add_parser("routing", help="round-robin against the prefix policy on one 2P1D cluster with a "
+                                "shared-prefix workload: prefix cache hit rate and TTFT per policy")
+    brouting.add_argument("--model", default=None, help="smollm2 (the default), tiny, or a model directory")
+    brouting.add_argument("--prefixes", type=_at_least_one, default=8, help="system prompts")
+    brouting.add_argument("--questions", type=_at_least_one, default=16, help="questions after each system prompt")
+    brouting.add_argument("--prefix-tokens", type=_at_least_one, default=1000, help="tokens of each system prompt")
+    brouting.add_argument("--rate", type=float, default=1.0, help="requests per second")
+    brouting.add_argument("--seed", type=int, default=0)
+    brouting.set_defaults(func=_bench_routing)
     babuse = bench.add_parser("abuse", help="every attack on the proxy and the KV port while good traffic flows: "
                                             "good p50/p99 against a same-run baseline, descriptors, threads, memory")
     babuse.set_defaults(func=_bench_abuse)

@@ -31,6 +31,9 @@ DEMO_PROMPT = "Disaggregated serving moves the KV cache from the prefill instanc
 DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
 
 
+_MAX_IPC_DIR = 80
+
+
 def _say(text: str) -> None:
     print(f"[p2pkv up] {text}", flush=True)
 
@@ -71,6 +74,31 @@ def _vllm_args(text: str, option: str) -> tuple[str, ...]:
         raise ConfigError(f"{option}: {exc}") from None
 
 
+def _events_dir(args: argparse.Namespace, log_dir: Path, vllm_args: tuple[str, ...]) -> Path | None:
+    """Where the instances publish their KV cache events (ipc sockets: only this host can subscribe), when the
+    proxy routes by them and the vLLM arguments do not configure them already; None otherwise."""
+    wanted = args.prefill_policy == "prefix" or args.decode_only_below
+    if not wanted or any(a.startswith("--kv-events-config") for a in vllm_args):
+        return None
+    folder = log_dir / "events"
+    if len(str(folder)) > _MAX_IPC_DIR:  # a socket's path has room for about 100 bytes
+        folder = Path(tempfile.mkdtemp(prefix="p2pkv-events-"))
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return folder
+
+
+def _events_args(folder: Path | None, name: str, dp_size: int) -> tuple[str, ...]:
+    if folder is None:
+        return ()
+    if dp_size > 1:
+        # vLLM offsets a data-parallel engine's endpoint by its rank for tcp ports only; the proxy routes these by
+        # load (or pass --kv-events-config with a tcp://*:PORT endpoint, which listens beyond loopback).
+        _say(f"{name}: data-parallel engines publish no KV cache events here; the proxy routes them by load")
+        return ()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{folder}/{name}"}
+    return ("--kv-events-config", json.dumps(config))
+
+
 def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[Cluster, dict[str, Any]]:
     """The cluster to start, and what the ready file will say about it."""
     cluster = Cluster(model=model, log_dir=log_dir, host=args.host, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb)
@@ -104,6 +132,7 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
     own = {role: _extra_config(text, f"--{role}-extra-config", shared)
            for role, text in (("prefill", args.prefill_extra_config), ("decode", args.decode_extra_config))}
     described = []
+    events = _events_dir(args, log_dir, extra_vllm)
     for i in range(n):
         is_prefill = i < args.prefill
         role = "kv_producer" if is_prefill else "kv_consumer"
@@ -111,7 +140,9 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
         spec = InstanceSpec(role, http_ports[i], kv_ports[i],
                             {**extra, **own["prefill" if is_prefill else "decode"], "metrics_port": metrics_ports[i],
                              "http_port": http_ports[i]},
-                            extra_vllm + own_vllm["prefill" if is_prefill else "decode"], args.kv_load_failure_policy,
+                            extra_vllm + own_vllm["prefill" if is_prefill else "decode"]
+                            + _events_args(events, name, args.prefill_dp if is_prefill else args.decode_dp),
+                            args.kv_load_failure_policy,
                             args.prefill_tp if is_prefill else args.decode_tp,
                             args.prefill_pp if is_prefill else args.decode_pp,
                             args.prefill_dp if is_prefill else args.decode_dp)
@@ -120,7 +151,9 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
                           "kv": f"{args.host}:{kv_ports[i]}", "metrics": f"{args.host}:{metrics_ports[i]}",
                           "tp_size": spec.tp_size, "pp_size": spec.pp_size, "dp_size": spec.dp_size})
     proxy_port = args.port or free_port(args.host)
-    cluster.add_proxy(proxy_port, [], [], discovery_port, secret=extra.get("auth_secret", ""))
+    cluster.add_proxy(proxy_port, [], [], discovery_port, secret=extra.get("auth_secret", ""),
+                      args=("--prefill-policy", args.prefill_policy,
+                            "--decode-only-below", str(args.decode_only_below)))
     return cluster, {"proxy": f"http://{args.host}:{proxy_port}", "discovery": f"{args.host}:{discovery_port}",
                      "model": model, "instances": described, "log_dir": str(log_dir)}
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from p2pkv.discovery.events import MAX_ENDPOINT_BYTES
 from p2pkv.errors import ConfigError, ProtocolError
 from p2pkv.params import Address, hex16_or_empty
 from p2pkv.protocol import MAGIC, FrameLimits, Heartbeat, decode_datagram
@@ -44,6 +45,7 @@ class Announcement:
     engine_id: str = ""  # another one from the same address: the instance restarted
     pulls: bool = False  # a decode instance that takes its KV by pulls
     launch: str = ""  # this start of the instance (`p2pkv.config.launch_of`); "": not said
+    kv_events: str = ""  # where its vLLM publishes KV cache events (`p2pkv.discovery.events`); "": not said
 
 
 def _address(value: object, key: str) -> Address:
@@ -81,10 +83,15 @@ def _typed(raw: bytes, secret: bytes) -> Announcement:
         if not hex16_or_empty(peer.launch):
             raise ProtocolError(f"heartbeat refusal launch {peer.launch[:40]!r}: expected 16 hex digits")
         refused.append((_address(peer.address, "refused address"), peer.reason, peer.age_s, peer.launch))
+    if message.kv_events and not (len(message.kv_events) <= MAX_ENDPOINT_BYTES
+                                  and message.kv_events.startswith(("tcp://", "ipc://"))):
+        raise ProtocolError(f"heartbeat kv_events {message.kv_events[:40]!r}: expected a tcp:// or ipc:// endpoint "
+                            f"of at most {MAX_ENDPOINT_BYTES} bytes")
     return Announcement(message.role, _address(message.http_address, "http_address"), kv, message.interval_s,
                         tp_size=message.tp_size, pp_size=message.pp_size,
                         dp_rank=message.dp_rank if message.dp_rank >= 0 else None, refused=tuple(refused),
-                        engine_id=message.engine_id[:64], pulls=message.pulls, launch=message.launch)
+                        engine_id=message.engine_id[:64], pulls=message.pulls, launch=message.launch,
+                        kv_events=message.kv_events)
 
 
 def _legacy(raw: bytes) -> Announcement:

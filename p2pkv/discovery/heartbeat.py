@@ -46,14 +46,16 @@ def refused_in_beat(notes: Mapping[str, Refusal], now: float) -> tuple[PeerRefus
 class HeartbeatSender:
     def __init__(self, proxy: Address | Sequence[Address], role: str, http: Address, kv: Address, interval_s: float,
                  secret: bytes, tp_size: int = 0, pp_size: int = 0, legacy: bool = False,
-                 dp_rank: int | None = None, pulls: bool = False, launch: str = "") -> None:
+                 dp_rank: int | None = None, pulls: bool = False, launch: str = "", kv_events: str = "") -> None:
         """`proxy`: one proxy or several (each gets every heartbeat: proxies side by side, for availability).
         `legacy`: announce in the old connector's format, for its proxy (prefill or decode only, unsigned).
         `dp_rank`: the data-parallel rank this engine is reached by through the instance's API server. `pulls`: a
-        decode instance that takes its KV by pulls. `launch`: this start of the instance."""
+        decode instance that takes its KV by pulls. `launch`: this start of the instance. `kv_events`: where its
+        vLLM publishes KV cache events, for prefix-aware routing."""
         self.proxies = (proxy,) if isinstance(proxy, Address) else tuple(proxy)
         self.message = Heartbeat(role, str(http), str(kv), interval_s, uuid.uuid4().hex, tp_size, pp_size,
-                                 -1 if dp_rank is None else dp_rank, pulls=pulls, launch=launch)
+                                 -1 if dp_rank is None else dp_rank, pulls=pulls, launch=launch,
+                                 kv_events=kv_events)
         self._legacy = msgspec.msgpack.encode({"type": _LEGACY_TYPES[role], "http_address": str(http),
                                                "zmq_address": str(kv)}) if legacy else b""
         self.interval_s = interval_s
@@ -134,9 +136,10 @@ _LEGACY_TYPES = {"prefill": "P", "decode": "D"}
 
 
 def sender_for(config: ConnectorConfig, tp_size: int = 0, pp_size: int = 0,
-               dp_rank: int | None = None) -> HeartbeatSender | None:
+               dp_rank: int | None = None, kv_events: str = "") -> HeartbeatSender | None:
     """The heartbeat sender of an instance configured with `proxy_ip`/`proxy_port` (of its data-parallel rank
-    `dp_rank`, where its API server fronts several); None without a proxy."""
+    `dp_rank`, where its API server fronts several; publishing KV cache events at `kv_events`); None without a
+    proxy."""
     extra = config.extra
     if not extra.proxy_ip:
         return None
@@ -152,4 +155,4 @@ def sender_for(config: ConnectorConfig, tp_size: int = 0, pp_size: int = 0,
                            Address(kv.host, extra.http_port), kv,
                            extra.heartbeat_interval_s, extra.auth_secret.encode(), tp_size, pp_size,
                            extra.heartbeat_format is HeartbeatFormat.LEGACY, dp_rank, config.takes_pulls,
-                           config.launch)
+                           config.launch, kv_events)

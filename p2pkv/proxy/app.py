@@ -18,6 +18,7 @@ from p2pkv.proxy.admin import admin_refusal
 from p2pkv.proxy.control import add_control_routes
 from p2pkv.proxy.discovery import DiscoveryListener, start
 from p2pkv.proxy.instances import ProxyConfig
+from p2pkv.proxy.kvevents import EventFeeds
 from p2pkv.proxy.limits import BodyLimit
 from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.passthrough import add_passthrough_routes
@@ -54,6 +55,10 @@ def create_app(config: ProxyConfig) -> FastAPI:
                 listener = DiscoveryListener(host, config.discovery_port, config.secret.encode(), router.announce,
                                              router.metrics.heartbeats.labels("refused").inc)
                 task = start(listener)
+            feeds: asyncio.Task[None] | None = None
+            if config.prefill_policy == "prefix" or config.decode_only_below:
+                feeds = asyncio.create_task(EventFeeds(router.index, router.metrics, lambda: [
+                    s for pool in router.pools for s in pool.states]).run(), name="p2pkv-kv-events")
             poller: asyncio.Task[None] | None = None
             if config.probe_interval_s:  # each probe bounded by the interval, or 10 s for shorter ones
                 poller = asyncio.create_task(StaticPoller(
@@ -62,7 +67,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
             try:
                 yield
             finally:
-                for running in (task, poller):
+                for running in (task, poller, feeds):
                     if running is not None:
                         running.cancel()
                         with contextlib.suppress(asyncio.CancelledError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from p2pkv.config import AUTH_SECRET_ENV
+from p2pkv.config import AUTH_SECRET_ENV, DECODE_POLICIES, PREFILL_POLICIES
 from p2pkv.errors import ConfigError
 from p2pkv.hostaddr import is_loopback
 from p2pkv.params import Address
@@ -82,6 +82,9 @@ class ProxyConfig:
     max_prompts: int = 256  # prompts in one completion request; more are answered 400
     max_connections: int = 1024  # connections and requests served at once; more are answered 503
     body_timeout_s: float = 30.0  # for a client to send its whole request body; slower ones are answered 408
+    # Prompts with fewer tokens than this left to compute on their decode instance (its prefix cache counted, as its
+    # KV cache events say) go to it alone: no prefill hop, no transfer. 0: never.
+    decode_only_below: int = 0
 
     @property
     def discovery_bind(self) -> str:
@@ -118,11 +121,14 @@ class ProxyConfig:
             raise ConfigError("--max-connections: expected at least 1")
         if not 0 < self.body_timeout_s <= 3600:
             raise ConfigError("--body-timeout: expected more than 0 and at most 3600 seconds")
+        if not 0 <= self.decode_only_below <= 1 << 20:
+            raise ConfigError("--decode-only-below: expected 0 (off) to 1048576 tokens")
         if self.heartbeat_misses < 1:
             raise ConfigError("--heartbeat-misses: expected at least 1")
-        for name in ("prefill_policy", "decode_policy"):
-            if getattr(self, name) not in ("least-outstanding", "round-robin"):
-                raise ConfigError(f"--{name.replace('_', '-')}: expected least-outstanding or round-robin")
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ConfigError(f"--prefill-policy: expected one of {', '.join(PREFILL_POLICIES)}")
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ConfigError(f"--decode-policy: expected one of {', '.join(DECODE_POLICIES)}")
         if self.prefill_retries < 0:
             raise ConfigError("--prefill-retries: expected 0 or more")
         if self.transfer_retries < 0:

@@ -41,12 +41,33 @@ class ProxyMetrics:
         self.decode_only = Counter("p2pkv_proxy_decode_only",
                                    "Requests sent to a decode instance alone because it computes their prompt anyway "
                                    "(prompt logprobs)", registry=r)
+        self.decode_only_cheaper = Counter("p2pkv_proxy_decode_only_cheaper",
+                                           "Requests sent to a decode instance alone because fewer than "
+                                           "--decode-only-below of their prompt tokens were left to compute there: "
+                                           "short (a short prompt), cached (its prefix cache holds the rest)",
+                                           ["reason"], registry=r)
         self.discards = Counter("p2pkv_proxy_discards",
                                 "Discards sent to instances (a transfer to free: its client went away before the "
                                 "decode answer), by outcome (sent, refused, failed)", ["outcome"],
                                 registry=r)
         self.heartbeats = Counter("p2pkv_proxy_heartbeats", "Discovery messages by outcome (accepted, refused)",
                                   ["outcome"], registry=r)
+        self.prefill_tokens = Counter("p2pkv_proxy_prefill_prompt_tokens",
+                                      "Prompt tokens routed to each prefill instance (prefix policy, where the proxy "
+                                      "knew the prompt's tokens)", ["instance"], registry=r)
+        self.expected_cached = Counter("p2pkv_proxy_prefill_expected_cached_tokens",
+                                       "Of those, the tokens the instance was expected to hold in its prefix cache",
+                                       ["instance"], registry=r)
+        self.prefix_choices = Counter("p2pkv_proxy_prefix_choices",
+                                      "Prefill choices of the prefix policy by what decided them: indexed (the "
+                                      "instances' cached blocks and loads), no_events (no instance has published "
+                                      "its blocks: by load), no_tokens (the prompt could not be tokenized: by load)",
+                                      ["outcome"], registry=r)
+        self.kv_events = Counter("p2pkv_proxy_kv_events", "KV cache events received from each instance, by outcome "
+                                 "(applied; bad: a batch that could not be read, counted once)",
+                                 ["instance", "outcome"], registry=r)
+        self.index_blocks = Gauge("p2pkv_proxy_kv_index_blocks", "Blocks the prefix index holds for each instance",
+                                  ["instance"], registry=r)
         self.instances = Gauge("p2pkv_proxy_instances", "Known instances by role", ["role"], registry=r)
         self.unpaired = Gauge("p2pkv_proxy_unpaired", "Prefill and decode instance pairs not used now: their KV "
                               "workers refused each other (another layout or model settings), or their weights "

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2pkv.discovery.announcement import MAX_REFUSED
+from p2pkv.discovery.events import MAX_ENDPOINT_BYTES
 from p2pkv.errors import ConfigError
 from p2pkv.params import Address, hex16_or_empty
 from p2pkv.proxy.instances import Instance
@@ -34,6 +35,7 @@ class Probed:
     named: Address | None  # its first worker's address as its workers name it; None: not said
     refused: tuple[Said, ...]  # (a refused worker's address, why, seconds since, its instance's start or "")
     launch: str = ""  # its start (`p2pkv.config.launch_of`); "": not said
+    kv_events: str = ""  # where it publishes KV cache events; "": not said
 
 
 def _size(value: object) -> int:
@@ -70,7 +72,11 @@ def read_probe(answer: Mapping[str, Any]) -> Probed:
     except ConfigError as exc:
         raise ValueError(f"kv_named: {exc}") from None
     ranks = _size(answer.get("tp_size")) * _size(answer.get("pp_size"))
-    return Probed(engine_id[:64], ranks, address, tuple(refused), launch)
+    events = answer.get("kv_events", "")
+    if not (isinstance(events, str) and len(events) <= MAX_ENDPOINT_BYTES
+            and (not events or events.startswith(("tcp://", "ipc://")))):
+        raise ValueError(f"kv_events: expected a tcp:// or ipc:// endpoint, got {events!r:.40}")
+    return Probed(engine_id[:64], ranks, address, tuple(refused), launch, events)
 
 
 class StaticPoller:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -15,7 +17,8 @@ from p2pkv.params import DiscardParams, PrefillParams
 from p2pkv.proxy.discard import Discarder
 from p2pkv.proxy.instances import Instance, ProxyConfig
 from p2pkv.proxy.metrics import ProxyMetrics
-from p2pkv.proxy.registry import Pool
+from p2pkv.proxy.prefixes import PrefixIndex
+from p2pkv.proxy.registry import InstanceState, Pool
 from p2pkv.proxy.trace import RequestTrace
 
 log = logging.getLogger(__name__)
@@ -58,9 +61,19 @@ def whole_prompt_on_decode(body: dict[str, Any], path: str) -> bool:
         body.get("logprobs") is not None)
 
 
+@contextmanager
+def _pending(state: InstanceState, tokens: int) -> Iterator[None]:
+    """`tokens` count as queued on `state` (added before) until the prefill there ends."""
+    try:
+        yield
+    finally:
+        state.pending_tokens -= tokens
+
+
 class Prefiller:
     def __init__(self, config: ProxyConfig, client: httpx.AsyncClient, metrics: ProxyMetrics, pool: Pool,
-                 discarder: Discarder) -> None:
+                 discarder: Discarder, index: PrefixIndex) -> None:
+        self.index = index
         self.config = config
         self.client = client
         self.metrics = metrics
@@ -68,21 +81,47 @@ class Prefiller:
         self.discarder = discarder
 
     async def prefill(self, body: dict[str, Any], path: str, headers: dict[str, str], trace: RequestTrace,
-                      tried: set[Instance], skip: frozenset[Instance] = frozenset()
-                      ) -> dict[str, Any] | Response | None:
+                      tried: set[Instance], skip: frozenset[Instance] = frozenset(),
+                      tokens: Sequence[int] | None = None) -> dict[str, Any] | Response | None:
         """The prefill's kv_transfer_params; a Response to pass on for a request the instance rejected (4xx);
         None when every attempt failed, or every instance was `tried` (to which this adds the ones it tries) or is
-        to be skipped."""
+        to be skipped. `tokens`: the prompt's, for the prefix policy (`p2pkv.proxy.prefixes`)."""
+        hits: dict[str, int] = {}
+        if tokens is not None:
+            hits = self.index.hits([s.instance.name for s in self.pool.states], tokens)
+        cost = spare = None
+        if tokens is not None:
+            prompt = tokens
+
+            def cost(s: InstanceState) -> int:
+                return s.pending_tokens + len(prompt) - hits.get(s.instance.name, 0)
+
+            def spare(s: InstanceState) -> int:
+                return self.index.prefixes(s.instance.name)
+
+        # A prompt no instance holds any of: those within a quarter of it of the cheapest are as good, and of those
+        # the one holding the fewest prefixes takes it, so that new prefixes spread over the caches rather than
+        # evict each other. Otherwise the cheapest.
+        unheld = tokens is not None and not any(hits.values())
+        slack = len(tokens) // 4 if tokens is not None and unheld else 0
         for attempt in range(self.config.prefill_retries + 1):
-            state = self.pool.pick(frozenset(tried) | skip)
+            state = self.pool.pick(frozenset(tried) | skip, cost=cost, slack=slack, spare=spare if unheld else None)
             if state is None:
                 return None
+            new = 0
+            if tokens is not None:
+                cached = hits.get(state.instance.name, 0)
+                new = len(tokens) - cached
+                self.metrics.prefill_tokens.labels(state.instance.name).inc(len(tokens))
+                self.metrics.expected_cached.labels(state.instance.name).inc(cached)
+                self.index.expect(state.instance.name, tokens)
             tried.add(state.instance)
             trace.prefill_tries += 1
             if attempt:
                 self.metrics.retries.inc()
             started = time.monotonic()
-            with self.pool.busy(state):
+            state.pending_tokens += new
+            with self.pool.busy(state), _pending(state, new):
                 try:
                     answer = await self.client.post(f"{state.instance.url}{path}", json=body,
                                                     headers=state.instance.headers(headers),

@@ -6,7 +6,7 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -25,6 +25,7 @@ GONE_KEPT = 256
 class Policy(enum.Enum):
     LEAST_OUTSTANDING = "least-outstanding"
     ROUND_ROBIN = "round-robin"
+    PREFIX = "prefix"  # the instance that holds most of the prompt, balanced against its load (`p2pkv.proxy.prefixes`)
 
 
 @dataclass
@@ -44,6 +45,8 @@ class InstanceState:
     kv_named: Address | None = None  # its first worker's address as its workers name it, where a probe said it
     launch: str = ""  # its start as its heartbeats (or probes) say it (`p2pkv.config.launch_of`); "": not said
     weights: str = ""  # the last weight update through the proxy it took (`p2pkv.proxy.control`); "": as started
+    kv_events: str = ""  # where its KV cache events are published, as its heartbeats say; "": not said
+    pending_tokens: int = 0  # prompt tokens it has to compute for the requests in flight there (prefix policy)
 
     def side(self) -> Side:
         return Side(f"{self.role} instance {self.instance.name}", self.kv_named or self.instance.kv, self.ranks,
@@ -150,8 +153,13 @@ class Pool:
         self.states.remove(state)
         return True
 
-    def pick(self, exclude: frozenset[Instance] = frozenset(), now: float | None = None) -> InstanceState | None:
-        """One instance not in `exclude` by the policy, among those not shunned if there are any."""
+    def pick(self, exclude: frozenset[Instance] = frozenset(), now: float | None = None,
+             cost: Callable[[InstanceState], int] | None = None, slack: int = 0,
+             spare: Callable[[InstanceState], int] | None = None) -> InstanceState | None:
+        """One instance not in `exclude` by the policy, among those not shunned if there are any. `cost`: what a
+        request costs on each instance (the prefix policy's prompt tokens left to compute there, queued ones
+        included): one of those within `slack` of the cheapest is picked, the one lowest by `spare` (how full its
+        cache is) where given; without a cost the prefix policy picks by least outstanding."""
         self.prune()
         now = time.monotonic() if now is None else now
         candidates = [s for s in self.states if s.instance not in exclude]
@@ -162,6 +170,17 @@ class Pool:
         candidates = [s for s in candidates if s.instance.http not in down] or candidates
         if self.policy is Policy.ROUND_ROBIN:
             return candidates[next(self._turn) % len(candidates)]
+        if cost is not None and self.policy is Policy.PREFIX:
+            costs = {id(s): cost(s) for s in candidates}
+            cheapest = min(costs.values())
+            candidates = [s for s in candidates if costs[id(s)] <= cheapest + slack]
+            if spare is not None and len(candidates) > 1:
+                fullness = {id(s): spare(s) for s in candidates}
+                least = min(fullness.values())
+                candidates = [s for s in candidates if fullness[id(s)] == least]
+            if len(candidates) > 1:  # then the cheapest of those
+                cheapest = min(costs[id(s)] for s in candidates)
+                candidates = [s for s in candidates if costs[id(s)] == cheapest]
         # Least outstanding; ties go round-robin so equal instances share the load.
         low = min(s.in_flight for s in candidates)
         tied = [s for s in candidates if s.in_flight == low]

@@ -32,13 +32,16 @@ from p2pkv.proxy.pairs import Said, news, refusals, why_not_paired
 from p2pkv.proxy.passthrough import forward_headers, holder
 from p2pkv.proxy.poll import Probed
 from p2pkv.proxy.prefill import RESPONSES, Prefiller, prefill_body, whole_prompt_on_decode
+from p2pkv.proxy.prefixes import PrefixIndex
 from p2pkv.proxy.registry import InstanceState, Policy, Pool, identity_change, static_pool
 from p2pkv.proxy.resume import Progress, resumable, with_token_ids
+from p2pkv.proxy.tokens import prompt_tokens
 from p2pkv.proxy.trace import RequestTrace
 from p2pkv.proxy.upstream import Decoder, Relay, RelayResponse, Resume, error_response
 
 log = logging.getLogger(__name__)
 _DETOKENIZE_S = 10.0  # for an instance to detokenize a broken-off stream's tokens (`Progress.settle`)
+_TOKENIZE_S = 5.0  # for an instance to tokenize a prompt for the prefix policy; later, the request goes by load
 REFUSAL_LOG_S = 60.0  # refused heartbeats of one kind are logged at most once in this long
 
 
@@ -70,7 +73,8 @@ class Router:
         # (tensor, pipeline) sizes and whether it pulls, as heartbeats gave them, by HTTP address
         self._sizes: dict[Address, tuple[int, int, bool]] = {}
         self._discarder = Discarder(client, metrics, config.connect_timeout_s + 10.0)
-        self._prefiller = Prefiller(config, client, metrics, self.prefill, self._discarder)
+        self.index = PrefixIndex()  # fed by `p2pkv.proxy.kvevents` under the prefix policy
+        self._prefiller = Prefiller(config, client, metrics, self.prefill, self._discarder, self.index)
         # Cleared while the cluster is paused through this proxy (p2pkv.proxy.control): new requests wait here for
         # the resume, rather than in a paused instance's queue, where their prefill would time out and be retried.
         self.running = asyncio.Event()
@@ -118,6 +122,8 @@ class Router:
                 heard += [state] if (state := pool.find(instance)) is not None else []
             elif pool.remove(instance):
                 log.info("instance %s is no longer a %s instance", instance.name, pool.role)
+        for state in heard:
+            state.kv_events = a.kv_events
         self._heard(heard, a.engine_id, max(1, a.tp_size * a.pp_size), a.refused, a.launch)
 
     def _refuse(self, outcome: str, line: str) -> None:
@@ -133,6 +139,7 @@ class Router:
         """A static instance without heartbeats answered a probe (`p2pkv.proxy.poll`)."""
         for state in states:
             state.kv_named = probed.named or state.kv_named
+            state.kv_events = probed.kv_events
         self._heard(states, probed.engine_id, probed.ranks, probed.refused, probed.launch)
 
     def _heard(self, states: list[InstanceState], engine_id: str, ranks: int,
@@ -303,6 +310,13 @@ class Router:
                                                 decode.instance.headers(headers), trace)
             assert answer is not None  # the last attempt always answers
             return answer
+        tokens = await self._prompt_tokens(body, path, headers, decode)
+        if self._decode_only(tokens, decode, trace):
+            to_decode = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+            answer = await self._decoder.answer(decode, f"{decode.instance.url}{path}", to_decode,
+                                                decode.instance.headers(headers), trace)
+            assert answer is not None  # the last attempt always answers
+            return answer
         for attempt in range(self.config.transfer_retries + 1):
             target = await self._target(decode, headers)
             params = PrefillParams(trace.transfer_id, target.address, pull=target.pulls, decode_tp=target.tp,
@@ -312,7 +326,7 @@ class Router:
                 self.metrics.passed_over.inc(len(unpaired))
             try:
                 outcome = await self._prefiller.prefill(prefill_body(body, params, path), path, headers, trace, tried,
-                                                        frozenset(unpaired))
+                                                        frozenset(unpaired), tokens)
             except asyncio.CancelledError:  # the client went away; the prefill may have pushed already
                 if target.address is not None:
                     self._discarder.discard(decode.instance, DiscardParams(trace.transfer_id), body, headers)
@@ -360,6 +374,37 @@ class Router:
                         "transfer %s (decode instance %s)", trace.transfer_id, transfer_id, decode.instance.name)
             trace.reroute(transfer_id, decode.instance.name)
         raise AssertionError("the last attempt always answers")
+
+    async def _prompt_tokens(self, body: dict[str, Any], path: str, headers: dict[str, str],
+                             decode: InstanceState) -> list[int] | None:
+        """The prompt's tokens where the proxy will use them (the prefix policy, with some prefill instance's blocks
+        known; `decode_only_below`), tokenized by the decode instance's API server; None otherwise (by load then)."""
+        prefix = self.prefill.policy is Policy.PREFIX
+        indexed = prefix and self.index.knows(s.instance.name for s in self.prefill.states)
+        if prefix and not indexed:
+            self.metrics.prefix_choices.labels("no_events").inc()
+        if not indexed and not self.config.decode_only_below:
+            return None
+        tokens = await prompt_tokens(self.client, decode.instance, body, path, headers,
+                                     self.config.connect_timeout_s + _TOKENIZE_S)
+        if indexed:
+            self.metrics.prefix_choices.labels("no_tokens" if tokens is None else "indexed").inc()
+        return tokens
+
+    def _decode_only(self, tokens: list[int] | None, decode: InstanceState, trace: RequestTrace) -> bool:
+        """Whether the decode instance computes the prompt sooner alone: fewer than `decode_only_below` tokens left
+        to compute there (noted in the trace and counted)."""
+        below = self.config.decode_only_below
+        if tokens is None or not below:
+            return False
+        held = min(len(tokens) - 1, self.index.hits([decode.instance.name], tokens)[decode.instance.name])
+        left = len(tokens) - max(0, held)
+        if left >= below:
+            return False
+        self.metrics.decode_only_cheaper.labels("cached" if held > 0 else "short").inc()
+        trace.route = (f"decode-only: {left} of {len(tokens)} prompt tokens to compute there, under "
+                       f"--decode-only-below {below}")
+        return True
 
     async def _detokenize(self, tokens: list[int], model: Any, headers: dict[str, str], failed: Instance
                           ) -> str | None:

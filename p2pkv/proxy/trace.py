@@ -15,6 +15,7 @@ TRANSFER_HEADER = "x-p2pkv-transfer-id"
 PREFILL_HEADER = "x-p2pkv-prefill"  # the prefill instance used, or "none" (the decode instance prefilled itself)
 PREFILL_MS_HEADER = "x-p2pkv-prefill-ms"  # its answer's time, as the proxy saw it (retries not counted)
 DECODE_HEADER = "x-p2pkv-decode"
+ROUTE_HEADER = "x-p2pkv-route"  # why a request went to its decode instance alone, where the proxy chose that
 
 
 @dataclass
@@ -27,6 +28,7 @@ class RequestTrace:
     prefill_tries: int = 0
     reroutes: int = 0
     done: bool = False
+    route: str = ""  # why the decode instance got it alone ("": it did not, or not by the proxy's choice)
 
     def prefilled(self, instance: str, started: float) -> None:
         """The prefill on `instance`, asked at `started`, answered with the KV's params."""
@@ -38,8 +40,11 @@ class RequestTrace:
         self.prefill, self.prefill_ms = "", 0.0
 
     def headers(self) -> dict[str, str]:
-        return {TRANSFER_HEADER: self.transfer_id, PREFILL_HEADER: self.prefill or "none",
-                PREFILL_MS_HEADER: f"{self.prefill_ms:.1f}", DECODE_HEADER: self.decode}
+        headers = {TRANSFER_HEADER: self.transfer_id, PREFILL_HEADER: self.prefill or "none",
+                   PREFILL_MS_HEADER: f"{self.prefill_ms:.1f}", DECODE_HEADER: self.decode}
+        if self.route:
+            headers[ROUTE_HEADER] = self.route
+        return headers
 
     def finish(self, status: int, outcome: str) -> None:
         """Log the request's line, once."""
@@ -47,5 +52,6 @@ class RequestTrace:
             return
         self.done = True
         log.info("request transfer=%s prefill=%s prefill_ms=%.1f prefill_tries=%d decode=%s reroutes=%d status=%d "
-                 "outcome=%s ms=%.1f", self.transfer_id, self.prefill or "none", self.prefill_ms, self.prefill_tries,
-                 self.decode, self.reroutes, status, outcome, (time.monotonic() - self.started) * 1000)
+                 "outcome=%s ms=%.1f%s", self.transfer_id, self.prefill or "none", self.prefill_ms, self.prefill_tries,
+                 self.decode, self.reroutes, status, outcome, (time.monotonic() - self.started) * 1000,
+                 f" route={self.route!r}" if self.route else "")

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from p2pkv.config import parse_connector_config
+from p2pkv.discovery.events import announced_endpoint
 from p2pkv.discovery.heartbeat import HeartbeatSender, sender_for
 from p2pkv.engine.metrics import StepStats
 from p2pkv.errors import UnsupportedCacheError
@@ -54,6 +55,17 @@ def _ranks() -> tuple[int, int]:
     from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
+
+
+def _events_of(vllm_config: VllmConfig, config: Any) -> str:
+    """Where this engine's KV cache events can be subscribed to ("": nowhere), for its heartbeats."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    if events is None:
+        return ""
+    index = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
+    host = config.extra.kv_address(config.worker_port(0)).host
+    return announced_endpoint(str(events.endpoint or ""), bool(events.enable_kv_cache_events),
+                              str(events.publisher or ""), index, host)
 
 
 def _stage_layers(vllm_config: VllmConfig) -> tuple[int, StageLayers]:
@@ -186,7 +198,8 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._refusals: InstanceRefusals | None = None
         if role == KVConnectorRole.SCHEDULER:
             # One announcer per instance, whatever its parallel sizes: the scheduler side is unique.
-            self._heartbeat = sender_for(self.config, tp_size, pp_size, self.dp_rank)
+            events = _events_of(vllm_config, self.config)
+            self._heartbeat = sender_for(self.config, tp_size, pp_size, self.dp_rank, events)
             if self._heartbeat is not None:
                 self._heartbeat.start()
             self._refusals = InstanceRefusals(self._heartbeat.note_refusals if self._heartbeat is not None
@@ -194,7 +207,7 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # A probe's answer says what the heartbeats say (for a proxy that lists this instance statically).
             engine_id = self._heartbeat.message.engine_id if self._heartbeat is not None else uuid.uuid4().hex
             self._scheduler = SchedulerSide(self.config, block_size, tp_size, pp_size, engine_id,
-                                            self._refusals.latest)
+                                            self._refusals.latest, events)
         else:
             tp_rank, pp_rank = _ranks()
             total_layers, stage_layers = _stage_layers(vllm_config)

@@ -37,10 +37,12 @@ class SchedulerSide:
     answer; and tells the workers, once a step, what to save, load, discard and drop."""
 
     def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int = 1, pp_size: int = 1,
-                 engine_id: str = "", refused: Callable[[], Mapping[str, Refusal]] | None = None) -> None:
-        """`engine_id` and `refused` (the workers' refusals now): what a probe's answer says besides the KV
-        address, as the instance's heartbeats do."""
+                 engine_id: str = "", refused: Callable[[], Mapping[str, Refusal]] | None = None,
+                 kv_events: str = "") -> None:
+        """`engine_id`, `refused` (the workers' refusals now) and `kv_events` (where KV cache events are
+        published): what a probe's answer says besides the KV address, as the instance's heartbeats do."""
         self._config = config
+        self._kv_events = kv_events
         self._engine_id = engine_id
         self._refused = refused
         self._params = RequestParams(config)
@@ -116,6 +118,6 @@ class SchedulerSide:
                                       self._tp_size, self._pp_size, self._config.takes_pulls, self._engine_id,
                                       str(self._own_address),
                                       tuple((p.address, p.reason, p.age_s, p.launch) for p in said),
-                                      self._config.launch).to_dict()
+                                      self._config.launch, self._kv_events).to_dict()
         self.consumers.finished(request, params if isinstance(params, DecodeParams) else None)
         return self.producers.finished(request)

@@ -223,11 +223,13 @@ def caches(order: str, fill: bool) -> list[torch.Tensor]:
 
 
 @contextmanager
-def discovering_proxy(secret: str = "", misses: float = 3.0) -> Iterator[tuple[str, Callable[[bytes], None], int]]:
-    """A proxy with discovery only (no static instances), a ZMQ DEALER that sends it raw messages, and the
-    discovery port."""
+def discovering_proxy(secret: str = "", misses: float = 3.0, **options: Any
+                      ) -> Iterator[tuple[str, Callable[[bytes], None], int]]:
+    """A proxy with discovery only (no static instances; `options` for its config), a ZMQ DEALER that sends it raw
+    messages, and the discovery port."""
     port = free_port()
-    config = ProxyConfig(prefill=(), decode=(), discovery_port=port, secret=secret, heartbeat_misses=misses)
+    config = ProxyConfig(prefill=(), decode=(), discovery_port=port, secret=secret, heartbeat_misses=misses,
+                         **options)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

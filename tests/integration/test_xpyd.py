@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from p2pkv.kv.staging import STAGE_ENV
@@ -44,9 +45,11 @@ def cluster_2p2d(tiny_model: str, tmp_path_factory: pytest.TempPathFactory,
     # through host buffers as a GPU cache does (P2PKV_STAGE_KV): the GPU path's logic, run on vLLM's CPU build.
     # Every push carries its digest, checked where it lands (integrity_check).
     work = tmp_path_factory.mktemp("xpyd")
-    up_args = ("--prefill", "2", "--decode", "2")
+    # Prefill instances are chosen by the prompt blocks their KV cache events say they hold; dev mode serves
+    # vLLM's /reset_prefix_cache.
+    up_args = ("--prefill", "2", "--decode", "2", "--prefill-policy", "prefix")
     with up_with_colocated(tiny_model, work, {"transport": "tcp", "integrity_check": True}, [], up_args,
-                           {STAGE_ENV: "1"}, shared=oracle) as (proc, info, coloc):
+                           {STAGE_ENV: "1", "VLLM_SERVER_DEV_MODE": "1"}, shared=oracle) as (proc, info, coloc):
         info.update(model=tiny_model, colocated=coloc, up=proc)
         record_starts(info)
         yield info
@@ -118,6 +121,53 @@ def test_a_router_of_vllms_standard_protocol_spreads_2p2d_and_every_prompt_is_pu
         assert ids_and_logprobs(answer)[0] == ids_and_logprobs(greedy(info["colocated"], info["model"], text))[0]
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == answer["usage"]["prompt_tokens"] - 1
     assert [metric(d["metrics"], loaded) - b for d, b in zip(decodes, before, strict=True)] == [4, 4]
+
+
+def _prefilled_where(info: dict[str, Any], text: str) -> tuple[str, dict[str, Any]]:
+    """`text` greedily through the proxy: the prefill instance it names in its trace header, and the answer."""
+    body = {"model": info["model"], "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True, "ignore_eos": True}
+    answer = httpx.post(f"{info['proxy']}/v1/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return answer.headers["x-p2pkv-prefill"], answer.json()
+
+
+def test_the_prefix_policy_sends_a_repeated_prefix_where_it_is_cached_and_forgets_a_cleared_cache(
+        cluster_2p2d: dict[str, Any]) -> None:
+    """vLLM's KV cache events reach the proxy: every question after a shared system prompt goes to the prefill
+    instance that computed it, which then serves those blocks from its prefix cache; answers are the colocated
+    instance's. Once that instance's cache is cleared, the proxy no longer counts the prompt as held there."""
+    proxy = cluster_2p2d["proxy"].removeprefix("http://")
+    systems = {tag: prompt(tag, 400) for tag in ("system-a", "system-b")}  # three full blocks of 128 tokens each
+    holders: dict[str, set[str]] = {tag: set() for tag in systems}
+    hits_before = {i["http"]: metric(i["http"], "vllm:prefix_cache_hits_total") for i in cluster_2p2d["instances"]}
+    for question in range(5):
+        for tag, system in systems.items():
+            text = f"{system} question {question}?"
+            where, answer = _prefilled_where(cluster_2p2d, text)
+            holders[tag].add(where)
+            reference = greedy(cluster_2p2d["colocated"], cluster_2p2d["model"], text)
+            assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
+    assert all(len(where) == 1 for where in holders.values()), holders
+    for tag, (where,) in holders.items():
+        # Four of the five found the three blocks of the system prompt cached (of the other prompt too, if there).
+        assert metric(where, "vllm:prefix_cache_hits_total") - hits_before[where] >= 4 * 384, tag
+    assert metric(proxy, 'p2pkv_proxy_prefix_choices_total{outcome="indexed"}') >= 8
+    (where,) = holders["system-a"]
+    assert httpx.post(f"http://{where}/reset_prefix_cache", timeout=30).status_code == 200
+    # vLLM publishes the cleared cache with its next step: a request of less than a block, which stores nothing.
+    complete(f"http://{where}", {"model": cluster_2p2d["model"], "prompt": "short", "max_tokens": 1})
+    deadline = time.monotonic() + 30
+    while metric(proxy, f'p2pkv_proxy_kv_index_blocks{{instance="{where}"}}') > 0:
+        assert time.monotonic() < deadline, "the proxy did not hear that the cache was cleared"
+        time.sleep(0.2)
+    expected = sum(metric(proxy, f'p2pkv_proxy_prefill_expected_cached_tokens_total{{instance="{i["http"]}"}}')
+                   for i in cluster_2p2d["instances"] if i["role"] == "kv_producer")
+    _, answer = _prefilled_where(cluster_2p2d, f"{systems['system-a']} question 9?")
+    assert expected == sum(metric(proxy, f'p2pkv_proxy_prefill_expected_cached_tokens_total{{instance="{i["http"]}"}}')
+                           for i in cluster_2p2d["instances"] if i["role"] == "kv_producer")
+    reference = greedy(cluster_2p2d["colocated"], cluster_2p2d["model"], f"{systems['system-a']} question 9?")
+    assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
 
 
 def test_2p2d_serves_concurrent_requests_and_survives_a_dead_prefill(cluster_2p2d: dict[str, Any]) -> None:

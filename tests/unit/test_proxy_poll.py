@@ -132,8 +132,10 @@ def test_probe_answers_are_checked() -> None:
     assert read_probe({**good, "refused_launches": ["0123456789abcdef"]}).refused[0][3] == "0123456789abcdef"
     assert read_probe({"kv_port": 1}).refused == () and read_probe({"kv_port": 1}).named is None
     assert read_probe({**good, "launch": "0123456789abcdef"}).launch == "0123456789abcdef"
-    assert read_probe(good).launch == ""
-    for bad in ({"refused": "x"}, {"refused": [["10.0.0.2:1", "why"]]}, {"refused": [["nohost", "why", 1]]},
+    assert read_probe(good).launch == "" and read_probe(good).kv_events == ""
+    assert read_probe({**good, "kv_events": "tcp://10.0.0.1:5557"}).kv_events == "tcp://10.0.0.1:5557"
+    for bad in ({"kv_events": 5}, {"kv_events": "http://10.0.0.1:5557"}, {"kv_events": "ipc://" + "x" * 300},
+                {"refused": "x"}, {"refused": [["10.0.0.2:1", "why"]]}, {"refused": [["nohost", "why", 1]]},
                 {"refused": [["10.0.0.2:1", "why", -1]]}, {"refused": [["10.0.0.2:1", "why", float("nan")]]},
                 {"refused": [["10.0.0.2:1", "why", True]]}, {"refused": [["10.0.0.2:1", "w", 1]] * 17},
                 {"engine_id": 5}, {"kv_named": "no port"}, {"launch": 5}, {"launch": "XYZ"},

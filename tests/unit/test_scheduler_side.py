@@ -314,7 +314,7 @@ def test_a_probe_answer_says_what_a_heartbeat_says_the_engine_and_the_refusals()
     notes = {"10.0.0.2:21001": Refusal("KV layout mismatch: model.weights: ours a, peer b", now - 5.0),
              "10.0.0.3:21001": Refusal("block_size: ours 16, peer 32", now - 1.0, "ab" * 8)}
     s = SchedulerSide(parse_connector_config("kv_consumer", 21001, "recompute", {"kv_host": "10.0.0.1"}, "vllm-e"),
-                      BS, engine_id="e1", refused=lambda: notes)
+                      BS, engine_id="e1", refused=lambda: notes, kv_events="tcp://10.0.0.1:5557")
     req = Req("probe", [0], {"p2pkv": 1, "probe": True})
     s.get_num_new_matched_tokens(req, 0)
     answer = s.request_finished(req, [])[1]
@@ -326,6 +326,7 @@ def test_a_probe_answer_says_what_a_heartbeat_says_the_engine_and_the_refusals()
     assert 0.9 <= answer["refused"][0][2] <= 2.0 and 4.9 <= answer["refused"][1][2] <= 6.0
     assert answer["refused_launches"] == ["ab" * 8, ""], "the refused starts, under a key of their own"
     assert [r[3] for r in read_probe(answer).refused] == ["ab" * 8, ""]
+    assert read_probe(answer).kv_events == "tcp://10.0.0.1:5557", "where its KV cache events are, for the prefix policy"
 
 
 @pytest.mark.parametrize(("role", "pulls"), [("kv_consumer", True), ("kv_both", True), ("kv_producer", False)])

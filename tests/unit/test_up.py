@@ -194,3 +194,31 @@ def test_refusals_the_proxy_lists_are_said_once_they_come() -> None:
                          "KV layout mismatch: dtype"]
         assert len(asked) == 3
     assert listed_refusals("http://127.0.0.1:9", 0.0) == []  # no proxy there: nothing to say, no error
+
+
+def test_with_the_prefix_policy_every_instance_publishes_its_kv_events_on_a_local_socket(tmp_path: Path) -> None:
+    """`--prefill-policy prefix` (or `--decode-only-below`): each instance gets vLLM's `--kv-events-config` with an
+    ipc endpoint of its own (only this host can subscribe), and the proxy the policy; events configured by hand in
+    the vLLM arguments are left as they are."""
+    args = build_parser().parse_args(["up", "--model", "m", "--prefill", "2", "--prefill-policy", "prefix"])
+    cluster, _ = build_cluster(args, "m", tmp_path)
+    endpoints = []
+    for proc in cluster.processes:
+        if proc.name == "proxy":
+            assert proc.argv[proc.argv.index("--prefill-policy") + 1] == "prefix"
+            continue
+        config = json.loads(proc.argv[proc.argv.index("--kv-events-config") + 1])
+        assert config["enable_kv_cache_events"] and config["publisher"] == "zmq"
+        endpoints.append(config["endpoint"])
+    assert len(set(endpoints)) == 3 and all(e.startswith(f"ipc://{tmp_path}") for e in endpoints)
+    args = build_parser().parse_args(["up", "--model", "m", "--decode-only-below", "64"])
+    cluster, _ = build_cluster(args, "m", tmp_path)
+    assert all("--kv-events-config" in proc.argv for proc in cluster.processes if proc.name != "proxy")
+    own = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'
+    args = build_parser().parse_args(["up", "--model", "m", "--prefill-policy", "prefix", "--", "--kv-events-config",
+                                      own])
+    cluster, _ = build_cluster(args, "m", tmp_path)
+    assert all(proc.argv.count("--kv-events-config") == 1 and own in proc.argv
+               for proc in cluster.processes if proc.name != "proxy")
+    args = build_parser().parse_args(["up", "--model", "m"])
+    assert not any("--kv-events-config" in proc.argv for proc in build_cluster(args, "m", tmp_path)[0].processes)
