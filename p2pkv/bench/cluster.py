@@ -218,13 +218,16 @@ class Cluster:
     log_dir: Path
     host: str = "127.0.0.1"
     dtype: str = "float32"
-    kv_cache_gb: float = 1.0
+    kv_cache_gb: float = 1.0  # 0: none set here (each instance sizes its cache by --kv-cache-memory-bytes)
     processes: list[Process] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)  # set in every process it starts
 
     def env(self) -> dict[str, str]:
         env = {**os.environ, **self.extra_env}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.kv_cache_gb:g}")
+        if self.kv_cache_gb:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.kv_cache_gb:g}")
+        else:  # vLLM's CPU build would take it over each instance's own --kv-cache-memory-bytes
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         # vLLM's CPU linear layers keep their own cache of 32 oneDNN GEMM kernels per layer, keyed by the number of
         # tokens in the batch. oneDNN's global primitive cache (1024 entries by default) keeps a second copy of each,
         # about 256 KiB of JIT code apiece: a prefill instance, which sees many batch sizes, grows by ~400 MiB
@@ -260,9 +263,9 @@ class Cluster:
         return proc
 
     def add_proxy(self, port: int, prefill: Sequence[str], decode: Sequence[str], discovery_port: int = 0,
-                  secret: str = "", args: Sequence[str] = ()) -> Process:
+                  secret: str = "", args: Sequence[str] = (), name: str = "proxy") -> Process:
         """The proxy, with static instance lists, discovery on `discovery_port`, or both; `secret` is the shared
-        secret heartbeats must be signed with; `args`: more of its options."""
+        secret heartbeats must be signed with; `args`: more of its options; `name`: its process's (and log's)."""
         argv = [sys.executable, "-m", "p2pkv", "proxy", "--host", self.host, "--port", str(port),
                 "--discovery-port", str(discovery_port), *args]
         if prefill:
@@ -272,7 +275,7 @@ class Cluster:
         env = self.env()
         if secret:
             env[AUTH_SECRET_ENV] = secret
-        proc = Process("proxy", argv, self.log_dir / "proxy.log", env, f"http://{self.host}:{port}/health")
+        proc = Process(name, argv, self.log_dir / f"{name}.log", env, f"http://{self.host}:{port}/health")
         self.processes.append(proc)
         return proc
 

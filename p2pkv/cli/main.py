@@ -205,9 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="times a completion or chat stream whose decode instance broke off after its answer "
                             "began is resumed: the rest is prefilled and decoded as a new transfer from the tokens "
                             "streamed (0: such a stream ends with an error event)")
-    proxy.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="least-outstanding",
-                       help="prefix: the instance holding most of the prompt (from its KV cache events), balanced "
-                       "against its load")
+    proxy.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="prefix",
+                       help="prefix (the default): the instance holding most of the prompt, from the KV cache events "
+                       "the instances publish, balanced against its load; by least outstanding without events")
     proxy.add_argument("--decode-policy", choices=DECODE_POLICIES, default="least-outstanding")
     proxy.add_argument("--decode-only-below", type=int, default=0, metavar="TOKENS",
                        help="send a prompt to its decode instance alone when fewer of its tokens than this are left to "
@@ -232,8 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dtype", default="float32")
     up.add_argument("--kv-cache-gb", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE for CPU builds")
     up.add_argument("--send-type", default=SendType.PUT_ASYNC.value, choices=[t.value for t in SendType])
-    up.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="least-outstanding",
-                    help="the proxy's --prefill-policy; with prefix the instances publish their KV cache events to it")
+    up.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="prefix",
+                    help="the proxy's --prefill-policy; with prefix (the default) the instances publish their KV cache "
+                    "events to it")
     up.add_argument("--decode-only-below", type=int, default=0, metavar="TOKENS",
                     help="the proxy's --decode-only-below (the instances publish their KV cache events to it)")
     up.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],

@@ -140,8 +140,9 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
         spec = InstanceSpec(role, http_ports[i], kv_ports[i],
                             {**extra, **own["prefill" if is_prefill else "decode"], "metrics_port": metrics_ports[i],
                              "http_port": http_ports[i]},
-                            extra_vllm + own_vllm["prefill" if is_prefill else "decode"]
-                            + _events_args(events, name, args.prefill_dp if is_prefill else args.decode_dp),
+                            # the user's arguments last: one of theirs overrides ours
+                            _events_args(events, name, args.prefill_dp if is_prefill else args.decode_dp)
+                            + extra_vllm + own_vllm["prefill" if is_prefill else "decode"],
                             args.kv_load_failure_policy,
                             args.prefill_tp if is_prefill else args.decode_tp,
                             args.prefill_pp if is_prefill else args.decode_pp,

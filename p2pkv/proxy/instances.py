@@ -66,7 +66,7 @@ class ProxyConfig:
     prefill_retries: int = 2
     transfer_retries: int = 1  # times a request whose decode failed before answering is prefilled and decoded again
     stream_resumes: int = 1  # times a completion stream that broke off after its answer began is resumed (resume.py)
-    prefill_policy: str = "least-outstanding"
+    prefill_policy: str = "prefix"  # by least outstanding where no instance publishes KV cache events
     decode_policy: str = "least-outstanding"
     api_key: str = ""
     discovery_host: str = ""  # empty: the same as `host`

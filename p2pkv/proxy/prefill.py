@@ -93,17 +93,19 @@ class Prefiller:
         if tokens is not None:
             prompt = tokens
 
+            # Uncached tokens count twice: once for this prompt's wait, once for the capacity (and the cached
+            # prefixes it evicts) they take from the requests after it. Queued tokens count once.
             def cost(s: InstanceState) -> int:
-                return s.pending_tokens + len(prompt) - hits.get(s.instance.name, 0)
+                return s.pending_tokens + 2 * (len(prompt) - hits.get(s.instance.name, 0))
 
             def spare(s: InstanceState) -> int:
                 return self.index.prefixes(s.instance.name)
 
-        # A prompt no instance holds any of: those within a quarter of it of the cheapest are as good, and of those
+        # A prompt no instance holds any of: those within half of it of the cheapest are as good, and of those
         # the one holding the fewest prefixes takes it, so that new prefixes spread over the caches rather than
         # evict each other. Otherwise the cheapest.
         unheld = tokens is not None and not any(hits.values())
-        slack = len(tokens) // 4 if tokens is not None and unheld else 0
+        slack = len(tokens) // 2 if tokens is not None and unheld else 0
         for attempt in range(self.config.prefill_retries + 1):
             state = self.pool.pick(frozenset(tried) | skip, cost=cost, slack=slack, spare=spare if unheld else None)
             if state is None:

@@ -379,7 +379,8 @@ class Router:
                              decode: InstanceState) -> list[int] | None:
         """The prompt's tokens where the proxy will use them (the prefix policy, with some prefill instance's blocks
         known; `decode_only_below`), tokenized by the decode instance's API server; None otherwise (by load then)."""
-        prefix = self.prefill.policy is Policy.PREFIX
+        # With one prefill instance there is no choice to make.
+        prefix = self.prefill.policy is Policy.PREFIX and len(self.prefill.states) > 1
         indexed = prefix and self.index.knows(s.instance.name for s in self.prefill.states)
         if prefix and not indexed:
             self.metrics.prefix_choices.labels("no_events").inc()

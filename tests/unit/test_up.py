@@ -197,9 +197,9 @@ def test_refusals_the_proxy_lists_are_said_once_they_come() -> None:
 
 
 def test_with_the_prefix_policy_every_instance_publishes_its_kv_events_on_a_local_socket(tmp_path: Path) -> None:
-    """`--prefill-policy prefix` (or `--decode-only-below`): each instance gets vLLM's `--kv-events-config` with an
-    ipc endpoint of its own (only this host can subscribe), and the proxy the policy; events configured by hand in
-    the vLLM arguments are left as they are."""
+    """`--prefill-policy prefix` (the default, or `--decode-only-below`): each instance gets vLLM's
+    `--kv-events-config` with an ipc endpoint of its own (only this host can subscribe), and the proxy the policy;
+    events configured by hand in the vLLM arguments are left as they are."""
     args = build_parser().parse_args(["up", "--model", "m", "--prefill", "2", "--prefill-policy", "prefix"])
     cluster, _ = build_cluster(args, "m", tmp_path)
     endpoints = []
@@ -220,5 +220,8 @@ def test_with_the_prefix_policy_every_instance_publishes_its_kv_events_on_a_loca
     cluster, _ = build_cluster(args, "m", tmp_path)
     assert all(proc.argv.count("--kv-events-config") == 1 and own in proc.argv
                for proc in cluster.processes if proc.name != "proxy")
-    args = build_parser().parse_args(["up", "--model", "m"])
+    args = build_parser().parse_args(["up", "--model", "m"])  # prefix is the default
+    assert all("--kv-events-config" in proc.argv for proc in build_cluster(args, "m", tmp_path)[0].processes
+               if proc.name != "proxy")
+    args = build_parser().parse_args(["up", "--model", "m", "--prefill-policy", "round-robin"])
     assert not any("--kv-events-config" in proc.argv for proc in build_cluster(args, "m", tmp_path)[0].processes)
