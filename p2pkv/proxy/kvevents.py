@@ -19,21 +19,24 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from p2pkv.hostaddr import is_loopback
+from p2pkv.hostaddr import is_loopback, local_ip_towards
 from p2pkv.proxy.metrics import ProxyMetrics
 from p2pkv.proxy.prefixes import PrefixIndex
 from p2pkv.proxy.registry import InstanceState
 
 log = logging.getLogger(__name__)
-MAX_BATCH_BYTES = 16 << 20  # a larger message drops the publisher's connection (ZMQ reconnects)
+MAX_BATCH_BYTES = 4 << 20  # a larger message drops the publisher's connection (ZMQ reconnects)
+QUEUED_BATCHES = 64  # per instance, waiting to be read: what a publisher can make the proxy hold is bounded
 SYNC_S = 0.5  # how often subscriptions are matched with the pools
+BATCHES_PER_TURN = 64  # read from one socket before the event loop serves anything else
 BAD_LOG_S = 60.0
 
 
 def subscribable(endpoint: str, host: str) -> bool:
-    """Whether the proxy may connect to `endpoint`, announced by an instance at `host`."""
+    """Whether the proxy may connect to `endpoint`, announced by an instance at `host`: a tcp endpoint on that host,
+    an ipc one only for an instance on this host."""
     if endpoint.startswith("ipc://"):
-        return is_loopback(host)
+        return is_loopback(host) or local_ip_towards(host.strip("[]")) == host.strip("[]")
     if not endpoint.startswith("tcp://"):
         return False
     where = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
@@ -56,14 +59,21 @@ class EventFeeds:
         self._feeds: dict[str, _Feed] = {}
         self._bad_logged = -BAD_LOG_S
         self._bad = 0
+        self._refused: set[tuple[str, str]] = set()  # (instance, endpoint) not subscribed to, logged once each
 
     def sync(self) -> None:
         """Subscribe to each instance's announced endpoint; drop those gone, moved or restarted."""
         wanted: dict[str, tuple[str, str]] = {}
         for state in self._states():
-            endpoint = state.kv_events
-            if endpoint and subscribable(endpoint, state.instance.http.host):
-                wanted[state.instance.name] = endpoint, f"{state.engine_id}/{state.launch}"
+            endpoint, name = state.kv_events, state.instance.name
+            if not endpoint:
+                continue
+            if subscribable(endpoint, state.instance.http.host):
+                wanted[name] = endpoint, f"{state.engine_id}/{state.launch}"
+            elif (name, endpoint) not in self._refused and len(self._refused) < 4096:
+                self._refused.add((name, endpoint))
+                log.warning("KV events of %s: not subscribing to %s, which is not on the instance's host; it is "
+                            "routed by load", name, endpoint)
         for name, feed in list(self._feeds.items()):
             if wanted.get(name) != (feed.endpoint, feed.engine):
                 feed.sock.close(linger=0)
@@ -76,16 +86,19 @@ class EventFeeds:
             if name in self._feeds:
                 continue
             sock = self._ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
-            if endpoint.startswith("tcp://["):
-                sock.setsockopt(zmq.IPV6, 1)
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
             try:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
+                sock.setsockopt(zmq.RCVHWM, QUEUED_BATCHES)
+                if endpoint.startswith("tcp://["):
+                    sock.setsockopt(zmq.IPV6, 1)
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
                 sock.connect(endpoint)
-            except zmq.ZMQError as exc:
+            except Exception as exc:  # whatever an endpoint holds, the others are still followed
                 sock.close(linger=0)
-                log.warning("KV events of %s: cannot subscribe to %s (%s)", name, endpoint, exc)
+                if (name, endpoint) not in self._refused and len(self._refused) < 4096:
+                    self._refused.add((name, endpoint))
+                    log.warning("KV events of %s: cannot subscribe to %r (%r)", name, endpoint[:200], exc)
                 continue
             self.index.forget(name)  # a new subscription starts from an empty cache view
             self._feeds[name] = _Feed(endpoint, engine, sock)
@@ -99,38 +112,57 @@ class EventFeeds:
         try:
             if len(frames) != 3 or len(frames[1]) != 8:
                 raise ValueError(f"expected (topic, sequence, batch), got {len(frames)} frames")
-            events = self.index.apply(name, int.from_bytes(frames[1], "big"), frames[2])
-        except ValueError as exc:
-            self._bad += 1
-            self.metrics.kv_events.labels(name, "bad").inc()
-            now = time.monotonic()
-            if now - self._bad_logged >= BAD_LOG_S:
-                self._bad_logged = now
-                log.warning("KV events of %s: skipped a batch (%d so far): %s", name, self._bad, exc)
+            applied, skipped = self.index.apply(name, int.from_bytes(frames[1], "big"), frames[2])
+        except Exception as exc:  # nothing an instance publishes may stop the others' events
+            self._skipped(name, 1, f"a batch: {exc!r:.200}")
             return
-        self.metrics.kv_events.labels(name, "applied").inc(events)
+        self.metrics.kv_events.labels(name, "applied").inc(applied)
+        if skipped:
+            self._skipped(name, skipped, f"{skipped} events: {self.index.last_error}")
+
+    def _skipped(self, name: str, count: int, what: str) -> None:
+        self._bad += count
+        self.metrics.kv_events.labels(name, "bad").inc(count)
+        now = time.monotonic()
+        if now - self._bad_logged >= BAD_LOG_S:
+            self._bad_logged = now
+            log.warning("KV events of %s: skipped %s (%d skipped so far)", name, what, self._bad)
+
+    async def _turn(self) -> None:
+        """Subscriptions matched with the pools, then what arrived within `SYNC_S` read."""
+        self.sync()
+        if not self._feeds:
+            await asyncio.sleep(SYNC_S)
+            return
+        poller = zmq.asyncio.Poller()
+        by_sock = {}
+        for name, feed in self._feeds.items():
+            poller.register(feed.sock, zmq.POLLIN)
+            by_sock[feed.sock] = name
+        ready = await poller.poll(int(SYNC_S * 1000))
+        for sock, _ in ready:
+            name = by_sock[sock]
+            for _ in range(BATCHES_PER_TURN):  # then the others and the sync get their turn
+                try:
+                    frames = await sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.take(name, frames)
+                await asyncio.sleep(0)  # a finished future does not yield: requests are served between batches
 
     async def run(self) -> None:
         try:
             while True:
-                self.sync()
-                if not self._feeds:
+                try:
+                    await self._turn()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # the subscriptions outlive any one failure; logged, then on
+                    now = time.monotonic()
+                    if now - self._bad_logged >= BAD_LOG_S:
+                        self._bad_logged = now
+                        log.exception("KV events: reading failed; going on")
                     await asyncio.sleep(SYNC_S)
-                    continue
-                poller = zmq.asyncio.Poller()
-                by_sock = {}
-                for name, feed in self._feeds.items():
-                    poller.register(feed.sock, zmq.POLLIN)
-                    by_sock[feed.sock] = name
-                ready = await poller.poll(int(SYNC_S * 1000))
-                for sock, _ in ready:
-                    name = by_sock[sock]
-                    for _ in range(1000):  # then the others and the sync get their turn
-                        try:
-                            frames = await sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self.take(name, frames)
         finally:
             for feed in self._feeds.values():
                 feed.sock.close(linger=0)

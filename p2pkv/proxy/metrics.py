@@ -64,7 +64,7 @@ class ProxyMetrics:
                                       "its blocks: by load), no_tokens (the prompt could not be tokenized: by load)",
                                       ["outcome"], registry=r)
         self.kv_events = Counter("p2pkv_proxy_kv_events", "KV cache events received from each instance, by outcome "
-                                 "(applied; bad: a batch that could not be read, counted once)",
+                                 "(applied; bad: an event, or a whole batch, that could not be read)",
                                  ["instance", "outcome"], registry=r)
         self.index_blocks = Gauge("p2pkv_proxy_kv_index_blocks", "Blocks the prefix index holds for each instance",
                                   ["instance"], registry=r)

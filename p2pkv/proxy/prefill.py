@@ -71,6 +71,11 @@ def _pending(state: InstanceState, tokens: int) -> Iterator[None]:
 
 
 class Prefiller:
+    def _not_there(self, state: InstanceState, tokens: Sequence[int] | None) -> None:
+        """The prompt was not prefilled on `state` after all: it is no longer expected there."""
+        if tokens is not None:
+            self.index.unexpect(state.instance.name, tokens)
+
     def __init__(self, config: ProxyConfig, client: httpx.AsyncClient, metrics: ProxyMetrics, pool: Pool,
                  discarder: Discarder, index: PrefixIndex) -> None:
         self.index = index
@@ -139,14 +144,17 @@ class Prefiller:
                     log.warning("prefill instance %s failed: %r", state.instance.name, exc)
                     if isinstance(exc, httpx.ConnectError):
                         state.refused()
+                    self._not_there(state, tokens)
                     continue
             self.metrics.prefill_seconds.observe(time.monotonic() - started)
             if 400 <= answer.status_code < 500:
+                self._not_there(state, tokens)
                 return Response(answer.content, status_code=answer.status_code, media_type="application/json")
             params = answer.json().get("kv_transfer_params") if answer.status_code == 200 else None
             if isinstance(params, dict):
                 trace.prefilled(state.instance.name, started)
                 return params
+            self._not_there(state, tokens)
             state.failures += 1
             log.warning("prefill instance %s answered %d without kv_transfer_params", state.instance.name,
                         answer.status_code)

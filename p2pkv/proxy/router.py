@@ -311,12 +311,14 @@ class Router:
             assert answer is not None  # the last attempt always answers
             return answer
         tokens = await self._prompt_tokens(body, path, headers, decode)
-        if self._decode_only(tokens, decode, trace):
+        if self._decode_only(body, tokens, decode, trace):
             to_decode = {k: v for k, v in body.items() if k != "kv_transfer_params"}
             answer = await self._decoder.answer(decode, f"{decode.instance.url}{path}", to_decode,
                                                 decode.instance.headers(headers), trace)
             assert answer is not None  # the last attempt always answers
             return answer
+        if body.get("cache_salt"):
+            tokens = None  # its blocks match no other prompt's: the prefill instance is chosen by load
         for attempt in range(self.config.transfer_retries + 1):
             target = await self._target(decode, headers)
             params = PrefillParams(trace.transfer_id, target.address, pull=target.pulls, decode_tp=target.tp,
@@ -379,8 +381,9 @@ class Router:
                              decode: InstanceState) -> list[int] | None:
         """The prompt's tokens where the proxy will use them (the prefix policy, with some prefill instance's blocks
         known; `decode_only_below`), tokenized by the decode instance's API server; None otherwise (by load then)."""
-        # With one prefill instance there is no choice to make.
-        prefix = self.prefill.policy is Policy.PREFIX and len(self.prefill.states) > 1
+        # With one prefill instance there is no choice to make; a salted prompt's blocks match no one else's.
+        prefix = (self.prefill.policy is Policy.PREFIX and len(self.prefill.states) > 1
+                  and not body.get("cache_salt"))
         indexed = prefix and self.index.knows(s.instance.name for s in self.prefill.states)
         if prefix and not indexed:
             self.metrics.prefix_choices.labels("no_events").inc()
@@ -392,13 +395,15 @@ class Router:
             self.metrics.prefix_choices.labels("no_tokens" if tokens is None else "indexed").inc()
         return tokens
 
-    def _decode_only(self, tokens: list[int] | None, decode: InstanceState, trace: RequestTrace) -> bool:
+    def _decode_only(self, body: dict[str, Any], tokens: list[int] | None, decode: InstanceState,
+                     trace: RequestTrace) -> bool:
         """Whether the decode instance computes the prompt sooner alone: fewer than `decode_only_below` tokens left
         to compute there (noted in the trace and counted)."""
         below = self.config.decode_only_below
         if tokens is None or not below:
             return False
-        held = min(len(tokens) - 1, self.index.hits([decode.instance.name], tokens)[decode.instance.name])
+        held = 0 if body.get("cache_salt") else min(len(tokens) - 1, self.index.hits(
+            [decode.instance.name], tokens)[decode.instance.name])
         left = len(tokens) - max(0, held)
         if left >= below:
             return False

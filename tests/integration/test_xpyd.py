@@ -141,8 +141,9 @@ def test_the_prefix_policy_sends_a_repeated_prefix_where_it_is_cached_and_forget
     systems = {tag: prompt(tag, 400) for tag in ("system-a", "system-b")}  # three full blocks of 128 tokens each
     holders: dict[str, set[str]] = {tag: set() for tag in systems}
     hits_before = {i["http"]: metric(i["http"], "vllm:prefix_cache_hits_total") for i in cluster_2p2d["instances"]}
-    for question in range(5):
-        for tag, system in systems.items():
+    # One system prompt's questions in a row, then the other's: by load they would alternate between the two.
+    for tag, system in systems.items():
+        for question in range(5):
             text = f"{system} question {question}?"
             where, answer = _prefilled_where(cluster_2p2d, text)
             holders[tag].add(where)

@@ -80,19 +80,64 @@ def test_blocks_that_depend_on_more_than_tokens_or_have_no_known_parent_never_ma
     assert index.instances["a"].gaps == 2  # batches 8 and 9 never arrived (those before the first are not known)
 
 
+def _deep(n: int) -> bytes:
+    return b"\x91" * n + b"\x00"  # n nested one-item msgpack arrays
+
+
 @pytest.mark.parametrize("payload, error", [
     (b"\xc1", "not msgpack"),
+    (_deep(100_000), "not msgpack|event batch"),
     (msgspec.msgpack.encode({"ts": 1}), "event batch"),
-    (msgspec.msgpack.encode([0.0, [{"type": "BlockStored", "block_hashes": [b"h"], "parent_block_hash": None,
-                                    "token_ids": [1, 2], "block_size": 4}]]), "block_size tokens per block"),
-    (msgspec.msgpack.encode([0.0, [{"type": "BlockStored", "block_hashes": [b"h"], "token_ids": [1],
-                                    "block_size": 0}]]), "block_size"),
-    (msgspec.msgpack.encode([0.0, [{"type": "Unheard"}]]), "unknown event type"),
-    (msgspec.msgpack.encode([0.0, [{"type": "BlockRemoved", "block_hashes": [1.5]}]]), "block_hashes"),
 ])
 def test_a_batch_that_is_not_one_is_refused(payload: bytes, error: str) -> None:
     with pytest.raises(ValueError, match=error):
         PrefixIndex().apply("a", 0, payload)
+
+
+@pytest.mark.parametrize("event, error", [
+    ({"type": "BlockStored", "block_hashes": [b"h"], "parent_block_hash": None, "token_ids": [1, 2], "block_size": 4},
+     "block_size integers per block"),
+    ({"type": "BlockStored", "block_hashes": [b"h"], "token_ids": [[1], 2, 3, 4], "block_size": 4}, "integers"),
+    ({"type": "BlockStored", "block_hashes": [b"h"], "parent_block_hash": [1], "token_ids": [1, 2, 3, 4],
+      "block_size": 4}, "parent_block_hash"),
+    ({"type": "BlockStored", "block_hashes": [b"h"], "token_ids": [1], "block_size": 0}, "block_size"),
+    ({"type": "BlockStored", "block_hashes": [b"h"], "token_ids": [1, 2, 3, 4], "block_size": 4, "medium": [1]},
+     "medium"),
+    ({"type": "Unheard"}, "unknown event type"),
+    ({"type": "BlockRemoved", "block_hashes": [1.5]}, "block_hashes"),
+    ("not a map", "not a map"),
+])
+def test_a_malformed_event_is_skipped_and_the_rest_of_its_batch_applied(event: Any, error: str) -> None:
+    index = PrefixIndex()
+    payload = msgspec.msgpack.encode([0.0, [event, stored(SYSTEM_A[:4], [b"a1"])]])
+    assert index.apply("a", 0, payload) == (1, 1)
+    assert error in index.last_error
+    assert index.hits(["a"], SYSTEM_A) == {"a": 4}
+
+
+def test_copies_said_again_count_once_and_a_copy_in_another_medium_keeps_the_block_held() -> None:
+    index = PrefixIndex()
+    index.apply("a", 0, batch(stored(SYSTEM_A[4:8], [b"a2"], parent=b"a1")))  # its parent not said yet
+    # vLLM's full report mode says cached blocks again from the first: the second is placed now, once.
+    for seq in (1, 2):
+        index.apply("a", seq, batch(stored(SYSTEM_A[:8], [b"a1", b"a2"])))
+    assert index.instances["a"].held and set(index.instances["a"].held.values()) == {1}
+    assert index.hits(["a"], SYSTEM_A) == {"a": 8}
+    index.apply("a", 3, batch(stored(SYSTEM_A[:8], [b"a1", b"a2"], medium="CPU")))  # offloaded copies
+    index.apply("a", 4, batch(BlockRemoved(block_hashes=[b"a1", b"a2"], medium="GPU")))
+    assert index.hits(["a"], SYSTEM_A) == {"a": 8}, "the CPU copies still hold them"
+    index.apply("a", 5, batch(BlockRemoved(block_hashes=[b"a1", b"a2"], medium="CPU")))
+    assert index.hits(["a"], SYSTEM_A) == {"a": 0} and not index.instances["a"].held
+
+
+def test_a_publisher_that_starts_again_starts_the_index_again_and_other_block_sizes_are_not_taken() -> None:
+    index = PrefixIndex()
+    index.apply("a", 7, batch(stored(SYSTEM_A, [b"a1", b"a2", b"a3"])))
+    index.apply("a", 8, batch(BlockStored(block_hashes=[b"x"], parent_block_hash=None, token_ids=SYSTEM_B[:2],
+                                          block_size=2, lora_id=None, medium="GPU", lora_name=None)))
+    assert index.hits(["a"], SYSTEM_A) == {"a": 12} and index.instances["a"].block_size == BS
+    index.apply("a", 0, batch())  # sequence numbers from 0 again: the instance's engine started again
+    assert index.hits(["a"], SYSTEM_A) == {"a": 0}
 
 
 def test_the_cheapest_instance_wins_and_queued_prompt_tokens_count_against_it() -> None:
@@ -145,14 +190,16 @@ def test_instances_say_where_their_events_are_and_the_proxy_only_goes_there() ->
 
 
 @contextmanager
-def prefix_cluster(tmp_path: Path, publish: bool = True, **options: Any
+def prefix_cluster(tmp_path: Path, publish: bool = True, failing: str = "", **options: Any
                    ) -> Iterator[tuple[str, dict[str, tuple[str, list[dict[str, Any]]]], dict[str, Any]]]:
-    """A proxy with the prefix policy (and `options`) and two stub prefill instances and a stub decode instance that
-    announce themselves by heartbeats, each with a vLLM event publisher of its own (unless not `publish`): the
+    """A proxy with the prefix policy (and `options`) and two stub prefill instances (`failing` answers 500) and a
+    stub decode instance that announce themselves by heartbeats, each with a vLLM event publisher of its own (unless
+    not `publish`): the
     proxy's address, the instances (name: address, requests seen; "d" the decode instance), the publishers by
     name."""
     with ExitStack() as stack:
-        proxy, _, port = stack.enter_context(discovering_proxy(misses=3.0, prefill_policy="prefix", **options))
+        # Ten missed heartbeats of 0.2 s before an instance is dropped: a loaded machine may stall a second.
+        proxy, _, port = stack.enter_context(discovering_proxy(misses=10.0, prefill_policy="prefix", **options))
         d_seen: list[dict[str, Any]] = []
         d = stack.enter_context(serve(stub_decode(d_seen)))
         prefills: dict[str, tuple[str, list[dict[str, Any]]]] = {}
@@ -165,7 +212,7 @@ def prefix_cluster(tmp_path: Path, publish: bool = True, **options: Any
                                    0.2, b"", kv_events=d_endpoint)]
         for name in ("p0", "p1"):
             seen: list[dict[str, Any]] = []
-            address = stack.enter_context(serve(stub_prefill(seen)))
+            address = stack.enter_context(serve(stub_prefill(seen, fail=name == failing)))
             prefills[name] = address, seen
             endpoint = f"ipc://{tmp_path}/{name}" if publish else ""
             if publish:
@@ -200,7 +247,9 @@ def prefilled_on(proxy: str, prefills: dict[str, tuple[str, list[dict[str, Any]]
     body = {"model": "m", "prompt": prompt, "max_tokens": 3, "user": uuid.uuid4().hex}
     answer = httpx.post(f"http://{proxy}/v1/completions", json=body, timeout=30)
     assert answer.status_code == 200
-    (name,) = [n for n, (_, seen) in prefills.items() if n != "d" and len(seen) > counts[n]] or ["none"]
+    # The one whose prefill succeeded (a failed one was tried first, then another).
+    (name,) = [n for n, (a, seen) in prefills.items() if n != "d" and len(seen) > counts[n]
+               and a == answer.headers["x-p2pkv-prefill"]] or ["none"]
     assert answer.headers["x-p2pkv-prefill"] == (prefills[name][0] if name != "none" else "none")
     return name
 
@@ -303,3 +352,21 @@ def test_static_instances_say_where_their_events_are_in_their_probe_answers(tmp_
             answer = httpx.post(f"http://{proxy}/v1/completions", json=body, timeout=30)
             assert answer.status_code == 200 and answer.headers["x-p2pkv-prefill"] == addresses["p1"]
         assert len(seen["p1"]) == 4 and not seen["p0"]
+
+
+def test_a_prompt_whose_prefill_failed_is_not_expected_where_it_failed(tmp_path: Path) -> None:
+    """A prompt routed to an instance counts as held there until its events come, but only if its prefill there
+    succeeded: a failing instance must not attract the prompt's later requests as if it held it."""
+    with prefix_cluster(tmp_path, failing="p0", prefill_retries=0) as (proxy, prefills, publishers):
+        p0, p1 = prefills["p0"][0], prefills["p1"][0]
+        publish_until_indexed(proxy, publishers["p0"], "p0", p0, stored(SYSTEM_A, [b"a1", b"a2", b"a3"]))
+        publish_until_indexed(proxy, publishers["p1"], "p1", p1, stored(SYSTEM_B, [b"b1", b"b2", b"b3"]),
+                              stored(list(range(600, 612)), [b"c1", b"c2", b"c3"]))
+        fresh = list(range(500, 513))
+        expected = f'p2pkv_proxy_prefill_expected_cached_tokens_total{{instance="{p0}"}}'
+        for question in range(3):
+            # Nobody holds it: p0, the cache with fewer prefixes, is tried, fails, and the decode instance
+            # computes it.
+            assert prefilled_on(proxy, prefills, [*fresh[:12], question]) == "none"
+            assert metric(proxy, expected) == 0, "p0 was taken to hold a prompt it failed to prefill"
+        assert len(prefills["p0"][1]) == 3
