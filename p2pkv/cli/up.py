@@ -7,6 +7,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -29,9 +30,6 @@ DISCOVERY_TIMEOUT_S = 30.0
 REFUSALS_WAIT_S = 8.0  # for the proxy to hear of a refusal after the demo request (a heartbeat every 3 s by default)
 DEMO_PROMPT = "Disaggregated serving moves the KV cache from the prefill instance to the decode instance."
 DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
-
-
-_MAX_IPC_DIR = 80
 
 
 def _say(text: str) -> None:
@@ -74,17 +72,14 @@ def _vllm_args(text: str, option: str) -> tuple[str, ...]:
         raise ConfigError(f"{option}: {exc}") from None
 
 
-def _events_dir(args: argparse.Namespace, log_dir: Path, vllm_args: tuple[str, ...]) -> Path | None:
-    """Where the instances publish their KV cache events (ipc sockets: only this host can subscribe), when the
-    proxy routes by them and the vLLM arguments do not configure them already; None otherwise."""
+def _events_dir(args: argparse.Namespace, vllm_args: tuple[str, ...]) -> Path | None:
+    """A folder of this user's own (a socket's path has room for about 100 bytes, so not under the log folder)
+    where the instances publish their KV cache events on ipc sockets (only this host can subscribe), when the proxy
+    routes by them and the vLLM arguments do not configure them already; None otherwise."""
     wanted = args.prefill_policy == "prefix" or args.decode_only_below
     if not wanted or any(a.startswith("--kv-events-config") for a in vllm_args):
         return None
-    folder = log_dir / "events"
-    if len(str(folder)) > _MAX_IPC_DIR:  # a socket's path has room for about 100 bytes
-        folder = Path(tempfile.mkdtemp(prefix="p2pkv-events-"))
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return folder
+    return Path(tempfile.mkdtemp(prefix="p2pkv-events-"))
 
 
 def _events_args(folder: Path | None, name: str, dp_size: int) -> tuple[str, ...]:
@@ -132,7 +127,7 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
     own = {role: _extra_config(text, f"--{role}-extra-config", shared)
            for role, text in (("prefill", args.prefill_extra_config), ("decode", args.decode_extra_config))}
     described = []
-    events = _events_dir(args, log_dir, extra_vllm)
+    events = _events_dir(args, extra_vllm)
     for i in range(n):
         is_prefill = i < args.prefill
         role = "kv_producer" if is_prefill else "kv_consumer"
@@ -155,8 +150,11 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
     cluster.add_proxy(proxy_port, [], [], discovery_port, secret=extra.get("auth_secret", ""),
                       args=("--prefill-policy", args.prefill_policy,
                             "--decode-only-below", str(args.decode_only_below)))
-    return cluster, {"proxy": f"http://{args.host}:{proxy_port}", "discovery": f"{args.host}:{discovery_port}",
-                     "model": model, "instances": described, "log_dir": str(log_dir)}
+    described_cluster = {"proxy": f"http://{args.host}:{proxy_port}", "discovery": f"{args.host}:{discovery_port}",
+                         "model": model, "instances": described, "log_dir": str(log_dir)}
+    if events is not None:
+        described_cluster["kv_events_dir"] = str(events)
+    return cluster, described_cluster
 
 
 def _listed(proxy_url: str, admin_key: str = "") -> list[dict[str, Any]]:
@@ -311,5 +309,7 @@ def run_up(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _say("stopping all processes")
         cluster.stop()
+        if "kv_events_dir" in description:  # the instances' event sockets
+            shutil.rmtree(description["kv_events_dir"], ignore_errors=True)
         _say("stopped")
         sys.stdout.flush()

@@ -201,7 +201,7 @@ def test_with_the_prefix_policy_every_instance_publishes_its_kv_events_on_a_loca
     `--kv-events-config` with an ipc endpoint of its own (only this host can subscribe), and the proxy the policy;
     events configured by hand in the vLLM arguments are left as they are."""
     args = build_parser().parse_args(["up", "--model", "m", "--prefill", "2", "--prefill-policy", "prefix"])
-    cluster, _ = build_cluster(args, "m", tmp_path)
+    cluster, description = build_cluster(args, "m", tmp_path)
     endpoints = []
     for proc in cluster.processes:
         if proc.name == "proxy":
@@ -210,7 +210,10 @@ def test_with_the_prefix_policy_every_instance_publishes_its_kv_events_on_a_loca
         config = json.loads(proc.argv[proc.argv.index("--kv-events-config") + 1])
         assert config["enable_kv_cache_events"] and config["publisher"] == "zmq"
         endpoints.append(config["endpoint"])
-    assert len(set(endpoints)) == 3 and all(e.startswith(f"ipc://{tmp_path}") for e in endpoints)
+    # In a folder of their own, not among the logs (a socket's path is short; the logs hold logs only).
+    folder = description["kv_events_dir"]
+    assert len(set(endpoints)) == 3 and all(e.startswith(f"ipc://{folder}/") for e in endpoints)
+    assert not folder.startswith(str(tmp_path)) and len(endpoints[0]) < 100
     args = build_parser().parse_args(["up", "--model", "m", "--decode-only-below", "64"])
     cluster, _ = build_cluster(args, "m", tmp_path)
     assert all("--kv-events-config" in proc.argv for proc in cluster.processes if proc.name != "proxy")
