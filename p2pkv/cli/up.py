@@ -79,7 +79,7 @@ def _events_dir(args: argparse.Namespace, vllm_args: tuple[str, ...]) -> Path | 
     wanted = args.prefill_policy == "prefix" or args.decode_only_below
     if not wanted or any(a.startswith("--kv-events-config") for a in vllm_args):
         return None
-    return Path(tempfile.mkdtemp(prefix="p2pkv-events-"))
+    return Path(tempfile.gettempdir()) / f"p2pkv-events-{secrets.token_hex(8)}"  # made by `run_up` at start
 
 
 def _events_args(folder: Path | None, name: str, dp_size: int) -> tuple[str, ...]:
@@ -257,6 +257,8 @@ def run_up(args: argparse.Namespace) -> int:
     admin_key = cluster.env().get(ADMIN_KEY_ENV, "")
     _say(f"starting {args.prefill} prefill and {args.decode} decode vLLM instances; logs in {log_dir}")
     try:
+        if "kv_events_dir" in description:  # this user's only; an existing one (not ours) is an error
+            Path(description["kv_events_dir"]).mkdir(mode=0o700)
         cluster.start(args.ready_timeout, progress=_say)
         # A worker's KV cache in host memory is faulted in again in 2 MiB pages on a thread of its own (huge_pages):
         # ready once that is over, so that it does not share the cores with the first requests.
