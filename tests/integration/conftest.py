@@ -32,6 +32,10 @@ ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 128  # vLLM's CPU default
 TRANSFER_TIMEOUT_S = 5.0
 MAX_BATCHED_TOKENS = 256
+# vLLM starts in eager mode here: its CPU build otherwise traces the model at every start (about 7 s of a core per
+# instance, over dozens of starts). The compiled default runs in test_real_model, test_pp (which eager mode breaks)
+# and the launch scripts' test.
+EAGER = ("--enforce-eager",)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -119,11 +123,14 @@ def _alive(pid: int) -> bool:
 
 
 def start_up(model: str, work: Path, extra: dict[str, Any], vllm_args: list[str],
-             up_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], Path]:
-    """Start `p2pkv up` (1P1D unless `up_args` say otherwise); returns the process and its ready file's path."""
+             up_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+             compiled: bool = False) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start `p2pkv up` (1P1D unless `up_args` say otherwise; vLLM in eager mode unless `compiled`); returns the
+    process and its ready file's path."""
     ready = work / "ready.json"
     argv = [sys.executable, "-m", "p2pkv", "up", "--model", model, "--log-dir", str(work / "logs"),
-            "--ready-file", str(ready), "--extra-config", json.dumps(extra), *up_args, "--", *vllm_args]
+            "--ready-file", str(ready), "--extra-config", json.dumps(extra), *up_args, "--",
+            *(() if compiled else EAGER), *vllm_args]
     env = env or {}
     # The project first, then what `env` adds (a test-only vLLM plugin's folder).
     full_env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}
@@ -160,7 +167,7 @@ class Oracle:
                  env: dict[str, str] | None = None) -> None:
         self._cluster = Cluster(model=model, log_dir=log_dir, extra_env=dict(env or {}))
         self._port = free_port()
-        self._cluster.add_vllm("colocated", InstanceSpec("", self._port, vllm_args=args))
+        self._cluster.add_vllm("colocated", InstanceSpec("", self._port, vllm_args=(*EAGER, *args)))
         log_dir.mkdir(parents=True, exist_ok=True)
         self._ready = False
         for proc in self._cluster.processes:
@@ -191,13 +198,13 @@ def oracle(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 @contextmanager
 def up_with_colocated(model: str, work: Path, extra: dict[str, Any], vllm_args: list[str],
                       up_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                      colocated_args: tuple[str, ...] = (), shared: Oracle | None = None,
+                      colocated_args: tuple[str, ...] = (), shared: Oracle | None = None, compiled: bool = False,
                       ) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any], str]]:
     """`p2pkv up` plus the oracle: `shared`, or else one colocated vLLM of its own, started with `colocated_args`;
     stopped cleanly afterwards. `env` is added to the environment of `p2pkv up` and so of its instances."""
     oracle = shared if shared is not None else Oracle(model, work / "colocated", colocated_args)
     try:
-        proc, ready = start_up(model, work, extra, vllm_args, up_args, env)
+        proc, ready = start_up(model, work, extra, vllm_args, up_args, env, compiled)
     except BaseException:
         if oracle is not shared:
             oracle.stop()
@@ -227,10 +234,11 @@ MULTI_RANK_EXTRA = {"transfer_timeout_s": 30.0, "test_fault_injection": True, "h
 
 @contextmanager
 def multi_rank_cluster(model: str, work: Path, up_args: tuple[str, ...], shared: Oracle,
-                       env: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
+                       env: dict[str, str] | None = None, compiled: bool = False) -> Iterator[dict[str, Any]]:
     """`p2pkv up` with `up_args` (PUT_ASYNC) beside the shared oracle, both warmed up; its ready file's
     description, with `model` and `colocated` (the oracle's URL) added."""
-    with up_with_colocated(model, work, MULTI_RANK_EXTRA, [], up_args, env, shared=shared) as (_, info, colocated):
+    with up_with_colocated(model, work, MULTI_RANK_EXTRA, [], up_args, env, shared=shared,
+                           compiled=compiled) as (_, info, colocated):
         info.update(model=model, colocated=colocated)
         for base in (info["proxy"], colocated):
             complete(base, {"model": model, "prompt": "warm up " * 25, "max_tokens": 16, "temperature": 0})

@@ -18,7 +18,7 @@ from p2pkv.proxy import Instance, ProxyConfig, create_app
 from p2pkv.proxy.trace import PREFILL_HEADER
 from tests.helpers.relay import FlipRelay
 from tests.helpers.servers import serve
-from tests.integration.conftest import MAX_TOKENS, complete, greedy, ids_and_logprobs, metric, prompt
+from tests.integration.conftest import EAGER, MAX_TOKENS, complete, greedy, ids_and_logprobs, metric, prompt
 
 pytestmark = pytest.mark.vllm
 TIMEOUT_S = 5.0
@@ -32,12 +32,15 @@ def tight(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     # Pulls carry their digest, checked where they land (integrity_check).
     extra = {"kv_buffer_size": 1, "mem_pool_size_gb": 0, "transfer_timeout_s": TIMEOUT_S, "integrity_check": True}
     p_http, p_kv, p_metrics, d_http, d_kv, d_metrics, proxy, f_http, f_kv = free_ports(9)
-    cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv, {**extra, "metrics_port": p_metrics}))
-    cluster.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_kv, {**extra, "metrics_port": d_metrics}))
+    cluster.add_vllm("prefill", InstanceSpec("kv_producer", p_http, p_kv, {**extra, "metrics_port": p_metrics},
+                                                  vllm_args=EAGER))
+    cluster.add_vllm("decode", InstanceSpec("kv_consumer", d_http, d_kv, {**extra, "metrics_port": d_metrics},
+                                                 vllm_args=EAGER))
     # A second decode instance that fails requests whose KV cannot be loaded (kv_load_failure_policy=fail). It
     # takes pushes (the default staging space), over tcp, so that a relay in front of its KV port can damage one.
     fail_extra = {**extra, "kv_buffer_size": 1e9, "transport": "tcp"}
-    cluster.add_vllm("decode-fail", InstanceSpec("kv_consumer", f_http, f_kv, fail_extra, failure_policy="fail"))
+    cluster.add_vllm("decode-fail", InstanceSpec("kv_consumer", f_http, f_kv, fail_extra, failure_policy="fail",
+                                                     vllm_args=EAGER))
     cluster.add_proxy(proxy, [f"127.0.0.1:{p_http}"], [f"127.0.0.1:{d_http}"])
     try:
         cluster.start(timeout_s=900)

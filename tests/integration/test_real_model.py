@@ -32,7 +32,8 @@ def smollm2() -> str:
 def cluster(smollm2: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """`p2pkv up` 1P1D; the last test stops it itself."""
     work = tmp_path_factory.mktemp("smollm2")
-    proc, ready = start_up(smollm2, work, {"transfer_timeout_s": 30.0}, ["--max-model-len", "2048"])
+    proc, ready = start_up(smollm2, work, {"transfer_timeout_s": 30.0}, ["--max-model-len", "2048"],
+                           compiled=True)
     try:
         info = wait_ready(proc, ready)
         info.update(proc=proc, model=smollm2, work=work)
