@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from p2pkv.config import AUTH_SECRET_ENV
 from p2pkv.proxy.admin import admin_refusal
+from p2pkv.proxy.cachehits import CacheHits
 from p2pkv.proxy.control import add_control_routes
 from p2pkv.proxy.discovery import DiscoveryListener, start
 from p2pkv.proxy.instances import ProxyConfig
@@ -59,6 +60,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
             if config.prefill_policy == "prefix" or config.decode_only_below:
                 feeds = asyncio.create_task(EventFeeds(router.index, router.metrics, lambda: [
                     s for pool in router.pools for s in pool.states]).run(), name="p2pkv-kv-events")
+            hits = asyncio.create_task(CacheHits(client, router.metrics, lambda: [
+                s for pool in router.pools for s in pool.states]).run(), name="p2pkv-cache-hits")
             poller: asyncio.Task[None] | None = None
             if config.probe_interval_s:  # each probe bounded by the interval, or 10 s for shorter ones
                 poller = asyncio.create_task(StaticPoller(
@@ -67,7 +70,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
             try:
                 yield
             finally:
-                for running in (task, poller, feeds):
+                for running in (task, poller, feeds, hits):
                     if running is not None:
                         running.cancel()
                         with contextlib.suppress(asyncio.CancelledError):

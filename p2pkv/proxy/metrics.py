@@ -68,6 +68,14 @@ class ProxyMetrics:
                                  ["instance", "outcome"], registry=r)
         self.index_blocks = Gauge("p2pkv_proxy_kv_index_blocks", "Blocks the prefix index holds for each instance",
                                   ["instance"], registry=r)
+        self.instance_cache_hits = Gauge("p2pkv_proxy_instance_prefix_cache_hits",
+                                         "Prompt tokens each instance found in its prefix cache, as its vLLM "
+                                         "reports them (vllm:prefix_cache_hits_total, read every 15 s)",
+                                         ["instance"], registry=r)
+        self.instance_cache_queries = Gauge("p2pkv_proxy_instance_prefix_cache_queries",
+                                            "Prompt tokens each instance looked up in its prefix cache "
+                                            "(vllm:prefix_cache_queries_total, read every 15 s)", ["instance"],
+                                            registry=r)
         self.instances = Gauge("p2pkv_proxy_instances", "Known instances by role", ["role"], registry=r)
         self.unpaired = Gauge("p2pkv_proxy_unpaired", "Prefill and decode instance pairs not used now: their KV "
                               "workers refused each other (another layout or model settings), or their weights "

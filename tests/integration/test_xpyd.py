@@ -169,6 +169,15 @@ def test_the_prefix_policy_sends_a_repeated_prefix_where_it_is_cached_and_forget
                            for i in cluster_2p2d["instances"] if i["role"] == "kv_producer")
     reference = greedy(cluster_2p2d["colocated"], cluster_2p2d["model"], f"{systems['system-a']} question 9?")
     assert ids_and_logprobs(answer)[0] == ids_and_logprobs(reference)[0]
+    # The proxy shows each instance's own hits and queries (read every 15 s), the last request's included.
+    for i in cluster_2p2d["instances"]:
+        own = [metric(i["http"], f"vllm:prefix_cache_{n}_total") for n in ("hits", "queries")]
+        deadline = time.monotonic() + 40
+        while [metric(proxy, f'p2pkv_proxy_instance_prefix_cache_{n}{{instance="{i["http"]}"}}')
+               for n in ("hits", "queries")] != own:
+            assert time.monotonic() < deadline, f"the proxy does not show the prefix-cache figures of {i['http']}"
+            time.sleep(0.5)
+    assert own[1] > 0
 
 
 def test_2p2d_serves_concurrent_requests_and_survives_a_dead_prefill(cluster_2p2d: dict[str, Any]) -> None:
