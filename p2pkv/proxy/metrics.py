@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from p2pkv.proxy.trace import RequestTrace, SlowRequests
+
 
 @dataclass
 class ProxyMetrics:
@@ -20,6 +22,11 @@ class ProxyMetrics:
         self.ttft_seconds = Histogram("p2pkv_proxy_time_to_first_token_seconds",
                                       "From the client's request to the decode answer's first body bytes (a "
                                       "stream's first token)", registry=r)
+        self.slow_requests = Counter("p2pkv_proxy_slow_requests",
+                                     "Requests whose first token took over 1 s and 10 times the median of the last "
+                                     "256 (each logged with where its time went, at most one line every 10 s)",
+                                     registry=r)
+        self.slow = SlowRequests(self.slow_requests.inc)
         self.retries = Counter("p2pkv_proxy_prefill_retries", "Prefill attempts retried on another instance",
                                registry=r)
         self.decode_resends = Counter("p2pkv_proxy_decode_resends",
@@ -80,3 +87,8 @@ class ProxyMetrics:
         self.unpaired = Gauge("p2pkv_proxy_unpaired", "Prefill and decode instance pairs not used now: their KV "
                               "workers refused each other (another layout or model settings), or their weights "
                               "differ after a weight update through the proxy", registry=r)
+
+    def first_token(self, trace: RequestTrace, seconds: float) -> None:
+        """A request's first token reached the client `seconds` after its request."""
+        self.ttft_seconds.observe(seconds)
+        self.slow.note(trace, seconds)

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger("p2pkv.proxy.requests")
+slow_log = logging.getLogger("p2pkv.proxy.slow")
 
 TRANSFER_HEADER = "x-p2pkv-transfer-id"
 PREFILL_HEADER = "x-p2pkv-prefill"  # the prefill instance used, or "none" (the decode instance prefilled itself)
@@ -46,6 +49,14 @@ class RequestTrace:
             headers[ROUTE_HEADER] = self.route
         return headers
 
+    def breakdown(self, first_token_s: float) -> str:
+        """Where a request's time to its first token went, as the proxy saw it."""
+        prefill = (f"prefill on {self.prefill} {self.prefill_ms:.0f} ms ({self.prefill_tries} tries)" if self.prefill
+                   else f"no prefill ({self.route or 'computed on the decode instance'})")
+        decode_ms = first_token_s * 1000 - self.prefill_ms
+        return (f"{prefill}, then decode on {self.decode} {decode_ms:.0f} ms to its first token"
+                f"{f', {self.reroutes} reroutes' if self.reroutes else ''}; transfer {self.transfer_id}")
+
     def finish(self, status: int, outcome: str) -> None:
         """Log the request's line, once."""
         if self.done:
@@ -55,3 +66,44 @@ class RequestTrace:
                  "outcome=%s ms=%.1f%s", self.transfer_id, self.prefill or "none", self.prefill_ms, self.prefill_tries,
                  self.decode, self.reroutes, status, outcome, (time.monotonic() - self.started) * 1000,
                  f" route={self.route!r}" if self.route else "")
+
+
+SLOW_MIN_S = 1.0  # a first token sooner than this is never called slow
+SLOW_FACTOR = 10.0  # times the median of the recent requests'
+SLOW_WINDOW = 256  # recent requests the median is taken over
+SLOW_AFTER = 16  # requests seen before any is called slow
+SLOW_LOG_S = 10.0  # one line at most this often; the others are counted in the next
+
+
+class SlowRequests:
+    """Requests whose first token took both `SLOW_MIN_S` and `SLOW_FACTOR` times the recent median: each counted,
+    and logged (a warning, at most one every `SLOW_LOG_S`) with where its time went and its transfer id, the key to
+    both instances' lines for it."""
+
+    def __init__(self, count: Callable[[], None]) -> None:
+        self._count = count
+        self._recent: deque[float] = deque(maxlen=SLOW_WINDOW)
+        self._logged = -SLOW_LOG_S
+        self._unlogged = 0
+
+    def note(self, trace: RequestTrace, first_token_s: float) -> bool:
+        """One request's time to first token; whether it was slow."""
+        recent = sorted(self._recent)
+        self._recent.append(first_token_s)
+        if len(recent) < SLOW_AFTER:
+            return False
+        median = recent[len(recent) // 2]
+        if first_token_s <= max(SLOW_MIN_S, SLOW_FACTOR * median):
+            return False
+        self._count()
+        now = time.monotonic()
+        if now - self._logged < SLOW_LOG_S:
+            self._unlogged += 1
+            return True
+        more = f" ({self._unlogged} more since the last such line)" if self._unlogged else ""
+        self._logged, self._unlogged = now, 0
+        slow_log.warning("slow request: first token after %.0f ms, %.0fx the median of the last %d (%.0f ms): %s; "
+                         "its lines in both instances' logs say where it waited%s", first_token_s * 1000,
+                         first_token_s / median if median else float("inf"), len(recent), median * 1000,
+                         trace.breakdown(first_token_s), more)
+        return True

@@ -180,7 +180,7 @@ class Relay:
                 async for chunk in raw:
                     if not self._timed:  # a stream's headers come before its first token (vLLM sends them at once)
                         self._timed = True
-                        self._metrics.ttft_seconds.observe(time.monotonic() - self._trace.started)
+                        self._metrics.first_token(self._trace, time.monotonic() - self._trace.started)
                     whole, pending = split_events(pending + chunk)
                     if whole:
                         yield whole if progress is None else each_event(whole, progress.passed)
@@ -328,7 +328,7 @@ class Decoder:
                 state.failures += 1
                 log.warning("decode instance %s opened its stream with error %d", state.instance.name, error)
                 return None
-            self.metrics.ttft_seconds.observe(time.monotonic() - started)
+            self.metrics.first_token(trace, time.monotonic() - started)
 
         relay = Relay(head, raw, upstream, state, self.metrics, trace, httpx.URL(url).path, resume)
         return RelayResponse(relay, [relay.aclose], trace.headers())
@@ -367,7 +367,7 @@ class Decoder:
                         len(content))
             return None
         # The whole answer came at once (vLLM sends a plain answer's headers with it): its first token is here.
-        self.metrics.ttft_seconds.observe(time.monotonic() - trace.started)
+        self.metrics.first_token(trace, time.monotonic() - trace.started)
         self.metrics.decode_seconds.observe(time.monotonic() - trace.started)
         if not content:
             self.metrics.requests.labels("decode_error").inc()
