@@ -153,3 +153,18 @@ def stream_run(pipe: Connection, port: int, nbytes: int, count: int) -> None:
         for _ in range(count):
             sock.sendall(data)
         pipe.recv()
+
+
+def ping_run(pipe: Connection, port: int, nbytes: int, count: int) -> None:
+    """Child process: the socket latency baseline's sender; `count` messages of `nbytes`, each sent once the
+    previous one's one-byte answer is in; reports the start time of each."""
+    data = memoryview(np.random.default_rng(0).integers(0, 256, nbytes, np.uint8).data)
+    started: list[float] = []
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        tune_socket(sock)
+        for _ in range(count):
+            started.append(time.monotonic())
+            sock.sendall(data)
+            if not sock.recv(1):
+                raise RuntimeError("the receiving process closed the connection early")
+    pipe.send(started)

@@ -105,7 +105,7 @@ def _bench_transfer(args: argparse.Namespace) -> int:
 
     sizes = [int(s) for s in args.sizes] if args.sizes else SIZES
     return bench_transfer(sizes, args.transports, int(args.budget_mb * (1 << 20)), args.plot, args.repeats,
-                          args.integrity_check, not args.no_huge_pages)
+                          args.integrity_check, not args.no_huge_pages, args.vs_nixl)
 
 
 def _bench_overlap(args: argparse.Namespace) -> int:
@@ -310,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     btransfer.add_argument("--no-huge-pages", action="store_true",
                            help="leave the sending side's KV in the pages it was allocated in, as the connector does "
                                 "with huge_pages set to false (the default backs it by 2 MiB pages)")
+    btransfer.add_argument("--vs-nixl", action="store_true",
+                           help="NIXL's UCX write of the same bytes in the same run, p2pkv/NIXL per size (needs "
+                                "pip install nixl)")
     btransfer.set_defaults(func=_bench_transfer)
 
     boverlap = bench.add_parser("overlap", help="PUT_ASYNC: each layer pushed and landed as the prefill's device "

@@ -298,10 +298,13 @@ class Receiver:
         landed = hasher() if conn.digests else None
         whole = False
         try:
-            conn.recv_payload_into(view, deadline, landed)
+            conn.recv_payload_into(view, deadline, landed, confirm=False)
             whole = landed is None or self._digest_matches(conn, push, landed.intdigest(), source)
         finally:
             self._store.end_chunk(push, whole)  # its memory may go only now, whatever happened
+        # shm's copy confirmation (and a verdict queued with it) once the bytes count as landed: a transfer's
+        # last chunk is complete here before its sender's thread wakes to compete for the cores
+        conn.flush(deadline)
         if whole:
             self._metrics.count_bytes("received", payload_len, conn.name)
 

@@ -78,8 +78,9 @@ class Outgoing:
     @property
     def awaiting_ack(self) -> bool:
         """Sent something and waits for the receiver's verdict or copy confirmations."""
-        copies_due = self.by_reference and len(self.layers_copied) < len(self.layers_sent)
-        return self.state is OutState.SENDING and bool(self.layers_sent) and (not self.acked or copies_due)
+        if self.state is not OutState.SENDING or not self.layers_sent:
+            return False
+        return not self.acked or (self.by_reference and len(self.layers_copied) < len(self.layers_sent))
 
     @property
     def complete(self) -> bool:
@@ -248,8 +249,8 @@ class Sender:
         try:
             start = 0
             while start < len(jobs):
-                end = start + 1
-                while end < len(jobs) and jobs[end].peer == jobs[start].peer:
+                end, peer = start + 1, jobs[start].peer
+                while end < len(jobs) and (jobs[end].peer is peer or jobs[end].peer == peer):  # `is`: no __eq__ call
                     end += 1
                 try:
                     self._send_group(jobs[start:end])
@@ -300,7 +301,7 @@ class Sender:
         with self._lock:  # a transfer failed meanwhile (its deadline, a verdict) sends nothing more
             ready = [(job, item) for job, item in ready if item.state is OutState.SENDING]
         try:
-            conn = self._links.open(peer, deadline)
+            conn = self._links.get(peer) or self._links.open(peer, deadline)  # `send` checks the link and retries
             frames: list[tuple[Message, tuple[memoryview, ...]]] = [(n, ()) for n in notices]
             frames += _frames([job for job, _ in ready], conn.digests)
             if not frames:
@@ -343,6 +344,8 @@ class Sender:
         receiver to pull: those its link asked for, not begun yet, and those the worker prepared without bytes
         (it found the link asking). A transfer begun on a link that did not ask, then prepared without bytes (the
         link changed under it), fails."""
+        if not conn.pull_instead and not any(job.pull_instead for job, _ in live):
+            return live, []  # every job is pushed: the usual case, decided without a look at each
         notices: dict[str, PullInstead] = {}
         broken: set[str] = set()
         for job, item in live:

@@ -42,9 +42,11 @@ class Connection(Protocol):
     def recv_frame(self, idle_timeout: float, deadline: float) -> tuple[Message, int] | None:
         """Next message and the length of its payload; None when nothing arrived within `idle_timeout`."""
 
-    def recv_payload_into(self, view: memoryview, deadline: float, hasher: Hasher | None = None) -> None:
+    def recv_payload_into(self, view: memoryview, deadline: float, hasher: Hasher | None = None,
+                          confirm: bool = True) -> None:
         """Fill `view` with the next payload bytes; `hasher` (integrity_check) is updated with them, in order, as
-        they land (tcp: piece by piece, while they are in the cache)."""
+        they land (tcp: piece by piece, while they are in the cache). shm: the copy is confirmed to the sender at
+        once, or, without `confirm`, queued for the caller's next `flush`."""
 
     def recv_payload_into_all(self, views: Sequence[memoryview], deadline: float,
                               hasher: Hasher | None = None) -> None:

@@ -51,6 +51,11 @@ def _bytes_view(view: memoryview | bytes) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+def _out_buffer(buffer: memoryview | bytes) -> memoryview | bytes:
+    """`buffer` as `sendmsg` and `len` take it: an encoded frame (bytes) as it is, a view as bytes."""
+    return buffer if type(buffer) is bytes else _bytes_view(buffer)
+
+
 class TcpConnection:
     name = "tcp"
     peer_device: DeviceExport | None = None  # set by the handshake
@@ -142,7 +147,7 @@ class TcpConnection:
 
     def send_buffers(self, buffers: Sequence[memoryview | bytes], deadline: float) -> None:
         """Queued frames, then `buffers`, in order, with `sendmsg` (partial writes resumed after a poll)."""
-        pending = [_bytes_view(b) for b in (*self._outbox, *buffers) if len(b)]
+        pending = [_out_buffer(b) for b in (*self._outbox, *buffers) if len(b)]
         self._outbox = []
         first = 0
         try:
@@ -154,8 +159,8 @@ class TcpConnection:
                     continue
                 while sent:
                     head = pending[first]
-                    if sent >= head.nbytes:
-                        sent -= head.nbytes
+                    if sent >= len(head):
+                        sent -= len(head)
                         first += 1
                     else:
                         pending[first] = head[sent:]
@@ -262,8 +267,9 @@ class TcpConnection:
         body = self._take_bytes(prefix.message_len, deadline)
         return self._auth.decode(raw, prefix, body), prefix.payload_len
 
-    def recv_payload_into(self, view: memoryview, deadline: float, hasher: Hasher | None = None) -> None:
-        self.recv_exact_into(view, deadline, hasher)
+    def recv_payload_into(self, view: memoryview, deadline: float, hasher: Hasher | None = None,
+                          confirm: bool = True) -> None:
+        self.recv_exact_into(view, deadline, hasher)  # nothing to confirm: the bytes came on the socket
         self._ack_promptly()
 
     def recv_payload_into_all(self, views: Sequence[memoryview], deadline: float,

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2pkv.bench.transfer import main, run
+from p2pkv.bench import transfer_nixl
+from p2pkv.bench.transfer import Row, _print_nixl, main, run
 from p2pkv.bench.transfer_peer import Shape
 from p2pkv.transport import cma
 
@@ -28,7 +29,7 @@ def test_bench_transfer_measures_each_transport_and_plots(tmp_path: Path, capsys
             assert row.transport_gbps[t] > 0 and row.baseline_gbps[t] > 0
         assert row.kernel_gbps > 0  # shm's ceiling, the kernel's copy alone
     assert set(latencies) == {f"a 64 KiB transfer over {t}" for t in ("tcp", "shm")} | {
-        f"a 1 MiB pull (GET) over {t}" for t in ("tcp", "shm")}
+        f"a 1 MiB pull (GET) over {t}" for t in ("tcp", "shm")} | {"64 KiB over a plain socket (Python, no engine)"}
     assert all(ms > 0 for ms in latencies.values())
     plot = tmp_path / "transfer.png"
     main([1 << 20], ["shm"], 4 << 20, str(plot), repeats=1, checks=True)
@@ -37,6 +38,32 @@ def test_bench_transfer_measures_each_transport_and_plots(tmp_path: Path, capsys
     assert "shm GB/s" in out and "latency of a 64 KiB transfer over shm" in out
     assert "shm/kernel" in out and "kernel = process_vm_readv" in out
     assert "latency of a 1 MiB pull (GET) over shm" in out
+    assert "latency of 64 KiB over a plain socket (Python, no engine)" in out
     assert "integrity_check on" in out
     if not torch.cuda.is_available():
         assert "cuda_ipc, nccl: no CUDA device here, not measured" in out
+
+
+def test_vs_nixl_without_nixl_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(transfer_nixl, "available", lambda: False)
+    assert main([64 << 10], ["tcp"], 1 << 20, str(tmp_path / "p.png"), repeats=1, vs_nixl=True) == 2
+    assert "the nixl package is not importable" in capsys.readouterr().out
+    assert not (tmp_path / "p.png").exists()  # nothing measured
+
+
+def test_nixl_table_names_every_size_where_p2pkv_is_slower(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [Row(64 << 10, {"tcp": 0.5, "shm": 0.4}, nixl_gbps={"tcp": 0.25, "shm": 1.6}),
+            Row(1 << 20, {"tcp": 3.0, "shm": 8.0}, nixl_gbps={"tcp": 3.0, "shm": 2.0})]
+    slower = _print_nixl(rows, ["tcp", "shm"])
+    assert slower == ["shm/NIXL at 64 KiB: 0.25"]  # equal is not slower
+    out = capsys.readouterr().out
+    assert "NIXL UCX tcp" in out and "p2pkv/NIXL" in out
+    assert out.splitlines()[1].split()[-1] == "0.25" and out.splitlines()[1].split()[4] == "2.00"
+
+
+@pytest.mark.skipif(not transfer_nixl.available(), reason="needs the nixl package (pip install nixl)")
+def test_nixl_moves_the_same_shapes() -> None:
+    for transport in ("tcp", "shm"):
+        figures = transfer_nixl.measure(Shape.of(64 << 10), transport, count=16, repeats=1, latency_count=5)
+        assert figures.gbps > 0 and figures.latency_us > 0
