@@ -309,6 +309,9 @@ def write_plot(rows: Sequence[Row], transports: Sequence[str], path: Path) -> No
         if transport == "shm":
             ax.plot(xs, [r.kernel_gbps for r in rows], linestyle=":", color=line[0].get_color(),
                     label="process_vm_readv alone, as shm copies (its ceiling)")
+        if all(transport in r.nixl_gbps for r in rows):
+            ax.plot(xs, [r.nixl_gbps[transport] for r in rows], linestyle="-.", marker="x",
+                    color=line[0].get_color(), label=transfer_nixl.NAMES[transport])
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [_size(x) for x in xs], rotation=30)
     ax.set_xlabel("transfer size (8 layers of KV blocks)")

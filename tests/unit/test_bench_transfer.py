@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from p2pkv.bench import transfer_nixl
-from p2pkv.bench.transfer import Row, _print_nixl, main, run
+from p2pkv.bench.transfer import Row, _print_nixl, main, run, write_plot
 from p2pkv.bench.transfer_peer import Shape
 from p2pkv.transport import cma
 
@@ -52,9 +52,12 @@ def test_vs_nixl_without_nixl_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert not (tmp_path / "p.png").exists()  # nothing measured
 
 
-def test_nixl_table_names_every_size_where_p2pkv_is_slower(capsys: pytest.CaptureFixture[str]) -> None:
-    rows = [Row(64 << 10, {"tcp": 0.5, "shm": 0.4}, nixl_gbps={"tcp": 0.25, "shm": 1.6}),
-            Row(1 << 20, {"tcp": 3.0, "shm": 8.0}, nixl_gbps={"tcp": 3.0, "shm": 2.0})]
+def test_nixl_table_names_every_size_where_p2pkv_is_slower(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [Row(64 << 10, {"tcp": 0.5, "shm": 0.4}, {"tcp": 4.0, "shm": 9.0}, 5.0, {"tcp": 0.25, "shm": 1.6}),
+            Row(1 << 20, {"tcp": 3.0, "shm": 8.0}, {"tcp": 4.0, "shm": 9.0}, 9.0, {"tcp": 3.0, "shm": 2.0})]
+    write_plot(rows, ["tcp", "shm"], tmp_path / "nixl.png")  # NIXL's lines beside p2pkv's
+    assert (tmp_path / "nixl.png").read_bytes().startswith(b"\x89PNG")
     slower = _print_nixl(rows, ["tcp", "shm"])
     assert slower == ["shm/NIXL at 64 KiB: 0.25"]  # equal is not slower
     out = capsys.readouterr().out
