@@ -147,6 +147,16 @@ def pull_latency_ms(shape: Shape, transport: str, count: int = 40, warmup: int =
         puller.close()
 
 
+def _recv_whole(conn: socket.socket, buf: memoryview) -> None:
+    """Fill `buf` from a baseline's socket (its timeout bounds each wait)."""
+    got = 0
+    while got < buf.nbytes:
+        n = conn.recv_into(buf[got:])
+        if n == 0:
+            raise RuntimeError("the sending process closed the connection early")
+        got += n
+
+
 def socket_gbps(nbytes: int, budget_bytes: int) -> float:
     count = _count(nbytes, budget_bytes)
     with socket.create_server(("127.0.0.1", 0)) as server:
@@ -164,12 +174,7 @@ def socket_gbps(nbytes: int, budget_bytes: int) -> float:
                 raise RuntimeError("the streaming process did not start")
             started: float = parent.recv()
             for _ in range(count):
-                got = 0
-                while got < nbytes:
-                    n = conn.recv_into(buf[got:])
-                    if n == 0:
-                        raise RuntimeError("the streaming process closed the connection early")
-                    got += n
+                _recv_whole(conn, buf)
             ended = time.monotonic()
             parent.send("done")
         proc.join(30)
@@ -193,12 +198,7 @@ def socket_latency_ms(nbytes: int, count: int = 40, warmup: int = 3) -> float:
                 buf = memoryview(bytearray(nbytes))
                 done = []
                 for _ in range(warmup + count):
-                    got = 0
-                    while got < nbytes:
-                        n = conn.recv_into(buf[got:])
-                        if n == 0:
-                            raise RuntimeError("the sending process closed the connection early")
-                        got += n
+                    _recv_whole(conn, buf)
                     done.append(time.monotonic())
                     conn.sendall(b"k")
             if not parent.poll(60):

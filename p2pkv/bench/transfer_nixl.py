@@ -39,6 +39,7 @@ class NixlFigures:
 def _agent(name: str, tls: str):  # type: ignore[no-untyped-def]
     if tls:
         os.environ["UCX_TLS"] = tls  # read by UCX when the backend is created, in this process only
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # the benchmark's sockets stay on loopback, as p2pkv's do
     from nixl._api import nixl_agent, nixl_agent_config
 
     return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
