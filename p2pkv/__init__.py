@@ -18,4 +18,5 @@ __version__ = "0.1.0"
 #     format (the model factor kv_cache_dtype)
 # 13  frames of a connection are signed under a per-connection key and a sequence number (Hello.nonce,
 #     HelloReply.nonce and hello_nonce); HelloReply.idle_s
-PROTOCOL_VERSION = 13
+# 14  pushes say the digest of the prompt they were computed for (PushBlocks.prompt, PullInstead.prompt)
+PROTOCOL_VERSION = 14

@@ -140,6 +140,10 @@ class DecodeParams:
     # which start of the prefill instance holds the KV (`p2pkv.config.launch_of`; "": not said): a refusal of an
     # earlier start of it (before a restart) does not fail the load
     prefill_launch: str = ""
+    # Sent by the proxy alongside the prefill request, before the prefill answered (0: after it): the prompt's
+    # length and digest are not known yet (`num_prompt_tokens` 0), so the push must say its prompt's digest, which
+    # the decode side compares with its own; the push may take this many seconds (the prefill) to begin.
+    alongside_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -148,6 +152,8 @@ class DecodeParams:
             "load_remote_kv": True,
             "num_prompt_tokens": self.num_prompt_tokens,
         }
+        if self.alongside_s:
+            out["alongside_s"] = self.alongside_s
         if self.prompt:
             out["prompt_digest"] = self.prompt
         if self.test_corrupt:
@@ -315,10 +321,11 @@ def _hex16(raw: dict[str, Any], key: str) -> str:
     return value
 
 
-def _lease(raw: dict[str, Any]) -> float:
-    value = raw.get("prefill_lease_s", 0.0)
+def _seconds(raw: dict[str, Any], key: str) -> float:
+    """Seconds from 0 to 3600; 0 when not said."""
+    value = raw.get(key, 0.0)
     if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= 3600:
-        raise ConfigError(f"kv_transfer_params.prefill_lease_s: expected seconds from 0 to 3600, got {value!r}")
+        raise ConfigError(f"kv_transfer_params.{key}: expected seconds from 0 to 3600, got {value!r}")
     return float(value)
 
 
@@ -342,16 +349,20 @@ def parse_transfer_params(raw: Any) -> AnyParams | None:
                              _pull(raw), raw.get("send_type") == "PUT", _size(raw, "decode_tp_size"),
                              _size(raw, "decode_pp_size"), _hex16(raw, "decode_launch"))
     if raw.get("load_remote_kv"):
-        tokens = raw.get("num_prompt_tokens")
-        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        alongside = _seconds(raw, "alongside_s")
+        tokens = raw.get("num_prompt_tokens", 0 if alongside else None)
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < (0 if alongside else 1):
             raise ConfigError(f"kv_transfer_params.num_prompt_tokens: expected a positive integer, got {tokens!r}")
         prefill = raw.get("prefill_kv_address")
         params = DecodeParams(transfer_id, tokens, Address.parse(prefill) if isinstance(prefill, str) else None,
                               bool(raw.get("test_corrupt", False)), _pull(raw), _size(raw, "prefill_tp_size"),
-                              _size(raw, "prefill_pp_size"), _hex16(raw, "prompt_digest"), _lease(raw),
-                              _hex16(raw, "prefill_launch"))
+                              _size(raw, "prefill_pp_size"), _hex16(raw, "prompt_digest"),
+                              _seconds(raw, "prefill_lease_s"), _hex16(raw, "prefill_launch"), alongside)
         if params.pull and params.prefill_kv is None:
             raise ConfigError("kv_transfer_params: send_type GET needs prefill_kv_address")
+        if params.pull and alongside:
+            raise ConfigError("kv_transfer_params: alongside_s (sent before the prefill answered) takes a push, "
+                              "not send_type GET")
         return params
     if raw.get("discard_transfer") is True:
         prefill = raw.get("prefill_kv_address")

@@ -251,6 +251,9 @@ class PushBlocks(msgspec.Struct, tag="push", frozen=True):
     num_layers: int
     layers: int = 1
     digest: int | None = None  # of the payload (`p2pkv.integrity`), when the link checks integrity
+    # `prompt_digest` of the prompt the KV was computed for ("": not said): a decode request sent while the prefill
+    # ran knows only its own prompt, and loads the push only if the two agree
+    prompt: str = ""
 
 
 class PushAck(msgspec.Struct, tag="push_ack", frozen=True):
@@ -269,6 +272,7 @@ class PullInstead(msgspec.Struct, tag="pull_instead", frozen=True):
     the handshake found (`HelloReply.pull_instead`)."""
 
     transfer_id: str
+    prompt: str = ""  # as in PushBlocks
 
 
 class PushAbort(msgspec.Struct, tag="abort", frozen=True):

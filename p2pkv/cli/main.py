@@ -27,6 +27,7 @@ def _proxy(args: argparse.Namespace) -> int:
                          prefill_retries=args.prefill_retries, transfer_retries=args.transfer_retries,
                          stream_resumes=args.stream_resumes,
                          prefill_policy=args.prefill_policy, decode_only_below=args.decode_only_below,
+                         decode_alongside=args.decode_alongside == "on",
                          decode_policy=args.decode_policy, api_key=os.environ.get(API_KEY_ENV, ""),
                          admin_key=os.environ.get(ADMIN_KEY_ENV, ""),
                          discovery_host=args.discovery_host, discovery_port=args.discovery_port,
@@ -212,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--decode-only-below", type=int, default=0, metavar="TOKENS",
                        help="send a prompt to its decode instance alone when fewer of its tokens than this are left to "
                        "compute there (its prefix cache counted, from its KV cache events); 0: never")
+    proxy.add_argument("--decode-alongside", choices=("on", "off"), default="on",
+                       help="on (the default): send the decode request while its prefill runs, so that its intake and "
+                       "block allocation overlap the prefill (the push says its prompt, which the decode instance "
+                       "checks); off: only once the prefill answered")
     proxy.set_defaults(func=_proxy)
 
     up = sub.add_parser("up", help="start a local xPyD cluster and the proxy; Ctrl-C stops everything")
@@ -237,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "events to it")
     up.add_argument("--decode-only-below", type=int, default=0, metavar="TOKENS",
                     help="the proxy's --decode-only-below (the instances publish their KV cache events to it)")
+    up.add_argument("--decode-alongside", choices=("on", "off"), default="on", help="the proxy's --decode-alongside")
     up.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                     help="what vLLM does with a request whose KV did not arrive")
     up.add_argument("--extra-config", default="{}", metavar="JSON",
@@ -335,9 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--num-prompts", type=int, default=64)
     bserve.add_argument("--request-rate", type=float, default=4.0, help="requests per second (inf: all at once)")
     bserve.add_argument("--plot", default="bench-serve.png", help="where the PNG plot goes")
-    bserve.add_argument("--via", nargs="+", choices=["proxy", "router", "nixl"], default=["proxy", "router"],
+    bserve.add_argument("--via", nargs="+", choices=["proxy", "after", "router", "nixl"],
+                        default=["proxy", "router"],
                         help="fronts measured on the same 1P1D cluster, in turn: p2pkv's proxy, and a router of "
-                        "vLLM's standard disaggregation protocol (the decode side pulls); nixl: vLLM's NixlConnector "
+                        "vLLM's standard disaggregation protocol (the decode side pulls); after: the proxy with "
+                        "--decode-alongside off, for comparison (no target); nixl: vLLM's NixlConnector "
                         "1P1D behind that router, as a peer, in a phase of its own (needs `pip install nixl`)")
     bserve.add_argument("--rounds", type=_at_least_one, default=3,
                         help="interleaved rounds (colocated, then each front); medians are reported")

@@ -149,7 +149,8 @@ def build_cluster(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[
     proxy_port = args.port or free_port(args.host)
     cluster.add_proxy(proxy_port, [], [], discovery_port, secret=extra.get("auth_secret", ""),
                       args=("--prefill-policy", args.prefill_policy,
-                            "--decode-only-below", str(args.decode_only_below)))
+                            "--decode-only-below", str(args.decode_only_below),
+                            "--decode-alongside", args.decode_alongside))
     described_cluster = {"proxy": f"http://{args.host}:{proxy_port}", "discovery": f"{args.host}:{discovery_port}",
                          "model": model, "instances": described, "log_dir": str(log_dir)}
     if events is not None:

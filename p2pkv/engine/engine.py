@@ -219,22 +219,24 @@ class TransferEngine:
     # Sending side.
     def push_layer(self, transfer_id: str, peer: Address, layer: int, total_blocks: int,
                    views: tuple[memoryview, ...], deadline: float,
-                   ready: Callable[[float], bool] | None = None, pull_instead: bool = False) -> None:
+                   ready: Callable[[float], bool] | None = None, pull_instead: bool = False,
+                   prompt: str = "") -> None:
         """Queue one layer; `ready` (staged device KV) is called with the deadline before it is sent, and must
         return True once `views` hold the layer's bytes. `pull_instead` (no views): the transfer is not pushed;
-        the peer is told to pull it (`pulls_instead`), and the transfer ends refused, holding the blocks."""
+        the peer is told to pull it (`pulls_instead`), and the transfer ends refused, holding the blocks. `prompt`:
+        the digest of the prompt the KV was computed for, told to the receiver (`PushBlocks.prompt`)."""
         self._out.submit(PushJob(transfer_id, peer, layer, self.layout.num_layers, total_blocks, views, deadline,
-                                    ready, pull_instead))
+                                    ready, pull_instead, prompt=prompt))
 
     def push_layers(self, transfer_id: str, peer: Address, first_layer: int, total_blocks: int,
-                    layer_views: Sequence[tuple[memoryview, ...]], deadline: float) -> None:
+                    layer_views: Sequence[tuple[memoryview, ...]], deadline: float, prompt: str = "") -> None:
         """Queue consecutive layers at once, from `first_layer`, whose bytes are ready (KV in host memory): one job
         and one frame for them, where `push_layer` costs a job each."""
         if not layer_views:
             return
         self._out.submit(PushJob(transfer_id, peer, first_layer, self.layout.num_layers, total_blocks,
                                     tuple(v for views in layer_views for v in views), deadline,
-                                    layers=len(layer_views)))
+                                    layers=len(layer_views), prompt=prompt))
 
     def pulls_instead(self, peer: Address) -> bool:
         """The link to `peer` is up and its receiver pulls over a device path: push nothing, leave the blocks."""
@@ -329,6 +331,11 @@ class TransferEngine:
 
     def staged_state(self, transfer_id: str) -> StageState | None:
         return self.store.state(transfer_id)
+
+    def staged_prompt(self, transfer_id: str) -> str | None:
+        """The digest of the prompt a staged (or referred) transfer's sender said its KV is for ("": not said);
+        None while nothing of it is here."""
+        return self.store.prompt(transfer_id)
 
     def staged_reason(self, transfer_id: str) -> str:
         """Why a staged transfer failed ("" if it did not)."""

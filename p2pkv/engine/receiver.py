@@ -255,7 +255,7 @@ class Receiver:
                     slot = self._join_pipe(conn, message, slot)
                 elif isinstance(message, PullInstead):
                     conn.discard_payload(payload_len, deadline)
-                    self._store.refer(message.transfer_id, WhyPull.DEVICE_PATH.value, source)
+                    self._store.refer(message.transfer_id, WhyPull.DEVICE_PATH.value, source, message.prompt)
                 elif isinstance(message, RenewLeases):
                     conn.discard_payload(payload_len, deadline)
                     renewed = self._offers.renew(message.transfer_ids[:_MAX_RENEWALS])
@@ -327,7 +327,7 @@ class Receiver:
         if push.transfer_id in refused:
             return
         refused.add(push.transfer_id)
-        self._store.fail(push.transfer_id, WhyPull.HEADS_DIFFER.value, source=source, frame=None)
+        self._store.fail(push.transfer_id, WhyPull.HEADS_DIFFER.value, source=source, frame=None, prompt=push.prompt)
         conn.queue_frame(PushAck(push.transfer_id, False, WhyPull.HEADS_DIFFER.value))
 
     def _sliced_source(self, pull: PullRequest, claim: Offer, sliced: bool) -> ViewSource | str:

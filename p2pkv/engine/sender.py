@@ -48,6 +48,7 @@ class PushJob:
     pull_instead: bool = False  # the link asked for pulls (its handshake): no views, send PullInstead for it
     layers: int = 1  # consecutive layers from `layer` (a worker that queues a whole transfer at once: one job)
     out: Outgoing | None = None  # its transfer, once submitted
+    prompt: str = ""  # the digest of the prompt it was computed for (`PushBlocks.prompt`)
 
 
 class OutState(enum.Enum):
@@ -102,7 +103,8 @@ def _frames(jobs: list[PushJob], digests: bool = False) -> list[tuple[PushBlocks
             end += 1
         views = first.views if end == start + 1 else tuple(v for job in jobs[start:end] for v in job.views)
         frames.append((PushBlocks(first.transfer_id, first.layer, 0, first.total_blocks, first.total_blocks,
-                                  first.num_layers, after - first.layer, digest(views) if digests else None), views))
+                                  first.num_layers, after - first.layer, digest(views) if digests else None,
+                                  first.prompt), views))
         start = end
     return frames
 
@@ -354,7 +356,7 @@ class Sender:
             if item.layers_sent and job.pull_instead:
                 broken.add(job.transfer_id)
             elif not item.layers_sent and push_or_pull(device_path=job.pull_instead or conn.pull_instead).pulled:
-                notices[job.transfer_id] = PullInstead(job.transfer_id)
+                notices[job.transfer_id] = PullInstead(job.transfer_id, job.prompt)
         if broken:
             with self._lock:
                 for transfer_id in broken:

@@ -20,6 +20,7 @@ DISCARDED = "discarded: no request here loads it"
 DUPLICATE = "duplicate transfer id"
 _EMPTY = memoryview(b"")
 _MIN_HEAP = 4096
+_PROMPT_CHARS = 16  # a prompt's digest (`p2pkv.params.prompt_digest`)
 
 
 class StageState(enum.Enum):
@@ -53,6 +54,7 @@ class StagedTransfer:
     # holder lets go (`freeing`), never under a copy.
     holds: int = 0
     freeing: bool = False
+    prompt: str = ""  # the digest of the prompt its sender said it was computed for ("": not said)
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +117,8 @@ class ReceiveStore:
         if not (push.num_layers == self._num_layers and 0 <= push.layer and push.layers >= 1
                 and push.layer + push.layers <= push.num_layers and push.num_blocks > 0
                 and 0 <= push.first_block and push.first_block + push.num_blocks <= push.total_blocks
-                and (push.layers == 1 or whole) and payload_len == push.layers * push.num_blocks * self._block_bytes):
+                and (push.layers == 1 or whole) and payload_len == push.layers * push.num_blocks * self._block_bytes
+                and len(push.prompt) <= _PROMPT_CHARS):
             self.fail(push.transfer_id, f"invalid chunk {push!r} with {payload_len} payload bytes", source=source,
                       frame="push")
             return None, None
@@ -183,7 +186,7 @@ class ReceiveStore:
 
     def _new(self, push: PushBlocks, source: str, buffer: memoryview) -> StagedTransfer:
         item = StagedTransfer(push.transfer_id, push.num_layers, push.total_blocks, self._block_bytes, source,
-                              buffer, time.monotonic())
+                              buffer, time.monotonic(), prompt=push.prompt)
         self._items[push.transfer_id] = item
         return item
 
@@ -248,16 +251,18 @@ class ReceiveStore:
         self._discarded.pop(item.transfer_id, None)
 
     def fail(self, transfer_id: str, reason: str, create: bool = True, source: str = "",
-             frame: str | None = "abort") -> None:
+             frame: str | None = "abort", prompt: str = "") -> None:
         """Fail a transfer; with `create`, record the failure even for an unknown id so its load fails fast. With
         `source` (a connection's `frame` asks), a transfer another connection began is left alone (and counted,
-        unless `frame` is None: several connections may name it)."""
+        unless `frame` is None: several connections may name it). `prompt`: what the sender said of its prompt,
+        for a transfer recorded here."""
         with self._lock:
             item = self._items.get(transfer_id)
             if item is None and not create:
                 return
             if item is None:
-                item = StagedTransfer(transfer_id, 0, 0, self._block_bytes, source, _EMPTY, time.monotonic())
+                item = StagedTransfer(transfer_id, 0, 0, self._block_bytes, source, _EMPTY, time.monotonic(),
+                                      prompt=prompt if len(prompt) <= _PROMPT_CHARS else "")
                 self._items[transfer_id] = item
             elif source and item.source != source:
                 if frame is not None:
@@ -265,10 +270,11 @@ class ReceiveStore:
                 return
             self._fail_locked(item, reason)
 
-    def refer(self, transfer_id: str, reason: str, source: str = "") -> None:
+    def refer(self, transfer_id: str, reason: str, source: str = "", prompt: str = "") -> None:
         """The sender holds this transfer's blocks for a pull instead of pushing them (`reason`): record that, so
         the load pulls at once. Expected, not an error: no warning. A transfer another connection than `source`
-        began is left alone."""
+        began is left alone. `prompt`: the digest of the prompt its KV was computed for, as the sender said."""
+        prompt = prompt if len(prompt) <= _PROMPT_CHARS else ""
         with self._lock:
             item = self._items.get(transfer_id)
             if item is not None and source and item.source != source:
@@ -277,7 +283,8 @@ class ReceiveStore:
             if item is not None:
                 self._fail_locked(item, reason)
                 return
-            item = StagedTransfer(transfer_id, 0, 0, self._block_bytes, source, _EMPTY, time.monotonic())
+            item = StagedTransfer(transfer_id, 0, 0, self._block_bytes, source, _EMPTY, time.monotonic(),
+                                  prompt=prompt)
             item.state, item.reason = StageState.FAILED, reason
             self._items[transfer_id] = item
             self._settled.notify_all()
@@ -373,6 +380,11 @@ class ReceiveStore:
             self._settled.wait_for(settled, max(0.0, deadline - time.monotonic()))
             item = self._items.get(transfer_id)
             return None if item is None else item.state
+
+    def prompt(self, transfer_id: str) -> str | None:
+        with self._lock:
+            item = self._items.get(transfer_id)
+            return None if item is None else item.prompt
 
     def reason(self, transfer_id: str) -> str:
         with self._lock:

@@ -85,6 +85,9 @@ class ProxyConfig:
     # Prompts with fewer tokens than this left to compute on their decode instance (its prefix cache counted, as its
     # KV cache events say) go to it alone: no prefill hop, no transfer. 0: never.
     decode_only_below: int = 0
+    # Send the decode request while its prefill runs, so that its intake and block allocation overlap the prefill and
+    # the push lands in blocks already allocated; a failure of either side cancels the other.
+    decode_alongside: bool = True
 
     @property
     def discovery_bind(self) -> str:

@@ -53,6 +53,11 @@ class ProxyMetrics:
                                            "--decode-only-below of their prompt tokens were left to compute there: "
                                            "short (a short prompt), cached (its prefix cache holds the rest)",
                                            ["reason"], registry=r)
+        self.alongside = Counter("p2pkv_proxy_decode_alongside",
+                                 "Decode requests sent while their prefill ran (--decode-alongside), by outcome: "
+                                 "answered, prefill_failed and decode_failed (the request went again the other way), "
+                                 "unsuited (the pair's KV does not go as a checked push, or the prefill instance's "
+                                 "KV address is not known: sent after the prefill)", ["outcome"], registry=r)
         self.discards = Counter("p2pkv_proxy_discards",
                                 "Discards sent to instances (a transfer to free: its client went away before the "
                                 "decode answer), by outcome (sent, refused, failed)", ["outcome"],

@@ -36,6 +36,8 @@ class Probed:
     refused: tuple[Said, ...]  # (a refused worker's address, why, seconds since, its instance's start or "")
     launch: str = ""  # its start (`p2pkv.config.launch_of`); "": not said
     kv_events: str = ""  # where it publishes KV cache events; "": not said
+    # its tensor- and pipeline-parallel sizes (0: not said) and whether it takes its KV by pulls
+    sizes: tuple[int, int, bool] = (0, 0, False)
 
 
 def _size(value: object) -> int:
@@ -76,7 +78,10 @@ def read_probe(answer: Mapping[str, Any]) -> Probed:
     if not (isinstance(events, str) and len(events) <= MAX_ENDPOINT_BYTES
             and (not events or events.startswith(("tcp://", "ipc://")))):
         raise ValueError(f"kv_events: expected a tcp:// or ipc:// endpoint, got {events!r:.40}")
-    return Probed(engine_id[:64], ranks, address, tuple(refused), launch, events)
+    tp, pp = (value if isinstance(value := answer.get(key), int) and not isinstance(value, bool)
+              and 0 < value <= 4096 else 0 for key in ("tp_size", "pp_size"))
+    return Probed(engine_id[:64], ranks, address, tuple(refused), launch, events,
+                  (tp, pp, answer.get("pulls") is True))
 
 
 class StaticPoller:

@@ -87,10 +87,26 @@ class Prefiller:
 
     async def prefill(self, body: dict[str, Any], path: str, headers: dict[str, str], trace: RequestTrace,
                       tried: set[Instance], skip: frozenset[Instance] = frozenset(),
-                      tokens: Sequence[int] | None = None) -> dict[str, Any] | Response | None:
+                      tokens: Sequence[int] | None = None, first: InstanceState | None = None, spent: int = 0
+                      ) -> dict[str, Any] | Response | None:
         """The prefill's kv_transfer_params; a Response to pass on for a request the instance rejected (4xx);
         None when every attempt failed, or every instance was `tried` (to which this adds the ones it tries) or is
-        to be skipped. `tokens`: the prompt's, for the prefix policy (`p2pkv.proxy.prefixes`)."""
+        to be skipped. `tokens`: the prompt's, for the prefix policy (`p2pkv.proxy.prefixes`). `first`: the
+        instance already chosen for the first attempt; `spent`: attempts made already (their failures)."""
+        for attempt in range(spent, self.config.prefill_retries + 1):
+            state = first if attempt == spent and first is not None else self.choose(tried, skip, tokens)
+            if state is None:
+                return None
+            if attempt:
+                self.metrics.retries.inc()
+            outcome = await self.prefill_on(state, body, path, headers, trace, tried, tokens)
+            if outcome is not None:
+                return outcome
+        return None
+
+    def choose(self, tried: set[Instance], skip: frozenset[Instance] = frozenset(),
+               tokens: Sequence[int] | None = None) -> InstanceState | None:
+        """The prefill instance for a prompt: by the policy, among those not `tried` nor to be skipped."""
         hits: dict[str, int] = {}
         if tokens is not None:
             hits = self.index.hits([s.instance.name for s in self.pool.states], tokens)
@@ -111,51 +127,53 @@ class Prefiller:
         # evict each other. Otherwise the cheapest.
         unheld = tokens is not None and not any(hits.values())
         slack = len(tokens) // 2 if tokens is not None and unheld else 0
-        for attempt in range(self.config.prefill_retries + 1):
-            state = self.pool.pick(frozenset(tried) | skip, cost=cost, slack=slack, spare=spare if unheld else None)
-            if state is None:
-                return None
-            new = 0
-            if tokens is not None:
-                cached = hits.get(state.instance.name, 0)
-                new = len(tokens) - cached
-                self.metrics.prefill_tokens.labels(state.instance.name).inc(len(tokens))
-                self.metrics.expected_cached.labels(state.instance.name).inc(cached)
-                self.index.expect(state.instance.name, tokens)
-            tried.add(state.instance)
-            trace.prefill_tries += 1
-            if attempt:
-                self.metrics.retries.inc()
-            started = time.monotonic()
-            state.pending_tokens += new
-            with self.pool.busy(state), _pending(state, new):
-                try:
-                    answer = await self.client.post(f"{state.instance.url}{path}", json=body,
-                                                    headers=state.instance.headers(headers),
-                                                    timeout=self.config.prefill_timeout_s)
-                except asyncio.CancelledError:
-                    # The client went away. vLLM aborts the prefill if it is still running; if it had finished, its
-                    # answer goes to nobody, and blocks it holds for a pull would wait for their lease: the prefill
-                    # instance is told to stop holding them.
-                    self.discarder.discard(state.instance, DiscardParams(trace.transfer_id), body, headers)
-                    raise
-                except httpx.HTTPError as exc:
-                    state.failures += 1
-                    log.warning("prefill instance %s failed: %r", state.instance.name, exc)
-                    if isinstance(exc, httpx.ConnectError):
-                        state.refused()
-                    self._not_there(state, tokens)
-                    continue
-            self.metrics.prefill_seconds.observe(time.monotonic() - started)
-            if 400 <= answer.status_code < 500:
+        return self.pool.pick(frozenset(tried) | skip, cost=cost, slack=slack, spare=spare if unheld else None)
+
+    async def prefill_on(self, state: InstanceState, body: dict[str, Any], path: str, headers: dict[str, str],
+                         trace: RequestTrace, tried: set[Instance], tokens: Sequence[int] | None = None
+                         ) -> dict[str, Any] | Response | None:
+        """One attempt on `state` (added to `tried`): its kv_transfer_params, a Response to pass on (4xx), or None
+        when it failed."""
+        new = 0
+        if tokens is not None:
+            cached = self.index.hits([state.instance.name], tokens).get(state.instance.name, 0)
+            new = len(tokens) - cached
+            self.metrics.prefill_tokens.labels(state.instance.name).inc(len(tokens))
+            self.metrics.expected_cached.labels(state.instance.name).inc(cached)
+            self.index.expect(state.instance.name, tokens)
+        tried.add(state.instance)
+        trace.prefill_tries += 1
+        started = time.monotonic()
+        state.pending_tokens += new
+        with self.pool.busy(state), _pending(state, new):
+            try:
+                answer = await self.client.post(f"{state.instance.url}{path}", json=body,
+                                                headers=state.instance.headers(headers),
+                                                timeout=self.config.prefill_timeout_s)
+            except asyncio.CancelledError:
+                # The client went away. vLLM aborts the prefill if it is still running; if it had finished, its
+                # answer goes to nobody, and blocks it holds for a pull would wait for their lease: the prefill
+                # instance is told to stop holding them.
+                self.discarder.discard(state.instance, DiscardParams(trace.transfer_id), body, headers)
+                self._not_there(state, tokens)  # its events say whether it computed the prompt after all
+                raise
+            except httpx.HTTPError as exc:
+                state.failures += 1
+                log.warning("prefill instance %s failed: %r", state.instance.name, exc)
+                if isinstance(exc, httpx.ConnectError):
+                    state.refused()
                 self._not_there(state, tokens)
-                return Response(answer.content, status_code=answer.status_code, media_type="application/json")
-            params = answer.json().get("kv_transfer_params") if answer.status_code == 200 else None
-            if isinstance(params, dict):
-                trace.prefilled(state.instance.name, started)
-                return params
+                return None
+        self.metrics.prefill_seconds.observe(time.monotonic() - started)
+        if 400 <= answer.status_code < 500:
             self._not_there(state, tokens)
-            state.failures += 1
-            log.warning("prefill instance %s answered %d without kv_transfer_params", state.instance.name,
-                        answer.status_code)
+            return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+        params = answer.json().get("kv_transfer_params") if answer.status_code == 200 else None
+        if isinstance(params, dict):
+            trace.prefilled(state.instance.name, started)
+            return params
+        self._not_there(state, tokens)
+        state.failures += 1
+        log.warning("prefill instance %s answered %d without kv_transfer_params", state.instance.name,
+                    answer.status_code)
         return None

@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from p2pkv.discovery import Announcement
-from p2pkv.params import Address, DiscardParams, PrefillParams, ProbeParams
+from p2pkv.params import Address, DecodeParams, DiscardParams, PrefillParams, ProbeParams
 from p2pkv.proxy.admin import bearer_is, instance_headers
 from p2pkv.proxy.batch import batch_prompts, merge, merge_streams, trace_headers
 from p2pkv.proxy.discard import Discarder, discard_of
@@ -42,7 +42,52 @@ from p2pkv.proxy.upstream import Decoder, Relay, RelayResponse, Resume, error_re
 log = logging.getLogger(__name__)
 _DETOKENIZE_S = 10.0  # for an instance to detokenize a broken-off stream's tokens (`Progress.settle`)
 _TOKENIZE_S = 5.0  # for an instance to tokenize a prompt for the prefix policy; later, the request goes by load
+_PREFILL_GRACE_S = 0.05  # for a prefill's answer once its decode request, sent alongside, has answered
 REFUSAL_LOG_S = 60.0  # refused heartbeats of one kind are logged at most once in this long
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    """Cancel `task` and wait until it has ended (a decode request's connection closed, say); the caller's own
+    cancellation still goes through."""
+    task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()  # retrieved: whatever it was, the request goes on without it
+
+
+_CLOSING: set[asyncio.Future[None]] = set()  # answers being closed in the background (referenced until done)
+
+
+def _drop_answer(task: asyncio.Future[Response | None]) -> None:
+    """A decode answer nobody will read: its stream's upstream request is closed (in the background: this runs as
+    the request is cancelled)."""
+    if not task.done() or task.cancelled() or task.exception() is not None:
+        return
+    answer = task.result()
+    relay = answer.body_iterator if isinstance(answer, StreamingResponse) else None
+    if isinstance(relay, Relay):
+        closing = asyncio.ensure_future(relay.aclose())
+        _CLOSING.add(closing)
+        closing.add_done_callback(_CLOSING.discard)
+
+
+def _held_for_pulls(answer: Any) -> str:
+    """Why a prefill answer's KV waits for a pull rather than a push ("": it was pushed, or no such answer)."""
+    if not isinstance(answer, dict):
+        return ""
+    if answer.get("send_type") == "GET":
+        return "send_type GET"
+    return ""
+
+
+class _Along(NamedTuple):
+    """How a request sent to both sides at once went: its answer, or (None) the decode instance to go on with, the
+    prefill instance chosen already, and what happened (`p2pkv_proxy_decode_alongside_total`'s outcome)."""
+
+    answer: Response | None
+    decode: InstanceState
+    chosen: InstanceState | None = None
+    outcome: str = "answered"
 
 
 class KvTarget(NamedTuple):
@@ -79,6 +124,9 @@ class Router:
         # the resume, rather than in a paused instance's queue, where their prefill would time out and be retried.
         self.running = asyncio.Event()
         self.running.set()
+        # Prefill instances (name, start) whose answers said they hold the KV for pulls, which a decode request sent
+        # alongside cannot take (their own send_type GET): their requests are prefilled first.
+        self._holds_for_pulls: set[tuple[str, str]] = set()
         self._refused: dict[str, int] = {}  # heartbeats refused, by outcome
         self._refusal_logged: dict[str, float] = {}  # when each outcome was last logged (monotonic)
         for pool in (self.prefill, self.decode):
@@ -140,6 +188,8 @@ class Router:
         for state in states:
             state.kv_named = probed.named or state.kv_named
             state.kv_events = probed.kv_events
+            if probed.sizes[0]:
+                self._sizes[state.instance.http] = probed.sizes
         self._heard(states, probed.engine_id, probed.ranks, probed.refused, probed.launch)
 
     def _heard(self, states: list[InstanceState], engine_id: str, ranks: int,
@@ -319,7 +369,17 @@ class Router:
             return answer
         if body.get("cache_salt"):
             tokens = None  # its blocks match no other prompt's: the prefill instance is chosen by load
-        for attempt in range(self.config.transfer_retries + 1):
+        chosen = None  # the prefill instance chosen for the first attempt, where that is done already
+        attempts, spent = self.config.transfer_retries + 1, 0  # spent: prefill attempts the first one has used
+        if self.config.decode_alongside:
+            along = await self._alongside(body, path, headers, decode, trace, tokens, tried, failed, resumes)
+            if along.answer is not None:
+                return along.answer
+            decode, chosen = along.decode, along.chosen
+            # A failure there used a prefill attempt, or (at least one attempt left) a transfer's.
+            spent = int(along.outcome == "prefill_failed")
+            attempts = max(1, attempts - int(along.outcome == "decode_failed"))
+        for attempt in range(attempts):
             target = await self._target(decode, headers)
             params = PrefillParams(trace.transfer_id, target.address, pull=target.pulls, decode_tp=target.tp,
                                    decode_pp=target.pp, decode_launch=decode.launch)
@@ -328,7 +388,8 @@ class Router:
                 self.metrics.passed_over.inc(len(unpaired))
             try:
                 outcome = await self._prefiller.prefill(prefill_body(body, params, path), path, headers, trace, tried,
-                                                        frozenset(unpaired), tokens)
+                                                        frozenset(unpaired), tokens, chosen if attempt == 0 else None,
+                                                        spent if attempt == 0 else 0)
             except asyncio.CancelledError:  # the client went away; the prefill may have pushed already
                 if target.address is not None:
                     self._discarder.discard(decode.instance, DiscardParams(trace.transfer_id), body, headers)
@@ -350,14 +411,9 @@ class Router:
                 to_decode.pop("kv_transfer_params", None)
             else:
                 to_decode["kv_transfer_params"] = outcome
-            last = attempt == self.config.transfer_retries
-            resume = None
-            if resumes > 0 and resumable(body, path):
-                resume = Resume(Progress(body, path),
-                                functools.partial(self._resume, headers=headers, failed=decode.instance,
-                                                  resumes=resumes - 1),
-                                functools.partial(self._detokenize, model=body.get("model"), headers=headers,
-                                                  failed=decode.instance))
+            last = attempt == attempts - 1
+            resume = self._resume_of(body, path, headers, decode, resumes)
+            if resume is not None:
                 to_decode = with_token_ids(to_decode)
             try:
                 answer = await self._decoder.answer(decode, f"{decode.instance.url}{path}", to_decode,
@@ -376,6 +432,123 @@ class Router:
                         "transfer %s (decode instance %s)", trace.transfer_id, transfer_id, decode.instance.name)
             trace.reroute(transfer_id, decode.instance.name)
         raise AssertionError("the last attempt always answers")
+
+    def _resume_of(self, body: dict[str, Any], path: str, headers: dict[str, str], decode: InstanceState,
+                   resumes: int) -> Resume | None:
+        """How a stream that breaks off after its answer began goes on (`p2pkv.proxy.resume`); None where it cannot."""
+        if resumes <= 0 or not resumable(body, path):
+            return None
+        return Resume(Progress(body, path),
+                      functools.partial(self._resume, headers=headers, failed=decode.instance, resumes=resumes - 1),
+                      functools.partial(self._detokenize, model=body.get("model"), headers=headers,
+                                        failed=decode.instance))
+
+    async def _alongside(self, body: dict[str, Any], path: str, headers: dict[str, str], decode: InstanceState,
+                         trace: RequestTrace, tokens: list[int] | None, tried: set[Instance], failed: set[Instance],
+                         resumes: int) -> _Along:
+        """Prefill and decode at once: the decode request goes with the prefill request, naming the transfer and the
+        prefill instance, so that its intake and block allocation overlap the prefill; it loads the push once the
+        push says the prompt it was computed for, and it is this request's (`DecodeParams.alongside_s`). The answer,
+        or None and the decode instance for the request to go the other way (prefill, then decode) as a new
+        transfer: the pair's KV does not go as a push (`unsuited`; then also the prefill instance chosen, for the first
+        attempt), or one side failed and the other was cancelled."""
+        target = await self._target(decode, headers)
+        unpaired = self.unpaired(decode)
+        state = None
+        if target.address is not None and not target.pulls:
+            state = self._prefiller.choose(tried, frozenset(unpaired), tokens)
+        sizes = self._sizes.get(state.instance.http) if state is not None else None
+        if (state is None or sizes is None or state.instance.kv is None or target.address is None
+                or (sizes[0], sizes[1] or 1) != (target.tp, target.pp or 1)
+                or (state.instance.name, state.launch) in self._holds_for_pulls):
+            # Pulled KV says nothing of its prompt, and a push needs both KV addresses and the same sizes on both
+            # sides (known from heartbeats or probes): prefill first, then decode.
+            self.metrics.alongside.labels("unsuited").inc()
+            return _Along(None, decode, state, "unsuited")
+        prefill_tp, prefill_pp = sizes[0], sizes[1]
+        if unpaired:
+            self.metrics.passed_over.inc(len(unpaired))
+        tid = trace.transfer_id
+        to_prefill = prefill_body(body, PrefillParams(tid, target.address, decode_tp=target.tp, decode_pp=target.pp,
+                                                      decode_launch=decode.launch), path)
+        along = DecodeParams(tid, 0, state.instance.kv, prefill_tp=prefill_tp, prefill_pp=prefill_pp,
+                             prefill_launch=state.launch, alongside_s=min(self.config.prefill_timeout_s, 3600.0))
+        to_decode = {**body, "kv_transfer_params": along.to_dict()}
+        resume = self._resume_of(body, path, headers, decode, resumes)
+        if resume is not None:
+            to_decode = with_token_ids(to_decode)
+        trace.prefill = state.instance.name  # its time comes with its answer, which may come after the decode's
+        decoding = asyncio.ensure_future(self._decoder.answer(decode, f"{decode.instance.url}{path}", to_decode,
+                                                              decode.instance.headers(headers), trace, False, resume))
+        prefilling = asyncio.ensure_future(self._prefiller.prefill_on(state, to_prefill, path, headers, trace, tried,
+                                                                      tokens))
+        try:
+            done, _ = await asyncio.wait({decoding, prefilling}, return_when=asyncio.FIRST_COMPLETED)
+            if decoding in done and decoding.result() is not None:
+                # Answered: the KV landed (the prefill's answer is on its way: waited for a moment, for the trace),
+                # or the decode instance held the prompt (a prefill nobody needs: cancelled).
+                await asyncio.wait({prefilling}, timeout=_PREFILL_GRACE_S)
+                if not prefilling.done():
+                    await _cancel(prefilling)
+                if prefilling.cancelled() or prefilling.exception() or not isinstance(prefilling.result(), dict):
+                    trace.prefill = ""  # not (or not known to be) where the KV came from
+                answer = decoding.result()
+                assert answer is not None
+                answer.headers.update(trace.headers())  # made before the prefill answered
+                self.metrics.alongside.labels("answered").inc()
+                return _Along(answer, decode)
+            if decoding in done:  # failed before answering: the prefill is cancelled, and the KV goes nowhere
+                await _cancel(prefilling)
+                outcome = "decode_failed"
+            else:
+                prefilled = prefilling.result()
+                held = _held_for_pulls(prefilled)
+                if held:  # no push will come: the decode request is sent again, prefilled first
+                    if len(self._holds_for_pulls) >= 4 * self.config.max_instances:  # of instances long gone
+                        self._holds_for_pulls.clear()
+                    self._holds_for_pulls.add((state.instance.name, state.launch))
+                    log.warning("transfer %s: prefill instance %s holds its KV for pulls (%s), which a decode request "
+                                "sent alongside cannot take: its requests are prefilled first from now on", tid,
+                                state.instance.name, held)
+                    await _cancel(decoding)
+                    self._discarder.discard(decode.instance, DiscardParams(tid), body, headers)
+                    self._discarder.discard(state.instance, DiscardParams(tid), body, headers)
+                    tried.discard(state.instance)  # it did not fail: it prefills the new transfer
+                    outcome = "unsuited"
+                elif isinstance(prefilled, dict):
+                    answer = await decoding
+                    if answer is not None:
+                        self.metrics.alongside.labels("answered").inc()
+                        return _Along(answer, decode)
+                    outcome = "decode_failed"
+                else:  # the decode request is cancelled: vLLM aborts it, and what was pushed for it is dropped
+                    await _cancel(decoding)
+                    self._discarder.discard(decode.instance, DiscardParams(tid), body, headers)
+                    if isinstance(prefilled, Response):  # rejected (4xx): the client's answer
+                        self.metrics.alongside.labels("answered").inc()
+                        self.metrics.requests.labels("prefill_rejected").inc()
+                        trace.finish(prefilled.status_code, "prefill_rejected")
+                        prefilled.headers.update(trace.headers())
+                        return _Along(prefilled, decode)
+                    outcome = "prefill_failed"
+        except BaseException:  # the client went away (or a side failed as no request should): neither goes on
+            for task in (decoding, prefilling):
+                task.cancel()
+            _drop_answer(decoding)
+            self._discarder.discard(decode.instance, DiscardParams(tid), body, headers)
+            raise
+        self.metrics.alongside.labels(outcome).inc()
+        if outcome == "decode_failed":
+            failed.add(decode.instance)
+            decode = self.decode.pick(frozenset(failed)) or self.decode.pick() or decode
+            self.metrics.reroutes.inc()
+        new_tid = uuid.uuid4().hex
+        if outcome != "unsuited":
+            log.warning("transfer %s: the %s instance failed while the decode request went alongside the prefill; "
+                        "the request goes again as transfer %s, prefilled first (decode instance %s)", tid,
+                        "decode" if outcome == "decode_failed" else "prefill", new_tid, decode.instance.name)
+        trace.reroute(new_tid, decode.instance.name)
+        return _Along(None, decode, state if outcome == "unsuited" else None, outcome)
 
     async def _prompt_tokens(self, body: dict[str, Any], path: str, headers: dict[str, str],
                              decode: InstanceState) -> list[int] | None:

@@ -29,11 +29,12 @@ class _Claim:
 
     request: Request | None  # None: no load in flight for it (it was not needed, or it has finished)
     since: float
+    wait_s: float = 0.0  # sent alongside its prefill: its KV may begin to come this much later
 
     def loading(self, now: float, limit_s: float) -> bool:
         """The claiming request still waits for its KV (bounded: its load settles by the transfer's deadline)."""
         status = getattr(getattr(self.request, "status", None), "name", "")
-        return status == "WAITING_FOR_REMOTE_KVS" and now - self.since < limit_s
+        return status == "WAITING_FOR_REMOTE_KVS" and now - self.since < limit_s + self.wait_s
 
 
 class Consumers:
@@ -117,6 +118,16 @@ class Consumers:
         if known is not None:
             return known
         prompt = request.prompt_token_ids or ()
+        if params.alongside_s and not params.num_prompt_tokens:
+            # Sent before the prefill answered: the push says its prompt, checked before any of it lands. A pull
+            # says nothing of it, so KV that would be pulled (another parallel size) is not taken.
+            same = not self._pulled(params.pull, params.prefill_tp, params.prefill_pp)[2]
+            if not same:
+                log.warning("transfer %s was sent alongside its prefill, whose instance has other parallel sizes (its "
+                            "KV would be pulled): request %s computes its prompt here", params.transfer_id,
+                            request.request_id)
+            self._prompts[request.request_id] = same
+            return same
         same = len(prompt) == params.num_prompt_tokens and (not params.prompt or prompt_digest(prompt) == params.prompt)
         if not same:
             log.info("transfer %s holds the KV of another prompt (%d tokens; this one has %d, %s); computing "
@@ -139,9 +150,10 @@ class Consumers:
         if num_external_tokens <= 0:
             # Nothing to load (the prompt was in the local cache). No load is reported for it: vLLM does not wait
             # for one.
-            self.discard(params.transfer_id, params.prefill_kv, params.pull, params.prefill_tp, params.prefill_pp)
+            self.discard(params.transfer_id, params.prefill_kv, params.pull, params.prefill_tp, params.prefill_pp,
+                         params.alongside_s)
             return
-        self._claims[params.transfer_id] = _Claim(request, time.monotonic())
+        self._claims[params.transfer_id] = _Claim(request, time.monotonic(), params.alongside_s)
         num_prompt = len(request.prompt_token_ids or ())
         first = (num_prompt - 1 - num_external_tokens) // self._block_size
         last = (num_prompt - 2) // self._block_size
@@ -151,7 +163,9 @@ class Consumers:
                                     block_ids=tuple(block_ids[first : last + 1]), corrupt=params.test_corrupt,
                                     pull_from=params.prefill_kv if pulled else None, fallback_from=params.prefill_kv,
                                     prefill_tp=prefill_tp, prefill_pp=prefill_pp,
-                                    prefill_launch=params.prefill_launch))
+                                    prefill_launch=params.prefill_launch,
+                                    prompt=prompt_digest(request.prompt_token_ids or ()) if params.alongside_s else "",
+                                    wait_s=params.alongside_s))
 
     def _pulled(self, pull: bool, prefill_tp: int, prefill_pp: int) -> tuple[int, int, bool]:
         """A decode request's transfer: the prefill sizes that differ from ours (0: the same, or not said), and
@@ -163,17 +177,18 @@ class Consumers:
         return prefill_tp, prefill_pp, decision.pulled
 
     def discard(self, transfer_id: str, prefill_kv: Address | None, pull: bool, prefill_tp: int,
-                prefill_pp: int) -> None:
+                prefill_pp: int, wait_s: float = 0.0) -> None:
         """No request here loads this transfer: its staged bytes are freed when they arrive, instead of at expiry,
         and blocks a prefill instance holds for our pull (GET, or another size; or a push this side refuses) are
         released, each rank releasing what it would have pulled. Once per transfer; none for a transfer a request
-        here has claimed (its load frees what it took)."""
+        here has claimed (its load frees what it took). `wait_s`: the push may begin this much later (its decode
+        request went alongside the prefill)."""
         if transfer_id in self._claims:
             return
-        self._claims[transfer_id] = _Claim(None, time.monotonic())
+        self._claims[transfer_id] = _Claim(None, time.monotonic(), wait_s)
         prefill_tp, prefill_pp, pulled = self._pulled(pull, prefill_tp, prefill_pp)
         self._discards.append(Discard(transfer_id, prefill_kv if pulled else None, prefill_tp, prefill_pp,
-                                      None if pulled else prefill_kv))
+                                      None if pulled else prefill_kv, wait_s))
 
     def finished(self, request: Request, params: DecodeParams | None) -> None:
         req_id = request.request_id
@@ -192,6 +207,6 @@ class Consumers:
         self._loads, self._discards, self._computed_here = [], [], []
         while self._claims:
             tid, claim = next(iter(self._claims.items()))
-            if now - claim.since < self.claim_keep_s or claim.loading(now, self.claim_wait_s):
+            if now - claim.since < self.claim_keep_s + claim.wait_s or claim.loading(now, self.claim_wait_s):
                 break
             del self._claims[tid]

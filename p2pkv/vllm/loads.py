@@ -76,6 +76,10 @@ class _Load:
     early: list[Marker] = field(default_factory=list)
     broken: str | None = None
     held: StagedTransfer | None = None  # the transfer's bytes, held while those copies read them
+    # Sent alongside the prefill (`LoadSpec.prompt`): whether the push said this request's prompt (True), or why it
+    # is not taken (another prompt's, or said none)
+    prompt_ok: bool = False
+    other_prompt: str | None = None
 
 
 def _no_sink(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
@@ -104,12 +108,14 @@ class Loads:
     def start(self, specs: list[LoadSpec], fence: Fence | None = None) -> None:
         """This step's new loads: pulls start now, and so do those of pushes already known to be left for a pull
         or refused; other pushes are awaited. Copies into their blocks come after `fence`."""
-        deadline = time.monotonic() + self._config.extra.transfer_timeout_s
+        now = time.monotonic()
+        deadline = now + self._config.extra.transfer_timeout_s
         for spec in specs:
-            load = self._loads[spec.req_id] = _Load(spec, deadline, fence)
+            # Sent alongside its prefill: the push may begin as late as the prefill's end (then a transfer's deadline).
+            load = self._loads[spec.req_id] = _Load(spec, max(deadline, now + spec.wait_s), fence)
             if spec.pull_from is not None and spec.block_ids:
                 self._start_pull(load, spec.pull_from)
-            elif self._engine.staged_state(spec.transfer_id) is StageState.FAILED:
+            elif self._engine.staged_state(spec.transfer_id) is StageState.FAILED and self._prompt_said(load):
                 self._fall_back_to_pull(load)  # a step sooner than finished() would
 
     def discard(self, discards: list[Discard]) -> None:
@@ -117,8 +123,10 @@ class Loads:
         as soon as it has arrived, with or without a next step; blocks held for our pull are released
         at once (a pull of no heads). Never reported as a finished load: vLLM, which asserts that a reported request
         waits for its KV, does not wait for these."""
-        deadline = time.monotonic() + self._config.extra.transfer_timeout_s
+        now = time.monotonic()
         for discard in discards:
+            # A push whose decode request came alongside its prefill may begin as late as the prefill's end.
+            deadline = now + discard.wait_s + self._config.extra.transfer_timeout_s
             if discard.release_from is None:
                 self._discards[discard.transfer_id] = deadline, discard.fallback_from
                 self._engine.discard_staged(discard.transfer_id, deadline)
@@ -296,16 +304,21 @@ class Loads:
                 if self._pull_finished(load):
                     done.add(req_id)
                 continue
-            state = self._land_arrived(load)
-            if state is StageState.FAILED and not load.landed and self._fall_back_to_pull(load):
+            said = self._prompt_said(load)
+            state = self._land_arrived(load) if said else self._engine.staged_state(load.spec.transfer_id)
+            if state is StageState.FAILED and not load.landed and said and self._fall_back_to_pull(load):
                 continue
-            if state is StageState.COMPLETE and load.broken is None:
+            if load.other_prompt is not None:
+                state = StageState.FAILED if state is StageState.FAILED else None  # not landed, let go below
+            if state is StageState.COMPLETE and load.broken is None and said:
                 self._land(load)
                 if self._landed(load, now):
                     done.add(req_id)
-            elif (state is StageState.FAILED or load.broken is not None or now > load.deadline
-                  or (refused := self._refusal(load.spec))):
-                if load.broken is not None:
+            elif (state is StageState.FAILED or load.broken is not None or load.other_prompt is not None
+                  or now > load.deadline or (refused := self._refusal(load.spec))):
+                if load.other_prompt is not None:
+                    reason = load.other_prompt
+                elif load.broken is not None:
                     reason = f"the copy into the blocks failed: {load.broken}"
                 elif state is StageState.FAILED:  # the store's reason: the sender's abort, a lost link, a bad digest
                     reason = f"transfer failed: {self._engine.staged_reason(load.spec.transfer_id)}"
@@ -321,6 +334,29 @@ class Loads:
         for req_id in done:
             del self._loads[req_id]
         return done | abandoned
+
+    def _prompt_said(self, load: _Load) -> bool:
+        """Whether a load sent alongside its prefill may take its push: the push said this request's prompt. False
+        while nothing of it is here, or when it said another (`other_prompt` then says why, and the load fails).
+        True at once for a load whose params named the prompt."""
+        spec = load.spec
+        if not spec.prompt or load.prompt_ok:
+            return True
+        if load.other_prompt is not None:
+            return False
+        said = self._engine.staged_prompt(spec.transfer_id)
+        if said is None:
+            return False
+        if said == spec.prompt:
+            load.prompt_ok = True  # the prefill is done with its first layers: from here, a transfer's deadline
+            load.deadline = time.monotonic() + self._config.extra.transfer_timeout_s
+            return True
+        if said or self._engine.staged_state(spec.transfer_id) is not StageState.FAILED:
+            load.other_prompt = (f"the push holds the KV of another prompt (digest {said}, this request's "
+                                 f"{spec.prompt}): the two instances tokenized the request differently" if said
+                                 else "the push did not say which prompt its KV is for, so a request sent "
+                                 "alongside its prefill cannot take it")
+        return False
 
     def _refusal(self, spec: LoadSpec) -> str | None:
         """Why this worker refused the prefill worker that would push this load (its hello; its pushes are all
@@ -343,7 +379,7 @@ class Loads:
                 continue
             log.info("transfer %s: request %s ended before its KV landed; the push is freed when it arrives",
                      spec.transfer_id, req_id)
-            self.discard([Discard(spec.transfer_id, fallback_from=spec.fallback_from)])
+            self.discard([Discard(spec.transfer_id, fallback_from=spec.fallback_from, wait_s=spec.wait_s)])
             del self._loads[req_id]
             done.add(req_id)
         return done
@@ -466,7 +502,8 @@ class Loads:
             if item is not None:
                 self._engine.release_staged(item)
         else:
-            self._engine.discard_staged(tid, time.monotonic() + self._config.extra.transfer_timeout_s)
+            until = time.monotonic() + load.spec.wait_s + self._config.extra.transfer_timeout_s
+            self._engine.discard_staged(tid, until)
         held = load.held
 
         def unhold() -> None:

@@ -28,6 +28,7 @@ class SaveSpec:
     pulled_by: Address | None = None
     pullers: int = 0
     puller_launch: str = ""  # which start of that instance will pull (its refusals before that start do not count)
+    prompt: str = ""  # the digest of the prompt computed (`PushBlocks.prompt`): told to the decode side with the push
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +46,10 @@ class LoadSpec:
     prefill_tp: int = 0  # the prefill instance's tensor-parallel size, when it differs from ours (else 0)
     prefill_pp: int = 0  # the prefill instance's pipeline-parallel size, when it differs from ours (else 0)
     prefill_launch: str = ""  # which start of the prefill instance pushes it (`DecodeParams.prefill_launch`)
+    # Sent alongside the prefill (`DecodeParams.alongside_s`): this request's own prompt digest, which the push must
+    # say it holds before any of it lands, and how long the push may take to begin (the prefill runs meanwhile)
+    prompt: str = ""
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class Discard:
     prefill_tp: int = 0  # the prefill instance's sizes, when they differ from ours (as in LoadSpec)
     prefill_pp: int = 0
     fallback_from: Address | None = None
+    wait_s: float = 0.0  # its decode request went alongside the prefill: the push may begin this much later
 
 
 @dataclass(frozen=True)

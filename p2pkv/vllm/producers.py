@@ -155,7 +155,7 @@ class Producers:
                 meta.saves.append(SaveSpec(req_id=req_id, transfer_id=producer.transfer_id, peer=producer.peer,
                                            block_ids=blocks, inline=producer.inline,
                                            pulled_by=producer.pulled_by, pullers=producer.pullers,
-                                           puller_launch=producer.puller_launch))
+                                           puller_launch=producer.puller_launch, prompt=producer.prompt))
 
     def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """`request_finished` for a prefill request: whether vLLM keeps its blocks, and its answer's parameters."""

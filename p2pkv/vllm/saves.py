@@ -179,7 +179,7 @@ class Saves:
             self._left.add(tid)  # decided once per transfer, at its first layer
         deadline = self._claim(spec, (layer,))
         if tid in self._left:  # the peer pulls over a device path: no copy to the host, no bytes
-            self._engine.push_layer(tid, peer, layer, len(spec.block_ids), (), deadline, None, True)
+            self._engine.push_layer(tid, peer, layer, len(spec.block_ids), (), deadline, None, True, prompt=spec.prompt)
             return
         try:
             views, ready = self._blocks.push_views(tid, layer, spec.block_ids, fence)
@@ -187,14 +187,15 @@ class Saves:
             if first and push_or_pull(pinned_space=False).pulled:  # nothing sent yet: the peer can pull instead
                 log.info("transfer %s: %s; holding the blocks for a pull", tid, exc)
                 self._left.add(tid)
-                self._engine.push_layer(tid, peer, layer, len(spec.block_ids), (), deadline, None, True)
+                self._engine.push_layer(tid, peer, layer, len(spec.block_ids), (), deadline, None, True,
+                                        prompt=spec.prompt)
                 return
             log.error("transfer %s: layer %d: %s", tid, layer, exc)
             views, ready = (), _raiser(exc)
         except Exception as exc:  # a device error: this transfer fails, not the forward pass
             log.error("transfer %s: layer %d could not be copied from the device: %r", tid, layer, exc)
             views, ready = (), _raiser(exc)
-        self._engine.push_layer(tid, peer, layer, len(spec.block_ids), views, deadline, ready)
+        self._engine.push_layer(tid, peer, layer, len(spec.block_ids), views, deadline, ready, prompt=spec.prompt)
 
     def _push_rest(self, spec: SaveSpec, fence: Fence | None) -> None:
         """The layers of `spec` not pushed yet. KV in host memory goes as one job per run of consecutive layers (one
@@ -225,7 +226,7 @@ class Saves:
         for end in range(1, len(todo) + 1):
             if end == len(todo) or todo[end] != todo[end - 1] + 1:
                 self._engine.push_layers(spec.transfer_id, peer, todo[start], len(spec.block_ids), views[start:end],
-                                        deadline)
+                                        deadline, prompt=spec.prompt)
                 start = end
 
     def _hold_again(self, spec: SaveSpec, fence: Fence | None) -> None:

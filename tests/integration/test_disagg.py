@@ -51,6 +51,9 @@ SHM = '{transport="shm"}'  # both instances are on this host: transport auto pic
 
 def test_disaggregated_equals_colocated_and_kv_was_transferred(up_cluster: UpCluster) -> None:
     decode = up_cluster.instance("kv_consumer")
+    proxy = up_cluster.proxy.removeprefix("http://")
+    alongside = 'p2pkv_proxy_decode_alongside_total{outcome="answered"}'
+    alongside_before = metric(proxy, alongside)
     received_before = metric(decode["metrics"], "p2pkv_bytes_received_total" + SHM)
     loaded_before = metric(decode["metrics"], "p2pkv_bytes_loaded_total")
     per_block = kv_bytes_per_block_and_layer() * LAYERS
@@ -67,11 +70,43 @@ def test_disaggregated_equals_colocated_and_kv_was_transferred(up_cluster: UpClu
         assert max(abs(a - b) for a, b in zip(d_lp, c_lp, strict=True)) < 1e-4
         # All prompt tokens but the last came from the transfer, none were recomputed on the decode side.
         assert disagg["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1
-        expected_received += math.ceil(length / BLOCK_SIZE) * per_block
+        expected_received += math.ceil(length / BLOCK_SIZE) * per_block if length > 1 else 0
         expected_loaded += math.ceil((length - 1) / BLOCK_SIZE) * per_block
-    assert metric(decode["metrics"], "p2pkv_bytes_received_total" + SHM) - received_before == expected_received
+    # A prompt of one token loads nothing: its decode request, sent alongside, discards its push, which is staged
+    # and freed if it came first, or dropped as it comes (not counted as received) if the discard did.
+    received = metric(decode["metrics"], "p2pkv_bytes_received_total" + SHM) - received_before
+    assert received - expected_received in (0, per_block)
     assert metric(decode["metrics"], "p2pkv_bytes_loaded_total") - loaded_before == expected_loaded
     assert metric(decode["metrics"], "p2pkv_staging_bytes") == 0
+    # Each decode request went while its prefill ran (the proxy's default), and loaded the KV pushed to it.
+    assert metric(proxy, alongside) - alongside_before == len(LENGTHS)
+
+
+def test_a_decode_request_sent_alongside_takes_no_kv_of_another_prompt(up_cluster: UpCluster) -> None:
+    """A decode request sent before its prefill answered knows only its own prompt: a push under its transfer id of
+    another prompt of the same length (two instances that tokenize a request differently) must not land, and the
+    decode instance computes its prompt itself, answering as the colocated instance does."""
+    prefill, decode = up_cluster.instance("kv_producer"), up_cluster.instance("kv_consumer")
+    own, other = prompt("own-prompt", 300), prompt("another-prompt", 300)
+    failed_before = metric(decode["metrics"], LOAD_FAILED)
+    tid = uuid.uuid4().hex
+    along = DecodeParams(tid, 0, Address.parse(prefill["kv"]), alongside_s=60.0)
+    body = {"model": up_cluster.model, "prompt": own, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": along.to_dict()}
+    answers: list[dict[str, Any]] = []
+    waiting = threading.Thread(target=lambda: answers.append(complete(f"http://{decode['http']}", body)))
+    waiting.start()
+    time.sleep(0.5)  # the decode request waits for its push
+    pushed = PrefillParams(tid, Address.parse(decode["kv"]))
+    complete(f"http://{prefill['http']}", {"model": up_cluster.model, "prompt": other, "max_tokens": 1,
+                                           "kv_transfer_params": pushed.to_dict()})
+    waiting.join(60)
+    (answer,) = answers
+    assert ids_and_logprobs(answer)[0] == ids_and_logprobs(greedy(up_cluster.colocated, up_cluster.model, own))[0]
+    assert answer["usage"]["prompt_tokens_details"] is None or not answer["usage"]["prompt_tokens_details"].get(
+        "cached_tokens")
+    assert metric(decode["metrics"], LOAD_FAILED) == failed_before + 1
+    assert _until(lambda: metric(decode["metrics"], "p2pkv_staging_bytes") == 0, 5)
 
 
 def _by_hand(cluster: UpCluster, text: str, corrupt: bool) -> dict[str, Any]:

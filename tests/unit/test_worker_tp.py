@@ -254,8 +254,8 @@ def test_host_kv_read_in_place_is_pushed_when_the_forward_ends(sides: list[Worke
     one, many = prefill.engine.push_layer, prefill.engine.push_layers
     monkeypatch.setattr(prefill.engine, "push_layer", lambda tid, *a, **k: (
         jobs.append(("push_layer", 1)), one(tid, *a, **k))[1])
-    monkeypatch.setattr(prefill.engine, "push_layers", lambda tid, peer, first, blocks, views, deadline: (
-        jobs.append(("push_layers", len(views))), many(tid, peer, first, blocks, views, deadline))[1])
+    monkeypatch.setattr(prefill.engine, "push_layers", lambda tid, peer, first, blocks, views, deadline, **k: (
+        jobs.append(("push_layers", len(views))), many(tid, peer, first, blocks, views, deadline, **k))[1])
     push_once(prefill, decode, list(p_kv), "tid8", p_port, d_port,
               lambda: seen.append(prefill.engine.outgoing("tid8") is not None))
     assert seen == [case != "host-cache-shm"]
