@@ -39,6 +39,18 @@ def test_targets_are_judged_on_the_medians_of_the_rounds() -> None:
     assert verdicts(faster)[1] and not verdicts(slower)[1]
 
 
+def test_the_proxy_with_decode_requests_after_their_prefill_is_compared_without_a_target() -> None:
+    colocated = [_run(40, 100, 3.0)] * 3
+    runs: dict[str, Any] = {"colocated": colocated, "proxy": [_run(50, 150, 3.0)] * 3,
+                            "after": [_run(80, 400, 5.0)] * 3}
+    lines, met = verdicts(runs)
+    assert met, "a comparison's missed targets failed the run"
+    compared = [line for line in lines if "1P1D decode after" in line]
+    assert len(compared) == 3 and all(line.startswith("for comparison, no target: ") for line in compared)
+    assert [line.rsplit(": ", 1)[1] for line in compared] == ["NOT met"] * 3
+    assert not verdicts({"colocated": colocated, "proxy": [_run(80, 400, 5.0)] * 3})[1]
+
+
 def test_the_breakdown_is_each_parts_mean_between_two_scrapes() -> None:
     keys = [(source, name) for _, source, name in PARTS]
     before = {key: (1.0, 10.0) for key in keys}
