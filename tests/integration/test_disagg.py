@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 import threading
@@ -197,8 +198,11 @@ def test_transfers_show_in_vllms_own_metrics_and_log(up_cluster: UpCluster) -> N
     assert vllm_series(decode["http"], P2P_HITS, source="p2p") - before["p2p"] == n * 299
     logs = Path(up_cluster.info["log_dir"])
     deadline = time.monotonic() + 15  # vLLM logs its stats every 10 s
-    while not ("KV Transfer metrics: loads ok=" in (logs / f"{decode['name']}.log").read_text(errors="replace")
-               and "KV Transfer metrics: sends ok=" in (logs / f"{prefill['name']}.log").read_text(errors="replace")):
+    # A line names its outcomes in order (`loads failed=1, loads ok=15`, after another test's failed load).
+    while not (re.search(r"KV Transfer metrics: .*loads ok=",
+                         (logs / f"{decode['name']}.log").read_text(errors="replace"))
+               and re.search(r"KV Transfer metrics: .*sends ok=",
+                             (logs / f"{prefill['name']}.log").read_text(errors="replace"))):
         assert time.monotonic() < deadline, "no KV Transfer metrics line in the instances' logs"
         time.sleep(0.5)
 
