@@ -80,6 +80,11 @@ def _held_for_pulls(answer: Any) -> str:
     return ""
 
 
+def _settle_later(task: asyncio.Future[Any]) -> None:
+    """Let `task` end on its own (bounded by its own timeout), its outcome retrieved and not needed."""
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
 class _Along(NamedTuple):
     """How a request sent to both sides at once went: its answer, or (None) the decode instance to go on with, the
     prefill instance chosen already, and what happened (`p2pkv_proxy_decode_alongside_total`'s outcome)."""
@@ -485,13 +490,14 @@ class Router:
         try:
             done, _ = await asyncio.wait({decoding, prefilling}, return_when=asyncio.FIRST_COMPLETED)
             if decoding in done and decoding.result() is not None:
-                # Answered: the KV landed (the prefill's answer is on its way: waited for a moment, for the trace),
-                # or the decode instance held the prompt (a prefill nobody needs: cancelled).
+                # Answered: the KV landed (the prefill's answer is on its way, as slow as its instance's output path
+                # may be), or the decode instance held the prompt. The prefill's answer is waited for a moment, for
+                # the trace (a failure there: the decode instance computed the prompt); then it ends on its own.
                 await asyncio.wait({prefilling}, timeout=_PREFILL_GRACE_S)
-                if not prefilling.done():
-                    await _cancel(prefilling)
-                if prefilling.cancelled() or prefilling.exception() or not isinstance(prefilling.result(), dict):
-                    trace.prefill = ""  # not (or not known to be) where the KV came from
+                if prefilling.done() and (prefilling.cancelled() or prefilling.exception()
+                                          or not isinstance(prefilling.result(), dict)):
+                    trace.prefill = ""
+                _settle_later(prefilling)
                 answer = decoding.result()
                 assert answer is not None
                 answer.headers.update(trace.headers())  # made before the prefill answered
