@@ -315,31 +315,6 @@ def test_a_prefill_that_rejects_the_request_is_the_answer_and_the_decode_request
     assert decode.cancelled == [0]
 
 
-def test_a_prefill_instance_whose_kv_address_is_not_known_prefills_first() -> None:
-    """A static prefill instance named without its KV address: the decode request could not say where the KV comes
-    from, so it goes once the prefill answered, with the prefill's own params."""
-    prefill, decode = Backend(["ok"]), Backend(["ok"])
-    prefill.release.set()
-    decode.release.set()
-    with cluster(prefill, decode, prefill_kv=False) as proxy:
-        assert ask(proxy).status_code == 200
-        assert metric(proxy, 'p2pkv_proxy_decode_alongside_total{outcome="unsuited"}') == 1
-    assert decode.seen[0]["kv_transfer_params"]["num_prompt_tokens"] == 5
-    assert "alongside_s" not in decode.seen[0]["kv_transfer_params"]
-
-
-def test_a_prefill_instance_whose_sizes_are_not_known_prefills_first() -> None:
-    """Its probe answers without its parallel sizes: another size would hold the KV for a pull, which says nothing
-    of its prompt, so the decode request goes once the prefill answered."""
-    prefill, decode = Backend(["ok"], sizes=False), Backend(["ok"])
-    prefill.release.set()
-    decode.release.set()
-    with cluster(prefill, decode) as proxy:
-        assert ask(proxy).status_code == 200
-        assert metric(proxy, 'p2pkv_proxy_decode_alongside_total{outcome="unsuited"}') == 1
-    assert "alongside_s" not in decode.seen[0]["kv_transfer_params"]
-
-
 def test_a_prefill_instance_that_holds_its_kv_for_pulls_is_prefilled_first_from_then_on() -> None:
     """Its own send_type GET, which the proxy learns from its answer: the decode request sent alongside waits for
     a push that will not come, so it is cancelled and the request goes again, prefilled first; so do the next."""
@@ -374,11 +349,23 @@ def test_a_decode_answer_before_the_prefills_is_passed_on_without_waiting_for_it
     assert prefill.cancelled == []
 
 
-def test_with_decode_alongside_off_the_decode_request_waits_for_the_prefill() -> None:
-    prefill, decode = Backend(["ok"]), Backend(["ok"])
+@pytest.mark.parametrize(("why", "prefill_sizes", "options", "unsuited"), [
+    # a static prefill instance named without its KV address: the decode request could not say where the KV is
+    ("no KV address", True, {"prefill_kv": False}, 1),
+    # its probe answers without its parallel sizes: another size would hold the KV for a pull, which says nothing
+    # of its prompt
+    ("sizes not known", False, {}, 1),
+    ("--decode-alongside off", True, {"decode_alongside": False}, 0),
+])
+def test_the_decode_request_goes_once_the_prefill_answered_where_it_cannot_go_alongside(
+        why: str, prefill_sizes: bool, options: dict[str, Any], unsuited: int) -> None:
+    prefill, decode = Backend(["ok"], sizes=prefill_sizes), Backend(["ok"])
     prefill.release.set()
     decode.release.set()
-    with cluster(prefill, decode, decode_alongside=False) as proxy:
+    with cluster(prefill, decode, **options) as proxy:
         assert ask(proxy).status_code == 200
-        assert metric(proxy, 'p2pkv_proxy_decode_alongside_total{outcome="answered"}') == 0
-    assert decode.seen[0]["kv_transfer_params"]["num_prompt_tokens"] == 5
+        assert metric(proxy, 'p2pkv_proxy_decode_alongside_total{outcome="unsuited"}') == unsuited, why
+        assert metric(proxy, 'p2pkv_proxy_decode_alongside_total{outcome="answered"}') == 0, why
+    # The prefill's own params, from its answer.
+    assert decode.seen[0]["kv_transfer_params"]["num_prompt_tokens"] == 5, why
+    assert "alongside_s" not in decode.seen[0]["kv_transfer_params"], why
