@@ -286,9 +286,13 @@ class Receiver:
     def _receive_chunk(self, conn: Connection, push: PushBlocks, payload_len: int, source: str, refused: set[str],
                        deadline: float) -> None:
         """Stage a chunk; the transfer's verdict goes back once (a refusal is remembered: later chunks of a refused
-        transfer, a duplicate's say, are dropped without another)."""
+        transfer, a duplicate's say, are dropped without another, and without asking the store, where a load may
+        have taken the refusal's record: they would begin a new transfer there)."""
+        if push.transfer_id in refused:
+            conn.discard_payload(payload_len, deadline)
+            return
         view, ack = self._store.begin_chunk(push, payload_len, source, conn.name)
-        if ack is not None and push.transfer_id not in refused:
+        if ack is not None:
             conn.queue_frame(ack)  # goes out with the next reply, or before this connection waits for input
             if not ack.accepted:
                 refused.add(push.transfer_id)

@@ -126,9 +126,10 @@ class ReceiveStore:
         with self._lock:
             item = self._items.get(push.transfer_id)
             if item is None and push.transfer_id in self._discarded:
+                # The discard stands until its deadline: a load may take this record before the push's last chunk,
+                # which would otherwise begin a new transfer holding its bytes until expiry.
                 item = self._new(push, source, _EMPTY)
                 item.state, item.reason = StageState.FAILED, DISCARDED
-                del self._discarded[push.transfer_id]
                 return None, PushAck(push.transfer_id, True, "")
             if item is None:
                 item = self._admit(push, source)
@@ -314,7 +315,6 @@ class ReceiveStore:
         log.warning("transfer %s failed while receiving: %s", item.transfer_id, reason)
         item.state, item.reason, item.touched = StageState.FAILED, reason, time.monotonic()
         self._release_locked(item)
-        self._discarded.pop(item.transfer_id, None)
         self._settled.notify_all()
 
     def _release_locked(self, item: StagedTransfer) -> None:

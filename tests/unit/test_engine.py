@@ -155,6 +155,33 @@ def test_layout_mismatch_is_refused_with_the_difference(receiver: TransferEngine
     assert receiver.staged_state("t-2") is None
 
 
+def test_chunks_of_a_refused_push_stay_dropped_after_a_load_took_its_record(receiver: TransferEngine) -> None:
+    """A push refused as a duplicate (its id was received already) whose record a load then took: its later chunks,
+    sent before the refusal reached the sender, are dropped, and do not begin a new transfer held until expiry."""
+    deadline = time.monotonic() + 5
+    conn = client_handshake(TcpConnection.connect(Address.parse(receiver.address), deadline, b"", FrameLimits()),
+                            Hello("e", 0, layout(LAYERS, BLOCK_BYTES)), deadline)
+    try:
+        data = payload(1, LAYERS, BLOCKS, BLOCK_BYTES)
+        whole = PushBlocks("dup", 0, 0, BLOCKS, BLOCKS, LAYERS, LAYERS)
+        conn.send_frames([(whole, [layer.data for layer in data])], deadline)
+        assert wait_state(receiver, "dup") is StageState.COMPLETE
+        conn.send_frames([(PushBlocks("dup", 0, 0, BLOCKS, BLOCKS, LAYERS), [data[0].data])], deadline)
+        verdicts = [conn.recv_frame(5, deadline) for _ in range(2)]  # the first push's, then the refusal
+        assert [(v[0].accepted, v[0].duplicate) for v in verdicts if v is not None] == [(True, False), (False, True)]
+        item = receiver.take_staged("dup")  # a load takes the transfer received first
+        assert item is not None
+        receiver.release_staged(item)
+        conn.send_frames([(PushBlocks("dup", 1, 0, BLOCKS, BLOCKS, LAYERS), [data[1].data]),
+                          (PushBlocks("probe", 0, 0, BLOCKS, BLOCKS, LAYERS, LAYERS), [layer.data for layer in data])],
+                         deadline)
+        assert wait_state(receiver, "probe") is StageState.COMPLETE  # frames are read in order: "dup" came first
+        assert receiver.staged_state("dup") is None
+        assert receiver.store.bytes_in_use == LAYERS * BLOCKS * BLOCK_BYTES  # the probe's, nothing for "dup"
+    finally:
+        conn.close()
+
+
 def test_a_refused_peer_is_noted_by_the_listener_it_names_until_a_hello_from_there_is_accepted(
         receiver: TransferEngine) -> None:
     # A load of KV that the refused peer was to push can then fail at once (tests/unit/test_worker_tp.py).

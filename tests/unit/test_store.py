@@ -150,6 +150,29 @@ def test_a_discarded_transfer_is_freed_as_it_settles_and_one_not_begun_is_taken_
     assert s.state("expired") is StageState.COMPLETE, "a discard past its deadline is forgotten"
 
 
+def test_a_discarded_push_stays_dropped_after_a_load_took_its_record() -> None:
+    """The decode request of a one-token prompt, sent alongside its prefill, discards the push before it begins; its
+    first chunk is dropped and the load takes the record of it; the rest of the push (its other layers, one frame)
+    is dropped too, and holds nothing (it began a transfer held until expiry). The same for one that failed after
+    the discard."""
+    s = store()
+    until = time.monotonic() + 30
+    for tid in ("first-layer", "failed"):
+        if tid == "failed":  # begun before the discard, then its connection broke: the sender may push again
+            assert land(s, PushBlocks(tid, 0, 0, BLOCKS, BLOCKS, LAYERS), 1)
+            s.discard(tid, until)
+            s.fail_from_source("src", "connection to the sender was lost")
+        else:
+            s.discard(tid, until)
+            assert not land(s, PushBlocks(tid, 0, 0, BLOCKS, BLOCKS, LAYERS), 1)
+        assert s.state(tid) is StageState.FAILED
+        taken = s.take(tid)
+        assert taken is not None
+        s.release(taken)
+        assert not land(s, PushBlocks(tid, 1, 0, BLOCKS, BLOCKS, LAYERS, LAYERS - 1), 2)
+        assert s.bytes_in_use == 0 and s.state(tid) is not StageState.RECEIVING
+
+
 GIB = 1 << 30
 
 
