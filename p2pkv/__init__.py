@@ -19,4 +19,5 @@ __version__ = "0.1.0"
 # 13  frames of a connection are signed under a per-connection key and a sequence number (Hello.nonce,
 #     HelloReply.nonce and hello_nonce); HelloReply.idle_s
 # 14  pushes say the digest of the prompt they were computed for (PushBlocks.prompt, PullInstead.prompt)
-PROTOCOL_VERSION = 14
+# 15  a layer may leave out blocks at its start, outside its sliding window (PushBlocks.skip)
+PROTOCOL_VERSION = 15

@@ -55,6 +55,9 @@ class LayoutDigest(msgspec.Struct, frozen=True):
     # The physical order of a block's dimensions, outermost first (`p2pkv.kv.layout.block_order`): "HNC" (LBHNC),
     # "NHC" (LBNHC), "KHNC" with kernel blocks.
     block_order: str = ""
+    # vLLM's KV cache groups, where it has several or a sliding window (`p2pkv.vllm.groups.CacheGroups.factor`):
+    # each group's kind and layers. "": one full-attention group. Compared always: the same bytes lie in other blocks.
+    kv_groups: str = ""
 
     @property
     def layers(self) -> range:
@@ -85,7 +88,7 @@ class LayoutDigest(msgspec.Struct, frozen=True):
         return self.slices_with(other) or self.layers_with(other)
 
     def differences(self, other: LayoutDigest) -> list[str]:
-        names: tuple[str, ...] = ("block_size", "kernel_blocks", "dtype", "kernel")
+        names: tuple[str, ...] = ("block_size", "kernel_blocks", "dtype", "kernel", "kv_groups")
         if self.total_layers and other.total_layers:
             names = ("total_layers", *names)
         if not self.layers_with(other):
@@ -254,6 +257,9 @@ class PushBlocks(msgspec.Struct, tag="push", frozen=True):
     # `prompt_digest` of the prompt the KV was computed for ("": not said): a decode request sent while the prefill
     # ran knows only its own prompt, and loads the push only if the two agree
     prompt: str = ""
+    # Blocks at the start of this layer that are not sent: outside its sliding window (vLLM's null block on the
+    # sender). The layer is complete with the rest; a load that needs one of them fails. 0 in frames of several layers.
+    skip: int = 0
 
 
 class PushAck(msgspec.Struct, tag="push_ack", frozen=True):

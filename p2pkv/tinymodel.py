@@ -39,6 +39,9 @@ class TinyModelSpec:
     seed: int = 1234
     # Larger than the usual 0.02 so logits are well separated and greedy decoding is stable.
     init_std: float = 0.25
+    # Tokens of a sliding window on every other layer, from the first (0: every layer full attention): a hybrid
+    # model, whose KV vLLM's hybrid KV cache manager keeps in two groups.
+    sliding_window: int = 0
 
 
 def _byte_vocab() -> dict[str, int]:
@@ -74,7 +77,12 @@ def _write_tokenizer(out: Path) -> int:
 
 
 def _config(spec: TinyModelSpec, vocab_size: int, layers: int, arch: str) -> dict[str, object]:
+    window: dict[str, object] = {}
+    if spec.sliding_window:
+        window = {"sliding_window": spec.sliding_window,
+                  "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]}
     return {
+        **window,
         "architectures": [arch],
         "model_type": "llama",
         "hidden_size": spec.hidden_size,
@@ -138,7 +146,7 @@ def write_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec())
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    spec_json = json.dumps(spec.__dict__, sort_keys=True)
+    spec_json = json.dumps({k: v for k, v in spec.__dict__.items() if k != "sliding_window" or v}, sort_keys=True)
     if _written(out, spec_json):
         return out
     vocab_size = _write_tokenizer(out)

@@ -49,6 +49,7 @@ class PushJob:
     layers: int = 1  # consecutive layers from `layer` (a worker that queues a whole transfer at once: one job)
     out: Outgoing | None = None  # its transfer, once submitted
     prompt: str = ""  # the digest of the prompt it was computed for (`PushBlocks.prompt`)
+    skip: int = 0  # blocks at the layer's start not sent, outside its sliding window (`views` hold the rest)
 
 
 class OutState(enum.Enum):
@@ -97,14 +98,14 @@ def _frames(jobs: list[PushJob], digests: bool = False) -> list[tuple[PushBlocks
     while start < len(jobs):
         first = jobs[start]
         end, after = start + 1, first.layer + first.layers  # the layer that would come next in this frame
-        while (end < len(jobs) and jobs[end].transfer_id == first.transfer_id
-               and jobs[end].layer == after and jobs[end].total_blocks == first.total_blocks):
+        while (end < len(jobs) and jobs[end].transfer_id == first.transfer_id and not first.skip
+               and jobs[end].layer == after and jobs[end].total_blocks == first.total_blocks and not jobs[end].skip):
             after += jobs[end].layers
             end += 1
         views = first.views if end == start + 1 else tuple(v for job in jobs[start:end] for v in job.views)
-        frames.append((PushBlocks(first.transfer_id, first.layer, 0, first.total_blocks, first.total_blocks,
-                                  first.num_layers, after - first.layer, digest(views) if digests else None,
-                                  first.prompt), views))
+        frames.append((PushBlocks(first.transfer_id, first.layer, first.skip, first.total_blocks - first.skip,
+                                  first.total_blocks, first.num_layers, after - first.layer,
+                                  digest(views) if digests else None, first.prompt, first.skip), views))
         start = end
     return frames
 

@@ -48,6 +48,7 @@ class StagedTransfer:
     # The last chunk begun or finished, or when the transfer failed: what its expiry counts from.
     touched: float = field(default_factory=time.monotonic)
     layer_blocks: dict[int, int] = field(default_factory=dict)  # blocks received, per layer
+    skips: dict[int, int] = field(default_factory=dict)  # layer -> blocks at its start not sent (`PushBlocks.skip`)
     arrived: dict[int, float] = field(default_factory=dict)  # layer -> when its last block was received
     # Who reads or writes the bytes besides their owner (the store, or the load that took it): the chunk being
     # written, a load landing the layers arrived. Let go by its owner while held, the memory goes when the last
@@ -118,6 +119,7 @@ class ReceiveStore:
                 and push.layer + push.layers <= push.num_layers and push.num_blocks > 0
                 and 0 <= push.first_block and push.first_block + push.num_blocks <= push.total_blocks
                 and (push.layers == 1 or whole) and payload_len == push.layers * push.num_blocks * self._block_bytes
+                and 0 <= push.skip <= push.first_block and push.skip < push.total_blocks
                 and len(push.prompt) <= _PROMPT_CHARS):
             self.fail(push.transfer_id, f"invalid chunk {push!r} with {payload_len} payload bytes", source=source,
                       frame="push")
@@ -152,6 +154,9 @@ class ReceiveStore:
             keys = {(layer, push.first_block) for layer in range(push.layer, push.layer + push.layers)}
             if keys & item.chunks:
                 self._fail_locked(item, f"duplicate chunk {min(keys & item.chunks)}")
+                return None, ack
+            if item.skips.setdefault(push.layer, push.skip) != push.skip:
+                self._fail_locked(item, f"chunks of layer {push.layer} disagree on the blocks skipped")
                 return None, ack
             item.chunks |= keys
             item.holds += 1  # until `end_chunk`: the payload is written outside the lock
@@ -212,9 +217,9 @@ class ReceiveStore:
         item.touched = now
         for layer in range(push.layer, push.layer + push.layers):
             item.layer_blocks[layer] = item.layer_blocks.get(layer, 0) + push.num_blocks
-            if item.layer_blocks[layer] == item.total_blocks:
+            if item.layer_blocks[layer] == item.total_blocks - item.skips.get(layer, 0):
                 item.arrived[layer] = now
-        if item.blocks_received == item.num_layers * item.total_blocks:
+        if len(item.arrived) == item.num_layers:
             item.state = StageState.COMPLETE
             if item.transfer_id in self._discarded:
                 self._drop_locked(item)

@@ -23,6 +23,7 @@ class KvLayers:
     tensors: list[torch.Tensor]  # the distinct caches, in that order, vLLM's block ids on dim 0
     index: dict[str, int]  # layer name -> the index of its cache in `tensors`
     aliases: dict[str, str]  # a layer that reuses another's cache -> that layer
+    groups: list[int]  # the KV cache group of each cache in `tensors` (vLLM's hybrid KV cache manager)
 
     @property
     def owners(self) -> list[str]:
@@ -35,10 +36,12 @@ def _identity(t: torch.Tensor) -> tuple[object, ...]:
 
 
 def prepare_layers(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, block_size: int,
-                   order: Callable[[str], tuple[int, str]]) -> KvLayers:
+                   order: Callable[[str], tuple[int, str]], group_of: Mapping[str, int] | None = None) -> KvLayers:
     """`num_blocks`: vLLM's block count (`KVCacheConfig.num_blocks`; 0: not known, then told from views whose
     token dimension is a fraction of `block_size`); `order`: the sort key that puts layer names in the model's
-    order."""
+    order; `group_of`: each layer's KV cache group (none: one group). Layers of different groups that share one
+    buffer (vLLM's hybrid manager lays them out so) are not aliases: each group has its own blocks in it."""
+    group_of = group_of or {}
     if not kv_caches:
         raise UnsupportedCacheError("vLLM registered no KV cache layers")
     if num_blocks <= 0:
@@ -51,19 +54,22 @@ def prepare_layers(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, block
     index: dict[str, int] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple[object, ...], str] = {}
+    groups: list[int] = []
     for name in names:
         t = kv_caches[name]
         if t.dim() != 4:
             raise UnsupportedCacheError(
                 f"KV layer {name}: vLLM gave a buffer of shape {tuple(t.shape)}, not a [blocks, heads, tokens, "
                 "bytes] view: a cache the model lays out itself (Mamba or other state), which p2pkv cannot move")
-        owner = seen.get(_identity(t))
+        key = (*_identity(t), group_of.get(name, 0))
+        owner = seen.get(key)
         if owner is not None:
             aliases[name], index[name] = owner, index[owner]
             continue
-        seen[_identity(t)] = name
+        seen[key] = name
         index[name] = len(tensors)
         tensors.append(manager_blocks(t, num_blocks, name))
+        groups.append(group_of.get(name, 0))
     first = tensors[0]
     for name, t in zip((n for n in names if n not in aliases), tensors, strict=True):
         if t.shape[1:] != first.shape[1:] or t.dtype != first.dtype:
@@ -76,4 +82,4 @@ def prepare_layers(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, block
     if first.dim() == 5:
         log.info("vLLM's blocks are split into %d kernel blocks each; every transfer moves whole vLLM blocks",
                  first.shape[1])
-    return KvLayers(names, tensors, index, aliases)
+    return KvLayers(names, tensors, index, aliases, groups)

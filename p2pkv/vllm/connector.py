@@ -7,14 +7,20 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
 
-from p2pkv.config import parse_connector_config
+from p2pkv.config import ConnectorConfig, SendType, parse_connector_config
 from p2pkv.discovery.events import announced_endpoint
 from p2pkv.discovery.heartbeat import HeartbeatSender, sender_for
 from p2pkv.engine.metrics import StepStats
 from p2pkv.errors import UnsupportedCacheError
 from p2pkv.kv.stages import StageLayers
+from p2pkv.vllm.groups import CacheGroups, cache_groups
 from p2pkv.vllm.metadata import P2pkvMetadata
 from p2pkv.vllm.model_factors import kv_cache_dtype, model_factors, weights_factor
 from p2pkv.vllm.refusals import InstanceRefusals, RefusalNotes
@@ -108,28 +114,14 @@ def _start_of(vllm_config: VllmConfig) -> str:
     return f"{engine_id}/{instance_id}" if engine_id or instance_id else ""
 
 
-def check_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
-    """Refuse, at start-up, a KV cache p2pkv cannot move: several cache groups (hybrid models: sliding-window and
-    full attention kept apart, Mamba layers) or a group whose layers are not attention layers."""
-    if kv_cache_config is None:
-        return
-    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
-
-    groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) > 1:
-        kinds = "; ".join(f"{type(g.kv_cache_spec).__name__}: {len(g.layer_names)} layers from {g.layer_names[0]}"
-                          for g in groups if g.layer_names)
+def check_grouped(groups: CacheGroups, config: ConnectorConfig, vllm_config: VllmConfig) -> None:
+    """Refuse, at start-up, what p2pkv does not move per KV cache group yet: pulls (`send_type` GET) of a hybrid or
+    sliding-window cache. Pushes to instances of another parallel size, and pulls after a refused push, fall back
+    to computing the prompt on the decode side."""
+    if groups.grouped and config.extra.send_type is SendType.GET:
         raise UnsupportedCacheError(
-            f"this model's KV cache has {len(groups)} groups ({kinds}): p2pkv moves models with one KV cache group "
-            "(every layer full attention, or treated as such); hybrid models are not supported")
-    for group in groups:
-        spec = group.kv_cache_spec
-        specs = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
-        for one in specs:
-            if not isinstance(one, AttentionSpec):
-                name = group.layer_names[0] if group.layer_names else "?"
-                raise UnsupportedCacheError(f"KV layer {name}: its cache is a {type(one).__name__}, not attention "
-                                            "KV: p2pkv cannot move it")
+            f"send_type GET with a KV cache of {len(groups.kinds)} groups ({', '.join(groups.kinds)}): p2pkv pulls "
+            "one full-attention group only; use PUT_ASYNC or PUT, or --disable-hybrid-kv-cache-manager")
 
 
 def check_batching(vllm_config: VllmConfig) -> None:
@@ -171,8 +163,9 @@ def _total_kv_heads(vllm_config: VllmConfig) -> int:
     return 1 if model.use_mla else int(model.get_total_num_kv_heads())
 
 
-class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """Drop-in for vLLM's removed P2pNcclConnector: `kv_connector_module_path="p2pkv.vllm"`."""
+class P2pNcclConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """Drop-in for vLLM's removed P2pNcclConnector: `kv_connector_module_path="p2pkv.vllm"`. With vLLM's hybrid KV
+    cache manager (`SupportsHMA`), each KV cache group moves by its own block ids (`p2pkv.vllm.groups`)."""
 
     # The prompt tokens it loads came from another instance (vllm:prompt_tokens_cached_by_source{source="p2p"}).
     _cache_hit_source = _P2P_SOURCE
@@ -180,7 +173,7 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _route_logs()
-        check_cache_groups(kv_cache_config)
+        self.groups = cache_groups(kv_cache_config)
         check_batching(vllm_config)
         check_context_parallel(vllm_config)
         check_kv_scales(vllm_config)
@@ -192,6 +185,7 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
         pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
         local_dp, self.dp_rank = _data_parallel(vllm_config)
         self.config = config.for_data_parallel_rank(local_dp, tp_size * pp_size)
+        check_grouped(self.groups, self.config, vllm_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._heartbeat: HeartbeatSender | None = None
@@ -207,14 +201,14 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # A probe's answer says what the heartbeats say (for a proxy that lists this instance statically).
             engine_id = self._heartbeat.message.engine_id if self._heartbeat is not None else uuid.uuid4().hex
             self._scheduler = SchedulerSide(self.config, block_size, tp_size, pp_size, engine_id,
-                                            self._refusals.latest, events)
+                                            self._refusals.latest, events, self.groups)
         else:
             tp_rank, pp_rank = _ranks()
             total_layers, stage_layers = _stage_layers(vllm_config)
             self._worker = WorkerSide(
                 self.config, rank=tp_rank, block_size=block_size, tp_size=tp_size,
                 total_heads=_total_kv_heads(vllm_config), pp_rank=pp_rank, pp_size=pp_size, total_layers=total_layers,
-                stage_layers=stage_layers, model=model_factors(vllm_config),
+                stage_layers=stage_layers, model=model_factors(vllm_config), groups=self.groups,
                 weights=functools.partial(weights_factor, vllm_config) if self.config.extra.weights_check else None,
                 num_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0))
 
@@ -264,6 +258,13 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`, and the requests whose loads failed: a cache of several groups, whose block ids are only
+        unique within a group, reports its failures by request (vLLM refuses block ids there)."""
+        sent, loaded = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=set(sent or ()), finished_recving=set(loaded or ()),
+                                          failed_recving=self.worker.take_failed_loads())
+
     def get_kv_connector_stats(self) -> P2pkvStats | None:
         """The worker's transfers since the last step (vLLM sums the workers'); none from the scheduler side."""
         data = self._worker.take_stats() if self._worker is not None else None
@@ -303,6 +304,12 @@ class P2pNcclConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV cache manager: one call for every group. The blocks saved are those each group had when
+        the prompt completed (`p2pkv.vllm.producers`); vLLM keeps them all while the transfer runs."""
+        return self.scheduler.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Every step, the workers' output: what they refused goes into the heartbeats."""

@@ -38,7 +38,11 @@ class _Claim:
 
 
 class Consumers:
-    def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int, pp_size: int) -> None:
+    def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int, pp_size: int,
+                 grouped: bool = False) -> None:
+        """`grouped`: every KV cache group's block ids go to the workers (`p2pkv.vllm.groups`), and KV that would
+        be pulled is not taken."""
+        self._grouped = grouped
         self._block_size = block_size
         self._tp_size = tp_size
         self._pp_size = pp_size
@@ -118,6 +122,12 @@ class Consumers:
         if known is not None:
             return known
         prompt = request.prompt_token_ids or ()
+        if self._grouped and self._pulled(params.pull, params.prefill_tp, params.prefill_pp)[2]:
+            log.warning("transfer %s would be pulled (another parallel size, or send_type GET), which p2pkv does not "
+                        "do for a KV cache of several groups yet: request %s computes its prompt here",
+                        params.transfer_id, request.request_id)
+            self._prompts[request.request_id] = False
+            return False
         if params.alongside_s and not params.num_prompt_tokens:
             # Sent before the prefill answered: the push says its prompt, checked before any of it lands. A pull
             # says nothing of it, so KV that would be pulled (another parallel size) is not taken.
@@ -157,10 +167,11 @@ class Consumers:
         num_prompt = len(request.prompt_token_ids or ())
         first = (num_prompt - 1 - num_external_tokens) // self._block_size
         last = (num_prompt - 2) // self._block_size
-        block_ids = blocks.get_block_ids()[0]
+        groups = tuple(tuple(ids[first : last + 1]) for ids in blocks.get_block_ids())
         prefill_tp, prefill_pp, pulled = self._pulled(params.pull, params.prefill_tp, params.prefill_pp)
         self._loads.append(LoadSpec(req_id=req_id, transfer_id=params.transfer_id, first_block=first,
-                                    block_ids=tuple(block_ids[first : last + 1]), corrupt=params.test_corrupt,
+                                    block_ids=groups[0], corrupt=params.test_corrupt,
+                                    groups=groups if self._grouped else (),
                                     pull_from=params.prefill_kv if pulled else None, fallback_from=params.prefill_kv,
                                     prefill_tp=prefill_tp, prefill_pp=prefill_pp,
                                     prefill_launch=params.prefill_launch,

@@ -15,13 +15,14 @@ from p2pkv.engine import TransferEngine
 from p2pkv.engine.device import Fence
 from p2pkv.engine.puller import HeadSlice, PullKey, PullState
 from p2pkv.engine.store import StagedTransfer, StageState
-from p2pkv.errors import ConfigError, P2pkvError
+from p2pkv.errors import ConfigError, P2pkvError, TransferError
 from p2pkv.kv.blocks import BlockAccess
 from p2pkv.kv.device_copy import Marker, PartialCopy, all_done, done
 from p2pkv.kv.slices import HeadSlices
 from p2pkv.kv.stages import StageLayers, StagePart, plan_stages, stage_split
 from p2pkv.kv.tp import plan_pulls
 from p2pkv.params import Address
+from p2pkv.vllm.groups import NULL_BLOCK, leading_nulls
 from p2pkv.vllm.metadata import Discard, LoadSpec
 from p2pkv.way import push_or_pull
 
@@ -88,8 +89,12 @@ def _no_sink(layer: int, first: int, count: int) -> tuple[memoryview, ...]:
 
 class Loads:
     def __init__(self, config: ConnectorConfig, engine: TransferEngine, blocks: BlockAccess, slices: HeadSlices,
-                 at: Placement) -> None:
+                 at: Placement, groups: tuple[int, ...] | None = None) -> None:
+        """`groups`: the KV cache group of each layer, where each group has its own block ids (`LoadSpec.groups`);
+        such loads are pushed only, and a failed one is reported by its request (`take_failed`)."""
         self._config = config
+        self._groups = groups
+        self._failed: set[str] = set()
         self._engine = engine
         self._blocks = blocks
         self._slices = slices
@@ -113,7 +118,10 @@ class Loads:
         for spec in specs:
             # Sent alongside its prefill: the push may begin as late as the prefill's end (then a transfer's deadline).
             load = self._loads[spec.req_id] = _Load(spec, max(deadline, now + spec.wait_s), fence)
-            if spec.pull_from is not None and spec.block_ids:
+            if spec.pull_from is not None and spec.block_ids and self._groups is not None:
+                self._fail_load(spec, "KV of several cache groups is pushed, not pulled: its prompt is computed here")
+                load.spec = replace(spec, block_ids=())
+            elif spec.pull_from is not None and spec.block_ids:
                 self._start_pull(load, spec.pull_from)
             elif self._engine.staged_state(spec.transfer_id) is StageState.FAILED and self._prompt_said(load):
                 self._fall_back_to_pull(load)  # a step sooner than finished() would
@@ -232,6 +240,10 @@ class Loads:
     def take_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    def take_failed(self) -> set[str]:
+        failed, self._failed = self._failed, set()
+        return failed
 
     def _pull(self, load: _Load, peer: Address) -> None:
         spec = load.spec
@@ -389,7 +401,7 @@ class Loads:
         pulls over a device path: pull the blocks straight into the cache instead."""
         spec = load.spec
         decision = push_or_pull(refused=self._engine.refused_for(spec.transfer_id))
-        if not decision.pulled or spec.fallback_from is None or not spec.block_ids:
+        if not decision.pulled or spec.fallback_from is None or not spec.block_ids or self._groups is not None:
             return False
         item = self._engine.take_staged(spec.transfer_id)
         if item is not None:
@@ -492,6 +504,32 @@ class Loads:
             out.append((layer, src))
         return out
 
+    def _write(self, spec: LoadSpec, item: StagedTransfer, views: list[tuple[int, memoryview]],
+               fence: Fence | None) -> Marker:
+        """Copy staged layers into the load's blocks: one list of block ids, or each layer's group's, without
+        the blocks before a sliding window (vLLM's null block here). A block the sender left out (its own window
+        began later) fails the load: it would land nothing there."""
+        if self._groups is None or not spec.groups:
+            return self._blocks.write_layers(spec.block_ids, self._sources(spec, views), fence)
+        by_group: dict[int, list[tuple[int, memoryview]]] = {}
+        for layer, view in views:
+            by_group.setdefault(self._groups[layer], []).append((layer, view))
+        parts: list[tuple[LoadSpec, list[tuple[int, memoryview]]]] = []
+        for group, layers in by_group.items():  # every check before any copy: none is left running on a failure
+            ids = spec.groups[group]
+            null = leading_nulls(ids)
+            if NULL_BLOCK in ids[null:]:
+                raise TransferError(f"cache group {group}'s blocks {list(ids)} hold a null block after others")
+            first = spec.first_block + null
+            for layer, _ in layers:
+                if item.skips.get(layer, 0) > first:
+                    raise TransferError(f"layer {layer}: the prefill worker sent blocks from {item.skips[layer]}, "
+                                        f"this load needs them from {first}")
+            if null < len(ids):
+                parts.append((replace(spec, first_block=first, block_ids=ids[null:]), layers))
+        return all_done([self._blocks.write_layers(part.block_ids, self._sources(part, layers), fence)
+                         for part, layers in parts])
+
     def _let_go(self, load: _Load, state: StageState | None) -> Callable[[], None]:
         """A failed push load gives its transfer up now: freed by the store if it failed there, else dropped as it
         settles (chunks still coming are taken in and dropped). Returns what lets go of the bytes its early copies
@@ -527,8 +565,7 @@ class Loads:
             if state is not StageState.RECEIVING or not arrived:
                 return state
         try:
-            load.early.append(self._blocks.write_layers(spec.block_ids, self._sources(spec, list(arrived.items())),
-                                                        load.fence))
+            load.early.append(self._write(spec, load.held, list(arrived.items()), load.fence))  # held: not None
         except Exception as exc:  # a device error: what was issued still runs; the load fails once it is done
             if isinstance(exc, PartialCopy):
                 load.early.append(exc.pending)
@@ -561,7 +598,7 @@ class Loads:
             return
         rest = [(layer, item.layer_view(layer)) for layer in range(item.num_layers) if layer not in load.landed]
         try:
-            marker = self._blocks.write_layers(spec.block_ids, self._sources(spec, rest), load.fence) if rest else done
+            marker = self._write(spec, item, rest, load.fence) if rest else done
             load.landing = _Landing(all_done([*load.early, marker]), finish)
         except Exception as exc:  # a device error (no memory for the copy, say): the prompt is computed here
             pending = exc.pending if isinstance(exc, PartialCopy) else done
@@ -577,5 +614,8 @@ class Loads:
         """Report the load's blocks to vLLM as load errors (it recomputes or fails the request)."""
         log.warning("transfer %s: load failed (%s); reporting %d blocks", spec.transfer_id, reason,
                     len(spec.block_ids))
-        self._errors.update(spec.block_ids)
+        if self._groups is None:
+            self._errors.update(spec.block_ids)
+        elif spec.block_ids:
+            self._failed.add(spec.req_id)
         self._engine.count_load(False)

@@ -29,6 +29,9 @@ class SaveSpec:
     pullers: int = 0
     puller_launch: str = ""  # which start of that instance will pull (its refusals before that start do not count)
     prompt: str = ""  # the digest of the prompt computed (`PushBlocks.prompt`): told to the decode side with the push
+    # vLLM's hybrid KV cache manager: each KV cache group's block ids for the same blocks of the prompt (`block_ids`
+    # is the first group's); a sliding-window group's start with vLLM's null block, which are not sent
+    groups: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +53,7 @@ class LoadSpec:
     # say it holds before any of it lands, and how long the push may take to begin (the prefill runs meanwhile)
     prompt: str = ""
     wait_s: float = 0.0
+    groups: tuple[tuple[int, ...], ...] = ()  # as in `SaveSpec`: each group's blocks for `block_ids`' positions
 
 
 @dataclass(frozen=True)

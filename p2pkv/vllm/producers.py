@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from p2pkv.config import ConnectorConfig, SendType
 from p2pkv.params import Address, DecodeParams, PrefillParams, prompt_digest, standard_answer
+from p2pkv.vllm.groups import NULL_BLOCK, window_start
 from p2pkv.vllm.metadata import P2pkvMetadata, SaveSpec
 from p2pkv.way import push_or_pull
 
@@ -27,7 +28,7 @@ class _Producer:
     num_prompt_tokens: int
     inline: bool
     prompt: str  # its prompt_digest
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved: bool = False
     abandoned: bool = False  # nobody will get its answer (aborted, or the proxy said so): nothing to hold for a pull
     preempted: bool = False  # preempted after a save: its next save holds the transfer again, in its new blocks
@@ -39,9 +40,12 @@ class _Producer:
 
 class Producers:
     def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int, pp_size: int, engine_id: str,
-                 keep_s: float) -> None:
-        """`keep_s`: how long a transfer is remembered after it began (a late sample must not send it again)."""
+                 keep_s: float, windows: tuple[int, ...] = ()) -> None:
+        """`keep_s`: how long a transfer is remembered after it began (a late sample must not send it again);
+        `windows`: each KV cache group's sliding window (0: full attention), where every group's block ids go to
+        the workers (`p2pkv.vllm.groups`)."""
         self._config = config
+        self._windows = windows
         self._block_size = block_size
         self._tp_size = tp_size
         self._pp_size = pp_size
@@ -127,7 +131,7 @@ class Producers:
         for new in scheduler_output.scheduled_new_reqs:
             producer = self._producers.get(new.req_id)
             if producer is not None:
-                producer.block_ids = list(new.block_ids[0])
+                producer.block_ids = [list(ids) for ids in new.block_ids]
                 progress[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -136,9 +140,12 @@ class Producers:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                producer.block_ids = list(new_ids[0]) if new_ids is not None else []
+                producer.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
             elif new_ids is not None:
-                producer.block_ids.extend(new_ids[0])
+                if not producer.block_ids:
+                    producer.block_ids = [[] for _ in new_ids]
+                for held, more in zip(producer.block_ids, new_ids, strict=True):
+                    held.extend(more)
             progress[req_id] = cached.num_computed_tokens[i]
         for req_id, computed in progress.items():
             producer = self._producers[req_id]
@@ -147,15 +154,27 @@ class Producers:
                 continue
             # The prompt completes in this step: every block of it holds final KV once the forward has run.
             producer.saved = True
-            blocks = tuple(producer.block_ids[: self._blocks_for(producer.num_prompt_tokens)])
+            n = self._blocks_for(producer.num_prompt_tokens)
+            groups = tuple(tuple(ids[:n]) for ids in producer.block_ids) or ((),)
+            blocks = groups[0]
+            grouped = tuple(self._window_only(ids, window, producer.num_prompt_tokens)
+                            for ids, window in zip(groups, self._windows, strict=True)) if self._windows else ()
             if producer.preempted:
                 meta.saves.append(SaveSpec(req_id=req_id, transfer_id=producer.transfer_id, peer=None,
-                                           block_ids=blocks, again=True))
+                                           block_ids=blocks, again=True, groups=grouped))
             else:
                 meta.saves.append(SaveSpec(req_id=req_id, transfer_id=producer.transfer_id, peer=producer.peer,
                                            block_ids=blocks, inline=producer.inline,
                                            pulled_by=producer.pulled_by, pullers=producer.pullers,
-                                           puller_launch=producer.puller_launch, prompt=producer.prompt))
+                                           puller_launch=producer.puller_launch, prompt=producer.prompt,
+                                           groups=grouped))
+
+    def _window_only(self, ids: tuple[int, ...], window: int, num_prompt_tokens: int) -> tuple[int, ...]:
+        """A sliding-window group's blocks the decode side reads, the others null (not sent): vLLM has freed those
+        behind the window as the prompt's chunks were computed (new block ids do not say so), or frees them when
+        the request finishes."""
+        start = window_start(num_prompt_tokens, window, self._block_size)
+        return (NULL_BLOCK,) * min(start, len(ids)) + ids[start:]
 
     def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """`request_finished` for a prefill request: whether vLLM keeps its blocks, and its answer's parameters."""

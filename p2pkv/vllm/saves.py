@@ -14,9 +14,10 @@ from p2pkv.engine.offers import OfferState
 from p2pkv.engine.sender import OutState
 from p2pkv.errors import IncompatiblePeerError
 from p2pkv.kv.blocks import BlockAccess
-from p2pkv.kv.device_copy import NoPinnedSpace, wait_marker
+from p2pkv.kv.device_copy import Marker, NoPinnedSpace, all_done, wait_marker
 from p2pkv.kv.slices import HeadSlices
 from p2pkv.params import Address
+from p2pkv.vllm.groups import leading_nulls
 from p2pkv.vllm.loads import Placement
 from p2pkv.vllm.metadata import SaveSpec
 from p2pkv.way import push_or_pull
@@ -40,10 +41,16 @@ def _pullers(spec: SaveSpec) -> tuple[Address, ...]:
 
 class Saves:
     def __init__(self, config: ConnectorConfig, engine: TransferEngine, blocks: BlockAccess, slices: HeadSlices,
-                 at: Placement, staged: bool) -> None:
+                 at: Placement, staged: bool, groups: tuple[int, ...] | None = None, windowed: bool = False) -> None:
         """`staged`: the KV is behind a device copy (a GPU's): every layer is pushed as the forward computes it,
-        whatever the link, so that the copy overlaps the compute (see `save_layer` for host KV)."""
+        whatever the link, so that the copy overlaps the compute (see `save_layer` for host KV). `groups`: the KV
+        cache group of each layer, where each group has its own block ids (`SaveSpec.groups`): those are pushed,
+        layer by layer, and never held for a pull. `windowed`: a group is a sliding window, whose blocks vLLM frees
+        as the window moves, even those of a request that finished with its transfer under way: the step waits
+        for each push to be received."""
         self._config = config
+        self._groups = groups
+        self._windowed = windowed
         self._engine = engine
         self._blocks = blocks
         self._slices = slices
@@ -120,6 +127,10 @@ class Saves:
             self._push_rest(spec, fence)
         if any(spec.inline and spec.peer is not None for spec in self._saves):
             self._engine.wait_sent(time.monotonic() + self._config.extra.transfer_timeout_s)
+        if self._windowed:
+            for spec in self._saves:
+                if spec.peer is not None and not spec.again and spec.transfer_id not in self._left:
+                    self._engine.wait_outgoing(spec.transfer_id, self._config.extra.transfer_timeout_s)
 
     def _offer(self, spec: SaveSpec, fence: Fence | None) -> None:
         """GET: hold the blocks for the decode side (and say where they lie, for cuda_ipc pulls; and which bytes
@@ -127,6 +138,9 @@ class Saves:
         reads them comes after `fence`: vLLM's thread recorded it once the forward that wrote them was queued."""
         tid, ids = spec.transfer_id, spec.block_ids
         if tid in self._withdrawn:
+            return
+        if self._groups is not None:  # the decode side's load fails at once and computes the prompt
+            log.warning("transfer %s: not held for a pull: KV of several cache groups is pushed only", tid)
             return
         # Checked before anything is set up for the offer (a GPU cache takes a host buffer here); a refusal that comes
         # later expires the offer in the engine (`TransferEngine.offer`, `OfferTable.refused`).
@@ -181,10 +195,11 @@ class Saves:
         if tid in self._left:  # the peer pulls over a device path: no copy to the host, no bytes
             self._engine.push_layer(tid, peer, layer, len(spec.block_ids), (), deadline, None, True, prompt=spec.prompt)
             return
+        ids, skip = self._ids(spec, layer)
         try:
-            views, ready = self._blocks.push_views(tid, layer, spec.block_ids, fence)
+            views, ready = self._blocks.push_views(self._key(tid, layer), layer, ids, fence)
         except NoPinnedSpace as exc:
-            if first and push_or_pull(pinned_space=False).pulled:  # nothing sent yet: the peer can pull instead
+            if first and self._groups is None and push_or_pull(pinned_space=False).pulled:  # the peer can pull
                 log.info("transfer %s: %s; holding the blocks for a pull", tid, exc)
                 self._left.add(tid)
                 self._engine.push_layer(tid, peer, layer, len(spec.block_ids), (), deadline, None, True,
@@ -195,7 +210,32 @@ class Saves:
         except Exception as exc:  # a device error: this transfer fails, not the forward pass
             log.error("transfer %s: layer %d could not be copied from the device: %r", tid, layer, exc)
             views, ready = (), _raiser(exc)
-        self._engine.push_layer(tid, peer, layer, len(spec.block_ids), views, deadline, ready, prompt=spec.prompt)
+        self._engine.push_layer(tid, peer, layer, len(spec.block_ids), views, deadline, ready, prompt=spec.prompt,
+                                skip=skip)
+
+    def _key(self, tid: str, layer: int) -> str:
+        """What the blocks' access knows a transfer's layer by: a group's layers have their own blocks, and so
+        their own host buffers (a GPU cache)."""
+        return tid if self._groups is None else f"{tid}#{self._groups[layer]}"
+
+    def _release(self, tid: str) -> None:
+        for key in [tid] if self._groups is None else sorted({self._key(tid, layer) for layer in self._groups}):
+            self._blocks.release(key)
+
+    def _copied_out(self, tid: str) -> Marker | None:
+        if self._groups is None:
+            return self._blocks.copied_out(tid)
+        markers = [self._blocks.copied_out(key) for key in sorted({self._key(tid, layer) for layer in self._groups})]
+        return None if any(m is None for m in markers) else all_done([m for m in markers if m is not None])
+
+    def _ids(self, spec: SaveSpec, layer: int) -> tuple[tuple[int, ...], int]:
+        """The blocks of `layer` to push: its group's, without those before a sliding window (vLLM's null block),
+        and how many those are."""
+        if self._groups is None or not spec.groups:
+            return spec.block_ids, 0
+        ids = spec.groups[self._groups[layer]]
+        skip = min(leading_nulls(ids), len(ids) - 1)
+        return ids[skip:], skip
 
     def _push_rest(self, spec: SaveSpec, fence: Fence | None) -> None:
         """The layers of `spec` not pushed yet. KV in host memory goes as one job per run of consecutive layers (one
@@ -207,7 +247,7 @@ class Saves:
         if not todo or spec.peer is None:
             return
         peer = spec.peer.offset(self._at.slot)
-        if (self._staged or spec.transfer_id in self._left
+        if (self._staged or spec.transfer_id in self._left or self._groups is not None
                 or (not pushed and push_or_pull(device_path=self._engine.pulls_instead(peer)).pulled)):
             for layer in todo:
                 self._push(spec, layer, fence)
@@ -239,7 +279,7 @@ class Saves:
                                           and (out is None or out.state is not OutState.REFUSED)):
             return
         self._withdrawn.discard(tid)
-        self._blocks.release(tid)  # what was read from the old blocks (host buffers of a GPU cache)
+        self._release(tid)  # what was read from the old blocks (host buffers of a GPU cache)
         self._slices.release(tid)
         self._sending[spec.req_id] = spec
         self._offer(spec, fence)
@@ -251,7 +291,7 @@ class Saves:
             tid = spec.transfer_id
             out = self._engine.outgoing(tid)
             if (out is not None and out.state is OutState.REFUSED and self._engine.offer_state(tid) is None
-                    and tid not in self._withdrawn):
+                    and tid not in self._withdrawn and self._groups is None):
                 # The decode side had no room to stage the push: hold the blocks for it to pull instead.
                 log.info("transfer %s: push refused (%s); holding the blocks for a pull", tid, out.reason)
                 # On vLLM's thread, after the forward that wrote the blocks: a fence now comes after it.
@@ -276,7 +316,7 @@ class Saves:
             self._engine.forget_outgoing(tid)
             # A pull that comes later (its request was aborted, or preempted) is refused at once, not left waiting.
             self._engine.forget_offer(tid, "withdrawn" if withdrawn else None)
-            self._blocks.release(tid)
+            self._release(tid)
             self._slices.release(tid)
         return done
 
@@ -294,7 +334,7 @@ class Saves:
             self._withdrawn.add(tid)
             out = self._engine.outgoing(tid)
             if out is not None and out.state is OutState.SENDING:
-                copied = self._blocks.copied_out(tid)
+                copied = self._copied_out(tid)
                 deadline = out.deadline if copied is None else time.monotonic() + self._config.extra.transfer_timeout_s
                 if copied is None:
                     self._engine.wait_outgoing(tid, max(0.0, deadline - time.monotonic()))

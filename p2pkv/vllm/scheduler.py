@@ -19,6 +19,7 @@ from p2pkv.params import (
     ProbeParams,
 )
 from p2pkv.vllm.consumers import Consumers
+from p2pkv.vllm.groups import CacheGroups
 from p2pkv.vllm.metadata import P2pkvMetadata
 from p2pkv.vllm.producers import Producers
 from p2pkv.vllm.request_params import RequestParams
@@ -38,9 +39,11 @@ class SchedulerSide:
 
     def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int = 1, pp_size: int = 1,
                  engine_id: str = "", refused: Callable[[], Mapping[str, Refusal]] | None = None,
-                 kv_events: str = "") -> None:
+                 kv_events: str = "", groups: CacheGroups | None = None) -> None:
         """`engine_id`, `refused` (the workers' refusals now) and `kv_events` (where KV cache events are
-        published): what a probe's answer says besides the KV address, as the instance's heartbeats do."""
+        published): what a probe's answer says besides the KV address, as the instance's heartbeats do. `grouped`:
+        the KV cache's groups, each moved by its own block ids (`p2pkv.vllm.groups`)."""
+        groups = groups or CacheGroups()
         self._config = config
         self._kv_events = kv_events
         self._engine_id = engine_id
@@ -50,8 +53,9 @@ class SchedulerSide:
         self._pp_size = pp_size
         self._reset = False  # vLLM reset its caches: the workers drop what is staged at the next step
         self._own_address = config.extra.kv_address(config.kv_port)
-        self.consumers = Consumers(config, block_size, tp_size, pp_size)
-        self.producers = Producers(config, block_size, tp_size, pp_size, engine_id, self.consumers.claim_keep_s)
+        self.consumers = Consumers(config, block_size, tp_size, pp_size, groups.grouped)
+        self.producers = Producers(config, block_size, tp_size, pp_size, engine_id, self.consumers.claim_keep_s,
+                                   groups.windows if groups.grouped else ())
         self._produces = config.role is not Role.CONSUMER
         self._consumes = config.role is not Role.PRODUCER
 

@@ -25,6 +25,7 @@ from p2pkv.kv.slices import HeadSlices
 from p2pkv.kv.stages import StageLayers
 from p2pkv.kv.staging import STAGE_ENV, DeviceKv
 from p2pkv.memory.huge import HugePageFiller
+from p2pkv.vllm.groups import CacheGroups
 from p2pkv.vllm.loads import Loads, Placement
 from p2pkv.vllm.metadata import P2pkvMetadata, Wanted
 from p2pkv.vllm.refusals import RefusalNotes, RefusalReporter
@@ -56,7 +57,7 @@ class WorkerSide:
                  total_heads: int = 0, pp_rank: int = 0, pp_size: int = 1, total_layers: int = 0,
                  stage_layers: StageLayers | None = None, model: str = "",
                  weights: Callable[[], str] | None = None, num_blocks: int = 0,
-                 device_ops: DeviceOps | None = None) -> None:
+                 device_ops: DeviceOps | None = None, groups: CacheGroups | None = None) -> None:
         """`rank`: the tensor-parallel rank; `pp_rank`: the pipeline stage, whose ranks come after the earlier
         stages' (the worker binds `kv_port + pp_rank * tp_size + rank`, as vLLM numbers its workers).
         `total_layers` and `stage_layers` (which layers a stage holds): how the model's layers split over stages,
@@ -64,7 +65,9 @@ class WorkerSide:
         KV's values depend on beyond its shape (`p2pkv.vllm.model_factors`), compared with each peer's; `weights`
         adds the weights' factor to it when the cache is registered (the model is loaded by then). `num_blocks`:
         vLLM's block count (`KVCacheConfig.num_blocks`), from which kernel blocks are regrouped into vLLM's;
-        `device_ops`: what issues a device cache's copies (the tests' recording layers; by default torch's)."""
+        `device_ops`: what issues a device cache's copies (the tests' recording layers; by default torch's);
+        `groups`: vLLM's KV cache groups, each moved by its own block ids (`p2pkv.vllm.groups`)."""
+        self._groups = groups or CacheGroups()
         self._config = config
         self._at = Placement(rank, tp_size, pp_rank, pp_size, total_heads, range(0), total_layers, stage_layers)
         self._refusals = RefusalReporter(self._at.slot)
@@ -89,7 +92,8 @@ class WorkerSide:
         return self._engine
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layers = prepare_layers(kv_caches, self._num_blocks, self._block_size, lambda n: (_layer_number(n), n))
+        layers = prepare_layers(kv_caches, self._num_blocks, self._block_size, lambda n: (_layer_number(n), n),
+                                self._groups.of_layer)
         names, tensors = layers.names, layers.tensors
         extra = self._config.extra
         kernel = _kernel_tag(tensors[0])
@@ -101,6 +105,8 @@ class WorkerSide:
             self._blocks, access = TransferBuffers(device), CacheAccess(device)
             self._staged = True
             pipes = make_pipes(device, extra.kv_host, extra.nccl_num_channels)
+            if self._groups.grouped:  # device paths pull one list of blocks: a grouped cache is pushed
+                access, pipes = None, None
         else:
             if extra.huge_pages and extra.transport in (Transport.AUTO, Transport.SHM):
                 # Peers on this host copy from it with the kernel's cross-process copy, twice as fast out of 2 MiB
@@ -125,15 +131,17 @@ class WorkerSide:
                            launch=self._config.launch, pinned_staging=device is not None and device.on_gpu)
         factors = ";".join(f for f in (self._model, self._weights() if self._weights else "") if f)
         digest = msgspec.structs.replace(self._blocks.digest, first_layer=first, total_layers=self._at.total_layers,
-                                         model=factors)
+                                         model=factors, kv_groups=self._groups.factor)
         self._engine = TransferEngine(settings, digest, self._at.slot, access, pipes, intervals=True)
         if device is not None:
             device.pool, device.metrics = self._engine.pool, self._engine.metrics
             if device.on_gpu:
                 self._engine.pin_pool()
         self._engine.start()
-        self._loading = Loads(self._config, self._engine, self._blocks, self._slices, self._at)
-        self._saving = Saves(self._config, self._engine, self._blocks, self._slices, self._at, self._staged)
+        grouped = tuple(layers.groups) if self._groups.grouped else None
+        self._loading = Loads(self._config, self._engine, self._blocks, self._slices, self._at, grouped)
+        self._saving = Saves(self._config, self._engine, self._blocks, self._slices, self._at, self._staged, grouped,
+                             any(self._groups.windows))
 
     def bind(self, meta: P2pkvMetadata) -> None:
         self._meta = meta
@@ -225,6 +233,10 @@ class WorkerSide:
 
     def take_load_errors(self) -> set[int]:
         return self._loading.take_errors() if self._loading is not None else set()
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose loads failed, where the cache has several groups (block ids name no block there)."""
+        return self._loading.take_failed() if self._loading is not None else set()
 
     def shutdown(self) -> None:
         if self.huge_pages is not None:

@@ -11,6 +11,7 @@ import torch
 from p2pkv.config import parse_connector_config
 from p2pkv.kv.device_copy import DeviceOps
 from p2pkv.params import Address
+from p2pkv.vllm.groups import CacheGroups
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
 from p2pkv.vllm.worker import WorkerSide
 
@@ -20,13 +21,14 @@ LOCAL = "127.0.0.1"
 def worker_side(role: str, port: int, kv: Mapping[str, torch.Tensor], block_size: int, *, rank: int = 0,
                 tp_size: int = 1, total_heads: int = 0, num_blocks: int = 0, total_layers: int = 0,
                 keys: Mapping[str, object] | None = None, device_ops: DeviceOps | None = None,
-                model: str = "") -> WorkerSide:
+                model: str = "", groups: CacheGroups | None = None) -> WorkerSide:
     """A PP 1 worker (tensor-parallel `rank` of `tp_size`) of `role` whose instance's KV port is `port`, its cache
     `kv` registered; `model`: what its KV's values depend on (`p2pkv.vllm.model_factors`)."""
     extra: dict[str, object] = {"kv_host": LOCAL, "transfer_timeout_s": 10, "metrics_port": 0, **(keys or {})}
     config = parse_connector_config(role, port, "recompute", extra, "")
     side = WorkerSide(config, rank=rank, block_size=block_size, tp_size=tp_size, total_heads=total_heads,
-                      total_layers=total_layers, num_blocks=num_blocks, device_ops=device_ops, model=model)
+                      total_layers=total_layers, num_blocks=num_blocks, device_ops=device_ops, model=model,
+                      groups=groups)
     side.register_kv_caches(dict(kv))
     return side
 

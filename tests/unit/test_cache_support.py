@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -16,6 +16,7 @@ pytest.importorskip("vllm", reason="vLLM's own config, layout selection and cach
 from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -26,9 +27,11 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from p2pkv.bench.cluster import free_ports
+from p2pkv.config import parse_connector_config
 from p2pkv.errors import UnsupportedCacheError
 from p2pkv.tinymodel import write_tiny_model
-from p2pkv.vllm.connector import P2pNcclConnector, check_batching, check_cache_groups
+from p2pkv.vllm.connector import P2pNcclConnector, check_batching, check_grouped
+from p2pkv.vllm.groups import cache_groups
 from p2pkv.vllm.worker import WorkerSide
 from tests.helpers.workers import offer_and_pull, push_and_load, worker_side
 
@@ -113,21 +116,45 @@ def _config(*groups: KVCacheGroupSpec) -> KVCacheConfig:
                          kv_cache_groups=list(groups))
 
 
-def test_several_cache_groups_are_refused_naming_them() -> None:
+def test_full_attention_and_sliding_window_groups_are_described_and_other_groups_refused() -> None:
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
     window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, sliding_window=64)
-    hybrid = _config(KVCacheGroupSpec(["model.layers.0.self_attn.attn"], full),
-                     KVCacheGroupSpec(["model.layers.1.self_attn.attn"], window))
-    with pytest.raises(UnsupportedCacheError, match=r"2 groups \(FullAttentionSpec: 1 layers from model\.layers\.0"
-                                                    r".*SlidingWindowSpec.*hybrid models are not supported"):
-        check_cache_groups(hybrid)
-    check_cache_groups(_config(KVCacheGroupSpec(["model.layers.0.self_attn.attn"], full)))  # one group: taken
+    hybrid = cache_groups(_config(KVCacheGroupSpec(["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"],
+                                                   full),
+                                  KVCacheGroupSpec(["model.layers.1.self_attn.attn"], window)))
+    assert hybrid.grouped and hybrid.kinds == ("full", "window 64")
+    assert hybrid.of_layer["model.layers.1.self_attn.attn"] == 1
+    assert hybrid.factor == "full:0,2|window 64:1"  # what peers compare at the hello
+    alone = cache_groups(_config(KVCacheGroupSpec(["model.layers.0.self_attn.attn"], window)))
+    assert alone.grouped, "a sliding window alone has null blocks in its tables"
+    one = cache_groups(_config(KVCacheGroupSpec(["model.layers.0.self_attn.attn"], full)))
+    assert not one.grouped and one.factor == ""
+    local = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16,
+                                      attention_chunk_size=64)
+    with pytest.raises(UnsupportedCacheError, match=r"model\.layers\.1\.self_attn\.attn: a ChunkedLocalAttentionSpec"):
+        cache_groups(_config(KVCacheGroupSpec(["model.layers.0.self_attn.attn"], full),
+                             KVCacheGroupSpec(["model.layers.1.self_attn.attn"], local)))
+    coarse = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedCacheError, match=r"different block sizes \(\[16, 32\] tokens\)"):
+        cache_groups(_config(KVCacheGroupSpec(["model.layers.0.self_attn.attn"], coarse),
+                             KVCacheGroupSpec(["model.layers.1.self_attn.attn"], window)))
 
 
 def test_a_group_of_state_that_is_not_attention_kv_is_refused() -> None:
     mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
     with pytest.raises(UnsupportedCacheError, match=r"model\.layers\.0\.mixer: its cache is a MambaSpec"):
-        check_cache_groups(_config(KVCacheGroupSpec(["model.layers.0.mixer"], mamba)))
+        cache_groups(_config(KVCacheGroupSpec(["model.layers.1.self_attn.attn"], full),
+                             KVCacheGroupSpec(["model.layers.0.mixer"], mamba)))
+
+
+def test_pulls_of_a_grouped_cache_are_refused_at_start_up() -> None:
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, sliding_window=64)
+    groups = cache_groups(_config(KVCacheGroupSpec(["model.layers.0.self_attn.attn"], window)))
+    get = parse_connector_config("kv_consumer", 14579, "recompute", {"send_type": "GET"}, "")
+    with pytest.raises(UnsupportedCacheError, match=r"send_type GET with a KV cache of 1 groups \(window 64\)"):
+        check_grouped(groups, get, cast(Any, None))
+    check_grouped(groups, parse_connector_config("kv_consumer", 14579, "recompute", {}, ""), cast(Any, None))
 
 
 def test_micro_batching_is_refused_at_start_up() -> None:

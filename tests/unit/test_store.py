@@ -173,6 +173,23 @@ def test_a_discarded_push_stays_dropped_after_a_load_took_its_record() -> None:
         assert s.bytes_in_use == 0 and s.state(tid) is not StageState.RECEIVING
 
 
+def test_a_sliding_window_layer_is_complete_without_the_blocks_it_skips() -> None:
+    """Layer 1 sends only its last block (the blocks before are outside its window, not held by the sender): the
+    transfer completes with it; chunks of one layer that disagree on what is skipped fail the transfer."""
+    s = store()
+    for layer in range(LAYERS):
+        skip = BLOCKS - 1 if layer == 1 else 0
+        assert land(s, PushBlocks("window", layer, skip, BLOCKS - skip, BLOCKS, LAYERS, skip=skip), layer)
+    assert s.state("window") is StageState.COMPLETE
+    assert land(s, PushBlocks("disagree", 0, 1, 1, BLOCKS, LAYERS, skip=1), 1)
+    assert not land(s, PushBlocks("disagree", 0, 2, 1, BLOCKS, LAYERS, skip=2), 1)
+    assert s.state("disagree") is StageState.FAILED
+    for bad in (PushBlocks("bad-0", 0, 0, BLOCKS, BLOCKS, LAYERS, skip=1),  # sends a block it says it skips
+                PushBlocks("bad-1", 0, 0, BLOCKS, BLOCKS, LAYERS, LAYERS, skip=1)):  # whole layers skip nothing
+        assert not land(s, bad, 1)
+        assert s.state(bad.transfer_id) is StageState.FAILED
+
+
 GIB = 1 << 30
 
 

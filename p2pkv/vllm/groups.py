@@ -1,0 +1,107 @@
+"""vLLM's KV cache groups (its hybrid KV cache manager): which layers keep which kind of KV, and what p2pkv moves of
+each. A full-attention group moves every block of the prompt; a sliding-window group only the blocks vLLM still
+holds (those before the window are its null block, id 0, on both sides). Anything else is refused at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from p2pkv.errors import UnsupportedCacheError
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+NULL_BLOCK = 0  # vLLM's null block: the first of its pool, in a request's table where no block is held
+
+
+@dataclass(frozen=True)
+class CacheGroups:
+    """`kinds`: per group, "full" or "window N" (N tokens); `of_layer`: layer name -> its group. `grouped`: block ids
+    go per group (several groups, or a sliding window: null blocks in the tables); one full-attention group moves as
+    one list of block ids."""
+
+    kinds: tuple[str, ...] = ()
+    of_layer: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def grouped(self) -> bool:
+        return len(self.kinds) > 1 or any(kind != "full" for kind in self.kinds)
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Each group's sliding window in tokens (0: full attention)."""
+        return tuple(int(kind.split()[1]) if kind.startswith("window ") else 0 for kind in self.kinds)
+
+    @property
+    def factor(self) -> str:
+        """What peers compare at the hello (`LayoutDigest.kv_groups`): the groups' kinds and which layers each
+        holds. "" for one full-attention group."""
+        if not self.grouped:
+            return ""
+        members = [sorted((n for n, g in self.of_layer.items() if g == i), key=_layer_key)
+                   for i in range(len(self.kinds))]
+        return "|".join(f"{kind}:{','.join(str(_layer_key(n)[0]) for n in names)}"
+                                       for kind, names in zip(self.kinds, members, strict=True))
+
+
+def _layer_key(name: str) -> tuple[int, str]:
+    return next((int(part) for part in name.split(".") if part.isdigit()), 0), name
+
+
+def window_start(num_prompt_tokens: int, window: int, block_size: int) -> int:
+    """The first block of a prompt that a sliding window of `window` tokens still reads when the prompt's last
+    token is computed (the decode side computes it: it holds the blocks from there, vLLM's null block before)."""
+    return max(0, num_prompt_tokens - window) // block_size if window else 0
+
+
+def leading_nulls(block_ids: tuple[int, ...]) -> int:
+    """How many of a group's block ids, from the first, are vLLM's null block (blocks before a sliding window)."""
+    count = 0
+    for block in block_ids:
+        if block != NULL_BLOCK:
+            break
+        count += 1
+    return count
+
+
+def cache_groups(kv_cache_config: KVCacheConfig | None) -> CacheGroups:
+    """The groups of a KV cache p2pkv can move, or `UnsupportedCacheError` naming what it cannot: Mamba or other
+    state, and, beside other groups, any attention other than full or sliding-window (chunked local attention,
+    say). One group of any attention KV moves as before."""
+    if kv_cache_config is None:
+        return CacheGroups()
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    groups = list(kv_cache_config.kv_cache_groups)
+    kinds: list[str] = []
+    of_layer: dict[str, int] = {}
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        name = group.layer_names[0] if group.layer_names else "?"
+        specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        for one in specs:
+            if not isinstance(one, AttentionSpec):
+                raise UnsupportedCacheError(f"KV layer {name}: its cache is a {type(one).__name__}, not attention "
+                                            "KV: p2pkv cannot move it (Mamba and other state: not yet)")
+        windows = {one.sliding_window for one in specs if type(one) is SlidingWindowSpec}
+        if len(windows) == 1 and all(type(one) is SlidingWindowSpec for one in specs):
+            kinds.append(f"window {windows.pop()}")
+        elif all(type(one) is FullAttentionSpec or (len(groups) == 1 and isinstance(one, FullAttentionSpec))
+                 for one in specs):
+            kinds.append("full")
+        else:  # blocks vLLM frees or reuses as the request goes (chunked local attention, say): not yet
+            raise UnsupportedCacheError(
+                f"KV layer {name}: a {type(specs[0]).__name__} cache group: p2pkv moves full-attention and "
+                "sliding-window groups only")
+        of_layer.update(dict.fromkeys(group.layer_names, index))
+    sizes = {group.kv_cache_spec.block_size for group in groups}
+    if len(sizes) > 1:
+        raise UnsupportedCacheError(f"KV cache groups of different block sizes ({sorted(sizes)} tokens): p2pkv moves "
+                                    "groups whose blocks hold the same tokens")
+    return CacheGroups(tuple(kinds), of_layer)
