@@ -123,9 +123,14 @@ class Consumers:
             return known
         prompt = request.prompt_token_ids or ()
         if self._grouped and self._pulled(params.pull, params.prefill_tp, params.prefill_pp)[2]:
-            log.warning("transfer %s would be pulled (another parallel size, or send_type GET), which p2pkv does not "
-                        "do for a KV cache of several groups yet: request %s computes its prompt here",
-                        params.transfer_id, request.request_id)
+            self._computed_here.append("grouped_pull")
+            peer = str(params.prefill_kv)
+            if ("grouped_pull", peer) not in self._warned and len(self._warned) <= 1000:
+                self._warned.add(("grouped_pull", peer))
+                log.warning("transfer %s would be pulled from %s (another parallel size, or send_type GET), which "
+                            "p2pkv does not do for a KV cache of several groups or a sliding window yet: its requests "
+                            "compute their prompts here (said once per peer; p2pkv_requests_computed_here_total "
+                            "counts them)", params.transfer_id, peer)
             self._prompts[request.request_id] = False
             return False
         if params.alongside_s and not params.num_prompt_tokens:

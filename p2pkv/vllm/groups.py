@@ -17,21 +17,18 @@ NULL_BLOCK = 0  # vLLM's null block: the first of its pool, in a request's table
 
 @dataclass(frozen=True)
 class CacheGroups:
-    """`kinds`: per group, "full" or "window N" (N tokens); `of_layer`: layer name -> its group. `grouped`: block ids
-    go per group (several groups, or a sliding window: null blocks in the tables); one full-attention group moves as
-    one list of block ids."""
+    """`kinds`: per group, "full", "window N" (N tokens) or "window N+R" (R tokens behind the window retained, for
+    speculative decoding); `of_layer`: layer name -> its group; `windows`: per group, the tokens a step keeps of a
+    request (N + R; 0: full attention). `grouped`: block ids go per group (several groups, or a sliding window: null
+    blocks in the tables); one full-attention group moves as one list of block ids."""
 
     kinds: tuple[str, ...] = ()
     of_layer: dict[str, int] = field(default_factory=dict)
+    windows: tuple[int, ...] = ()
 
     @property
     def grouped(self) -> bool:
         return len(self.kinds) > 1 or any(kind != "full" for kind in self.kinds)
-
-    @property
-    def windows(self) -> tuple[int, ...]:
-        """Each group's sliding window in tokens (0: full attention)."""
-        return tuple(int(kind.split()[1]) if kind.startswith("window ") else 0 for kind in self.kinds)
 
     @property
     def factor(self) -> str:
@@ -50,9 +47,18 @@ def _layer_key(name: str) -> tuple[int, str]:
 
 
 def window_start(num_prompt_tokens: int, window: int, block_size: int) -> int:
-    """The first block of a prompt that a sliding window of `window` tokens still reads when the prompt's last
-    token is computed (the decode side computes it: it holds the blocks from there, vLLM's null block before)."""
+    """The first block of a prompt that a sliding window of `window` tokens (with those retained behind it) still
+    reads when the prompt's last token is computed: the decode side, which computes it, holds the blocks from there,
+    vLLM's null block before (its `SlidingWindowManager.get_num_skipped_tokens`)."""
     return max(0, num_prompt_tokens - window) // block_size if window else 0
+
+
+def frees_soon(num_prompt_tokens: int, window: int, block_size: int) -> bool:
+    """Whether vLLM may free a block from `window_start` on as a request that computed its prompt finishes: its
+    window moves on by a token, two under async scheduling (a step scheduled before the finish was known). A push
+    that reads that block must have read it by then."""
+    return bool(window) and max(0, num_prompt_tokens + 2 - window) // block_size > window_start(
+        num_prompt_tokens, window, block_size)
 
 
 def leading_nulls(block_ids: tuple[int, ...]) -> int:
@@ -80,6 +86,7 @@ def cache_groups(kv_cache_config: KVCacheConfig | None) -> CacheGroups:
 
     groups = list(kv_cache_config.kv_cache_groups)
     kinds: list[str] = []
+    windows: list[int] = []
     of_layer: dict[str, int] = {}
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
@@ -89,12 +96,15 @@ def cache_groups(kv_cache_config: KVCacheConfig | None) -> CacheGroups:
             if not isinstance(one, AttentionSpec):
                 raise UnsupportedCacheError(f"KV layer {name}: its cache is a {type(one).__name__}, not attention "
                                             "KV: p2pkv cannot move it (Mamba and other state: not yet)")
-        windows = {one.sliding_window for one in specs if type(one) is SlidingWindowSpec}
-        if len(windows) == 1 and all(type(one) is SlidingWindowSpec for one in specs):
-            kinds.append(f"window {windows.pop()}")
+        kept = {(one.sliding_window, one.extra_retained_tokens) for one in specs if type(one) is SlidingWindowSpec}
+        if len(kept) == 1 and all(type(one) is SlidingWindowSpec for one in specs):
+            window, retained = kept.pop()
+            kinds.append(f"window {window}+{retained}" if retained else f"window {window}")
+            windows.append(window + retained)
         elif all(type(one) is FullAttentionSpec or (len(groups) == 1 and isinstance(one, FullAttentionSpec))
                  for one in specs):
             kinds.append("full")
+            windows.append(0)
         else:  # blocks vLLM frees or reuses as the request goes (chunked local attention, say): not yet
             raise UnsupportedCacheError(
                 f"KV layer {name}: a {type(specs[0]).__name__} cache group: p2pkv moves full-attention and "
@@ -104,4 +114,4 @@ def cache_groups(kv_cache_config: KVCacheConfig | None) -> CacheGroups:
     if len(sizes) > 1:
         raise UnsupportedCacheError(f"KV cache groups of different block sizes ({sorted(sizes)} tokens): p2pkv moves "
                                     "groups whose blocks hold the same tokens")
-    return CacheGroups(tuple(kinds), of_layer)
+    return CacheGroups(tuple(kinds), of_layer, tuple(windows))

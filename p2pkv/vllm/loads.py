@@ -581,6 +581,8 @@ class Loads:
         assert item is not None
         n = len(spec.block_ids)
         nbytes = n * item.block_bytes * item.num_layers
+        if self._groups is not None and spec.groups:  # each layer lands its group's blocks, from the first non-null
+            nbytes = item.block_bytes * sum(len(spec.groups[g]) - leading_nulls(spec.groups[g]) for g in self._groups)
 
         def finish() -> None:
             self._engine.release_staged(item)

@@ -32,6 +32,9 @@ class SaveSpec:
     # vLLM's hybrid KV cache manager: each KV cache group's block ids for the same blocks of the prompt (`block_ids`
     # is the first group's); a sliding-window group's start with vLLM's null block, which are not sent
     groups: tuple[tuple[int, ...], ...] = ()
+    # vLLM may free blocks of a sliding window this push reads before it has read them (at the request's finish, or
+    # as it goes on decoding): the step waits in `wait_for_save` until the push is received
+    settle: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from p2pkv.config import ConnectorConfig, SendType
 from p2pkv.params import Address, DecodeParams, PrefillParams, prompt_digest, standard_answer
-from p2pkv.vllm.groups import NULL_BLOCK, window_start
+from p2pkv.vllm.groups import NULL_BLOCK, frees_soon, window_start
 from p2pkv.vllm.metadata import P2pkvMetadata, SaveSpec
 from p2pkv.way import push_or_pull
 
@@ -36,6 +36,7 @@ class _Producer:
     pullers: int = 0  # its ranks
     puller_launch: str = ""  # GET: which start of that instance will pull, when the proxy said
     standard: bool = False  # asked in vLLM's standard protocol: the answer carries its fields too
+    decodes: bool = False  # generates more than one token: it goes on after its prompt's step
 
 
 class Producers:
@@ -83,7 +84,8 @@ class Producers:
                              prompt_digest(request.prompt_token_ids or ()),
                              pulled_by=params.decode_kv if pull else None,
                              pullers=(params.decode_tp or self._tp_size) * (params.decode_pp or self._pp_size),
-                             puller_launch=params.decode_launch if pull else "", standard=params.standard)
+                             puller_launch=params.decode_launch if pull else "", standard=params.standard,
+                             decodes=(getattr(request, "max_tokens", 1) or 1) > 1)
         self._producers[req_id] = producer
         self._producing[params.transfer_id] = (producer, time.monotonic())
 
@@ -159,6 +161,9 @@ class Producers:
             blocks = groups[0]
             grouped = tuple(self._window_only(ids, window, producer.num_prompt_tokens)
                             for ids, window in zip(groups, self._windows, strict=True)) if self._windows else ()
+            # vLLM frees a sliding window's blocks as the window moves, whether or not a push still reads them
+            settle = any(window and (producer.decodes or frees_soon(producer.num_prompt_tokens, window,
+                                                                    self._block_size)) for window in self._windows)
             if producer.preempted:
                 meta.saves.append(SaveSpec(req_id=req_id, transfer_id=producer.transfer_id, peer=None,
                                            block_ids=blocks, again=True, groups=grouped))
@@ -167,7 +172,7 @@ class Producers:
                                            block_ids=blocks, inline=producer.inline,
                                            pulled_by=producer.pulled_by, pullers=producer.pullers,
                                            puller_launch=producer.puller_launch, prompt=producer.prompt,
-                                           groups=grouped))
+                                           groups=grouped, settle=settle))
 
     def _window_only(self, ids: tuple[int, ...], window: int, num_prompt_tokens: int) -> tuple[int, ...]:
         """A sliding-window group's blocks the decode side reads, the others null (not sent): vLLM has freed those

@@ -41,16 +41,13 @@ def _pullers(spec: SaveSpec) -> tuple[Address, ...]:
 
 class Saves:
     def __init__(self, config: ConnectorConfig, engine: TransferEngine, blocks: BlockAccess, slices: HeadSlices,
-                 at: Placement, staged: bool, groups: tuple[int, ...] | None = None, windowed: bool = False) -> None:
+                 at: Placement, staged: bool, groups: tuple[int, ...] | None = None) -> None:
         """`staged`: the KV is behind a device copy (a GPU's): every layer is pushed as the forward computes it,
         whatever the link, so that the copy overlaps the compute (see `save_layer` for host KV). `groups`: the KV
         cache group of each layer, where each group has its own block ids (`SaveSpec.groups`): those are pushed,
-        layer by layer, and never held for a pull. `windowed`: a group is a sliding window, whose blocks vLLM frees
-        as the window moves, even those of a request that finished with its transfer under way: the step waits
-        for each push to be received."""
+        layer by layer, and never held for a pull; a save that says `settle` is waited for in `wait_for_save`."""
         self._config = config
         self._groups = groups
-        self._windowed = windowed
         self._engine = engine
         self._blocks = blocks
         self._slices = slices
@@ -127,10 +124,9 @@ class Saves:
             self._push_rest(spec, fence)
         if any(spec.inline and spec.peer is not None for spec in self._saves):
             self._engine.wait_sent(time.monotonic() + self._config.extra.transfer_timeout_s)
-        if self._windowed:
-            for spec in self._saves:
-                if spec.peer is not None and not spec.again and spec.transfer_id not in self._left:
-                    self._engine.wait_outgoing(spec.transfer_id, self._config.extra.transfer_timeout_s)
+        for spec in self._saves:
+            if spec.settle and spec.peer is not None and not spec.again and spec.transfer_id not in self._left:
+                self._engine.wait_outgoing(spec.transfer_id, self._config.extra.transfer_timeout_s)
 
     def _offer(self, spec: SaveSpec, fence: Fence | None) -> None:
         """GET: hold the blocks for the decode side (and say where they lie, for cuda_ipc pulls; and which bytes
@@ -218,14 +214,16 @@ class Saves:
         their own host buffers (a GPU cache)."""
         return tid if self._groups is None else f"{tid}#{self._groups[layer]}"
 
+    def _keys(self, tid: str) -> list[str]:
+        """Every key `_key` gives the transfer's layers."""
+        return [tid] if self._groups is None else [f"{tid}#{group}" for group in sorted(set(self._groups))]
+
     def _release(self, tid: str) -> None:
-        for key in [tid] if self._groups is None else sorted({self._key(tid, layer) for layer in self._groups}):
+        for key in self._keys(tid):
             self._blocks.release(key)
 
     def _copied_out(self, tid: str) -> Marker | None:
-        if self._groups is None:
-            return self._blocks.copied_out(tid)
-        markers = [self._blocks.copied_out(key) for key in sorted({self._key(tid, layer) for layer in self._groups})]
+        markers = [self._blocks.copied_out(key) for key in self._keys(tid)]
         return None if any(m is None for m in markers) else all_done([m for m in markers if m is not None])
 
     def _ids(self, spec: SaveSpec, layer: int) -> tuple[tuple[int, ...], int]:

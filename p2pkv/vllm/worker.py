@@ -140,8 +140,7 @@ class WorkerSide:
         self._engine.start()
         grouped = tuple(layers.groups) if self._groups.grouped else None
         self._loading = Loads(self._config, self._engine, self._blocks, self._slices, self._at, grouped)
-        self._saving = Saves(self._config, self._engine, self._blocks, self._slices, self._at, self._staged, grouped,
-                             any(self._groups.windows))
+        self._saving = Saves(self._config, self._engine, self._blocks, self._slices, self._at, self._staged, grouped)
 
     def bind(self, meta: P2pkvMetadata) -> None:
         self._meta = meta

@@ -31,6 +31,7 @@ from tests.integration.conftest import (
 WINDOW = 128
 LAYERS = TinyModelSpec().num_layers
 RECEIVED = 'p2pkv_bytes_received_total{transport="shm"}'
+LOADED = "p2pkv_bytes_loaded_total"
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +59,10 @@ def test_a_sliding_window_model_moves_each_groups_blocks_and_answers_as_computed
     per_layer_block = kv_bytes_per_block_and_layer()
     for length in (60, 129, 300, 700):  # 700 tokens: 6 blocks, of which the window reads the last 2
         text = prompt(f"hybrid-{length}", length)
-        before = metric(decode["metrics"], RECEIVED)
+        before = metric(decode["metrics"], RECEIVED), metric(decode["metrics"], LOADED)
         disagg = greedy(hybrid["proxy"], hybrid["model"], text)
-        received = metric(decode["metrics"], RECEIVED) - before
+        received = metric(decode["metrics"], RECEIVED) - before[0]
+        loaded = metric(decode["metrics"], LOADED) - before[1]
         here = greedy(f"http://{prefill['http']}", hybrid["model"], text)
         d_ids, d_lp = ids_and_logprobs(disagg)
         h_ids, h_lp = ids_and_logprobs(here)
@@ -71,3 +73,8 @@ def test_a_sliding_window_model_moves_each_groups_blocks_and_answers_as_computed
         window_blocks = blocks - max(0, length - WINDOW) // BLOCK_SIZE
         full_layers = LAYERS // 2
         assert received == (full_layers * blocks + (LAYERS - full_layers) * window_blocks) * per_layer_block, length
+        # The decode side lands all but the last token's block when that token opens one; the window layers from
+        # the first block the window reads.
+        landed = math.ceil((length - 1) / BLOCK_SIZE)
+        window_landed = landed - max(0, length - WINDOW) // BLOCK_SIZE
+        assert loaded == (full_layers * landed + (LAYERS - full_layers) * window_landed) * per_layer_block, length

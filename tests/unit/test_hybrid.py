@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("vllm", reason="the caches are built by vLLM's own grouping and allocation code")
 
 from vllm.config import VllmConfig
-from vllm.v1.core.kv_cache_utils import _get_kv_cache_groups_uniform_page_size, get_kv_cache_config_from_groups
+from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -29,7 +29,7 @@ from p2pkv.bench.cluster import free_ports
 from p2pkv.config import parse_connector_config
 from p2pkv.kv.staging import STAGE_ENV
 from p2pkv.params import Address, DecodeParams, PrefillParams
-from p2pkv.vllm.groups import cache_groups
+from p2pkv.vllm.groups import cache_groups, frees_soon, window_start
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
 from p2pkv.vllm.scheduler import SchedulerSide
 from p2pkv.vllm.worker import WorkerSide
@@ -38,20 +38,21 @@ from tests.helpers.workers import LOCAL, settle, worker_side
 
 BS, WINDOW, LAYERS, NUM_BLOCKS = 16, 32, 4, 24
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-FULL, SWA = NAMES[0::2], NAMES[1::2]  # layers 0 and 2 full attention, 1 and 3 a sliding window of 32 tokens
+FULL = NAMES[0::2]  # layers 0 and 2 full attention, 1 and 3 a sliding window of 32 tokens
+ADJACENT = NAMES[:2]  # layers 0 and 1 full attention, 2 and 3 the window: each group's layers side by side
 
 
-def hybrid_config(hybrid: bool = True) -> KVCacheConfig:
+def hybrid_config(hybrid: bool = True, full_layers: list[str] = FULL) -> KVCacheConfig:
     """vLLM's groups and config for the model: one group per attention kind, overlaying one buffer; or, with the
-    hybrid manager off, one group (vLLM then treats the window layers as full attention)."""
+    hybrid manager off (`--disable-hybrid-kv-cache-manager`), one group: the window layers as full attention."""
     full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
     window = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16,
                                sliding_window=WINDOW)
-    specs: dict[str, KVCacheSpec] = {n: full if n in FULL or not hybrid else window for n in NAMES}
-    groups = (_get_kv_cache_groups_uniform_page_size(specs) if hybrid
-              else [KVCacheGroupSpec(NAMES, full)])
+    specs: dict[str, KVCacheSpec] = {n: full if n in full_layers else window for n in NAMES}
     vllm_config = VllmConfig()
     vllm_config.cache_config.kv_cache_layout = "LBHNC"
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = not hybrid
+    groups = get_kv_cache_groups(vllm_config, specs)
     return get_kv_cache_config_from_groups(vllm_config, groups, full.page_size_bytes * LAYERS * NUM_BLOCKS)
 
 
@@ -91,6 +92,47 @@ def test_vllms_groups_are_taken_and_layers_that_overlay_are_not_aliases() -> Non
     assert kv[NAMES[0]].data_ptr() == kv[NAMES[1]].data_ptr(), "vLLM overlays the groups in one buffer"
 
 
+def test_the_window_read_and_what_vllm_frees_follow_its_sliding_window_manager() -> None:
+    """The first block the last prompt token's window reads (what the decode side holds), and whether the window
+    moving on by up to two tokens as the request finishes frees a block from there: only then does the prefill
+    step wait for its push."""
+    assert [window_start(n, WINDOW, BS) for n in (20, 32, 47, 48, 80, 81)] == [0, 0, 0, 1, 3, 3]
+    assert [frees_soon(n, WINDOW, BS) for n in (20, 46, 47, 48, 80, 94)] == [False, True, True, False, False, True]
+    assert not frees_soon(80, 0, BS), "full attention frees nothing"
+    retained = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16,
+                                 sliding_window=WINDOW, extra_retained_tokens=3)
+    groups = cache_groups(KVCacheConfig(num_blocks=4, kv_cache_tensors=[],
+                                        kv_cache_groups=[KVCacheGroupSpec(NAMES, retained)]))
+    assert groups.kinds == (f"window {WINDOW}+3",) and groups.windows == (WINDOW + 3,)
+
+
+def test_kv_that_would_be_pulled_is_computed_here_and_counted() -> None:
+    """A prefill instance of another tensor-parallel size: its KV would be pulled by heads, which p2pkv does not do
+    for a grouped cache yet. The decode request loads nothing, and is counted as computed here."""
+    side = SchedulerSide(parse_connector_config("kv_consumer", 21001, "recompute", {"kv_host": LOCAL}), BS,
+                         groups=cache_groups(hybrid_config()))
+    req = Req("cmpl-d-0-p", list(range(80)), DecodeParams("p", 80, Address(LOCAL, 22001), prefill_tp=2).to_dict())
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    meta = side.build_connector_meta(step())
+    assert meta.loads == [] and meta.computed_here == ["grouped_pull"]
+
+
+@pytest.mark.parametrize(("n", "max_tokens", "settle"), [(80, 1, False), (94, 1, True), (80, 16, True)])
+def test_a_prefill_step_waits_for_its_push_only_where_vllm_may_free_what_it_reads(n: int, max_tokens: int,
+                                                                                  settle: bool) -> None:
+    side = SchedulerSide(parse_connector_config("kv_producer", 21001, "recompute", {"kv_host": LOCAL}), BS,
+                         groups=cache_groups(hybrid_config()))
+    req = Req("cmpl-p-0-s", list(range(n)), PrefillParams("s", Address(LOCAL, 22001)).to_dict())
+    req.max_tokens = max_tokens  # type: ignore[attr-defined]
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1], [2])), 0)
+    blocks = -(-n // BS)
+    ids = (list(range(10, 10 + blocks)), list(range(30, 30 + blocks)))
+    (save,) = prompt_steps(side, req, [(n, ids)])
+    assert save.settle is settle
+    assert save.groups[1][: window_start(n, WINDOW, BS)] == (0,) * window_start(n, WINDOW, BS)
+
+
 def prompt_steps(side: SchedulerSide, req: Req, chunks: list[tuple[int, tuple[list[int], list[int]]]]
                  ) -> list[SaveSpec]:
     """The prefill scheduler side over a prompt computed in chunks: (tokens, each group's new block ids) a step, as
@@ -109,13 +151,18 @@ def prompt_steps(side: SchedulerSide, req: Req, chunks: list[tuple[int, tuple[li
     return saves
 
 
-def test_a_chunked_prompt_moves_each_groups_blocks_and_nothing_else(sides: list[WorkerSide], mode: str) -> None:
+@pytest.mark.parametrize("full_layers", [FULL, ADJACENT], ids=["alternating", "adjacent"])
+def test_a_chunked_prompt_moves_each_groups_blocks_and_nothing_else(sides: list[WorkerSide], mode: str,
+                                                                     full_layers: list[str]) -> None:
     """80 tokens (5 blocks) prefilled in chunks of 48 and 32: when the last chunk is scheduled, the prefill side's
     window group has let go of block 0 (its table says null); the decode side, which computes only the last
     token, holds the window's last blocks only. The full-attention layers' 5 blocks land; the window layers'
-    blocks the decode side holds land; every other block of the decode cache stays as it was."""
-    config = hybrid_config()
+    blocks the decode side holds land; every other block of the decode cache stays as it was, and the prefill
+    worker's host buffers (a GPU's cache) are all released."""
+    config = hybrid_config(full_layers=full_layers)
     groups = cache_groups(config)
+    assert groups.kinds == ("full", f"window {WINDOW}")
+    swa = [n for n in NAMES if n not in full_layers]
     n = 80
     tokens = list(range(n))
     p_port, d_port = free_ports(2)
@@ -154,16 +201,19 @@ def test_a_chunked_prompt_moves_each_groups_blocks_and_nothing_else(sides: list[
     settle(decode, load.req_id, sending=False, also=[prefill])
     assert decode.take_failed_loads() == set() and decode.take_load_errors() == set()
     settle(prefill, save.req_id, sending=True)
+    pool = prefill.engine.pool.stats() if prefill.engine.pool is not None else None
+    assert pool is None or pool.bytes_in_use == 0, "a host buffer of the transfer was kept"
 
-    # Layers 0 and 1 (2 and 3) overlay one buffer, each group using its own blocks of it.
-    moved = {(name, dst): src for name in FULL for src, dst in zip((1, 2, 3, 7, 8), load.groups[0], strict=True)}
-    moved |= {(name, dst): src for name in SWA for src, dst in zip((9, 10), (17, 18), strict=True)}
-    written = {(NAMES.index(name) // 2, b) for name, b in moved}
+    # A full-attention layer and a window layer overlay each buffer, each group using its own blocks of it.
+    moved = {(name, dst): src for name in full_layers
+             for src, dst in zip((1, 2, 3, 7, 8), load.groups[0], strict=True)}
+    moved |= {(name, dst): src for name in swa for src, dst in zip((9, 10), (17, 18), strict=True)}
+    written = {(d_kv[name].storage_offset(), b) for name, b in moved}
     for name in NAMES:
         for b in range(config.num_blocks):
             if (name, b) in moved:
                 assert torch.equal(block(d_kv, name, b), block(p_kv, name, moved[name, b])), (name, b)
-            elif (NAMES.index(name) // 2, b) not in written:
+            elif (d_kv[name].storage_offset(), b) not in written:
                 assert torch.equal(block(d_kv, name, b), before[name][b].view(torch.int16)), (name, b)
     assert len(written) == 2 * 7, "5 full-attention and 2 window blocks in each buffer, nothing else"
 
