@@ -22,10 +22,11 @@ class BlockAccess(Protocol):
         """Where vLLM's forward has got to, for the copies that must come after it; only on vLLM's thread, in the
         connector's hooks. None where blocks are read and written in place (nothing is queued)."""
 
-    def push_views(self, transfer_id: str, layer: int, block_ids: Sequence[int],
-                   after: Fence | None = None) -> tuple[tuple[memoryview, ...], Ready | None]:
+    def push_views(self, transfer_id: str, layer: int, block_ids: Sequence[int], after: Fence | None = None,
+                   layers: Sequence[int] | None = None) -> tuple[tuple[memoryview, ...], Ready | None]:
         """One layer's bytes to push, and (when they are still being copied, after `after`) when they may be sent.
-        NoPinnedSpace where no page-locked memory is free for them."""
+        NoPinnedSpace where no page-locked memory is free for them. `layers`: the layers `transfer_id` stands for,
+        in order, where not every layer (a KV cache group's, whose blocks are its own): what a host buffer holds."""
 
     def source(self, transfer_id: str, block_ids: Sequence[int], after: Fence | None = None) -> ViewSource:
         """GET: what a pull reads (copied out after `after`)."""
@@ -81,8 +82,8 @@ class InPlaceBlocks:
     def fence(self) -> Fence | None:
         return None
 
-    def push_views(self, transfer_id: str, layer: int, block_ids: Sequence[int],
-                   after: Fence | None = None) -> tuple[tuple[memoryview, ...], Ready | None]:
+    def push_views(self, transfer_id: str, layer: int, block_ids: Sequence[int], after: Fence | None = None,
+                   layers: Sequence[int] | None = None) -> tuple[tuple[memoryview, ...], Ready | None]:
         return self.kv.block_views(layer, block_ids), None
 
     def _views(self, block_ids: Sequence[int]) -> ViewSource:

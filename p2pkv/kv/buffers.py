@@ -33,9 +33,11 @@ log = logging.getLogger(__name__)
 class _Staged:
     """One transfer: its blocks, its host buffer (made on first use), and the copies issued into or out of it."""
 
-    def __init__(self, kv: DeviceKv, block_ids: Sequence[int]) -> None:
+    def __init__(self, kv: DeviceKv, block_ids: Sequence[int], held: Sequence[int] | None = None) -> None:
+        """`held`: the layers the buffer holds, in order (a KV cache group's); every layer where not given."""
         self.kv = kv
         self.block_ids = tuple(block_ids)
+        self.held = tuple(held) if held is not None else None
         self.layer_bytes = len(block_ids) * kv.block_bytes
         self.markers: dict[int, Marker] = {}  # layer -> its copy to the host buffer
         self.landing: Marker | None = None  # the copy into the blocks (`land`)
@@ -49,14 +51,20 @@ class _Staged:
         deadline = time.monotonic() + wait_s
         while self._buffer is None:
             try:
-                self._buffer = self.kv.buffer(len(self.block_ids), pinned_only or wait_s > 0)
+                self._buffer = self.kv.buffer(len(self.block_ids), pinned_only or wait_s > 0,
+                                              len(self.held) if self.held is not None else 0)
             except NoPinnedSpace:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.001)
         return self._buffer
 
+    def slot(self, layer: int) -> int:
+        """Where a layer lies in the buffer, in layers."""
+        return layer if self.held is None else self.held.index(layer)
+
     def layers(self, first: int, end: int) -> torch.Tensor:
+        """The buffer's layer slots `first .. end`."""
         return self.buffer().tensor[first * self.layer_bytes : end * self.layer_bytes]
 
     def copies(self) -> list[Marker]:
@@ -108,27 +116,28 @@ class TransferBuffers:
         self.kv.count(sum(v.nbytes for _, v in layers), to_host=False)
         return marker
 
-    def _get(self, transfer_id: str, block_ids: Sequence[int]) -> _Staged:
+    def _get(self, transfer_id: str, block_ids: Sequence[int], layers: Sequence[int] | None = None) -> _Staged:
         with self._lock:
             staged = self._staged.get(transfer_id)
             if staged is None:
-                staged = self._staged[transfer_id] = _Staged(self.kv, block_ids)
+                staged = self._staged[transfer_id] = _Staged(self.kv, block_ids, layers)
             return staged
 
     def _wait(self, marker: Marker, what: str) -> None:
         if not wait_marker(marker, time.monotonic() + self.kv.copy_timeout_s):
             raise P2pkvError(f"{what} took over {self.kv.copy_timeout_s} s")
 
-    def push_views(self, transfer_id: str, layer: int, block_ids: Sequence[int],
-                   after: Fence | None = None) -> tuple[tuple[memoryview, ...], Ready]:
+    def push_views(self, transfer_id: str, layer: int, block_ids: Sequence[int], after: Fence | None = None,
+                   layers: Sequence[int] | None = None) -> tuple[tuple[memoryview, ...], Ready]:
         """Issue the copy of one layer's blocks (after `after`, the fence vLLM's thread recorded once the layer was
         written); the bytes to send, and when they may be sent. Called on the forward's path: NoPinnedSpace where
         the pool has no pinned memory free for the transfer."""
-        staged = self._get(transfer_id, block_ids)
+        staged = self._get(transfer_id, block_ids, layers)
         buffer = staged.buffer(pinned_only=True)
+        slot = staged.slot(layer)
         marker: Marker = done
         try:
-            marker = self.kv.copy_out([layer], staged.block_ids, staged.layers(layer, layer + 1),
+            marker = self.kv.copy_out([layer], staged.block_ids, staged.layers(slot, slot + 1),
                                       [after] if after is not None else [])
         except PartialCopy as exc:  # the buffer is released only once what was issued is done
             marker = exc.pending
@@ -136,7 +145,7 @@ class TransferBuffers:
         finally:
             with self._lock:
                 staged.markers[layer] = marker
-        start = layer * staged.layer_bytes
+        start = slot * staged.layer_bytes
         return (buffer.view[start : start + staged.layer_bytes],), lambda deadline: wait_marker(marker, deadline)
 
     def source(self, transfer_id: str, block_ids: Sequence[int], after: Fence | None = None) -> ViewSource:

@@ -155,9 +155,9 @@ class DeviceKv:
         """Where vLLM's forward has got to (only on vLLM's thread, in the connector's hooks)."""
         return self.ops.fence()
 
-    def buffer(self, num_blocks: int, pinned_only: bool = False) -> HostBuffer:
-        """A host buffer for `num_blocks` blocks of every layer."""
-        nbytes = max(1, self.num_layers * num_blocks * self.block_bytes)
+    def buffer(self, num_blocks: int, pinned_only: bool = False, num_layers: int = 0) -> HostBuffer:
+        """A host buffer for `num_blocks` blocks of every layer (of `num_layers` layers, where given)."""
+        nbytes = max(1, (num_layers or self.num_layers) * num_blocks * self.block_bytes)
         return HostBuffer(nbytes, self.pool, pinned_only and self.ops.pins_host)
 
     def _per_ids(self, block_ids: Sequence[int], key: object, make: Callable[[], _T]) -> _T:

@@ -193,7 +193,7 @@ class Saves:
             return
         ids, skip = self._ids(spec, layer)
         try:
-            views, ready = self._blocks.push_views(self._key(tid, layer), layer, ids, fence)
+            views, ready = self._blocks.push_views(self._key(tid, layer), layer, ids, fence, self._held(layer))
         except NoPinnedSpace as exc:
             if first and self._groups is None and push_or_pull(pinned_space=False).pulled:  # the peer can pull
                 log.info("transfer %s: %s; holding the blocks for a pull", tid, exc)
@@ -213,6 +213,13 @@ class Saves:
         """What the blocks' access knows a transfer's layer by: a group's layers have their own blocks, and so
         their own host buffers (a GPU cache)."""
         return tid if self._groups is None else f"{tid}#{self._groups[layer]}"
+
+    def _held(self, layer: int) -> tuple[int, ...] | None:
+        """The layers of `layer`'s group, which its transfer key stands for (`_key`)."""
+        if self._groups is None:
+            return None
+        group = self._groups[layer]
+        return tuple(at for at, of in enumerate(self._groups) if of == group)
 
     def _keys(self, tid: str) -> list[str]:
         """Every key `_key` gives the transfer's layers."""

@@ -89,6 +89,26 @@ def test_buffers_come_from_the_pool_and_go_back() -> None:
         HostBuffer(2 << 20, pool, pinned_only=True)
 
 
+def test_a_groups_buffer_holds_its_layers_only() -> None:
+    """A KV cache group's layers, pushed under their own key: the host buffer holds those layers, each at its slot,
+    not room for every layer."""
+    pool = HostPool(1 << 20, pinned=False)
+    layers = caches("LBHNC", True)
+    kv, reference = DeviceKv(layers, 16, "test", 5), KvBlocks.from_tensors(layers, 16, "test")
+    kv.pool = pool
+    buffers = TransferBuffers(kv)
+    held = (0, SIZES["L"] - 1)
+    for layer in held:
+        (staged,), ready = buffers.push_views("g#1", layer, [4, 5], layers=held)
+        assert ready(time.monotonic() + 1)
+        assert bytes(staged) == b"".join(bytes(v) for v in reference.block_views(layer, [4, 5]))
+    stats = pool.stats()
+    assert stats is not None and stats.bytes_requested == len(held) * 2 * BLOCK_BYTES
+    buffers.release("g#1")
+    stats = pool.stats()
+    assert stats is not None and stats.bytes_in_use == 0
+
+
 def test_write_blocks_checks_the_size() -> None:
     kv = host_kv("LBHNC", False)
     with pytest.raises(ValueError, match="bytes for 2 blocks"):
