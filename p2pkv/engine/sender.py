@@ -165,10 +165,11 @@ class Sender:
             return self._changed.wait_for(lambda: not self._pending, max(0.0, deadline - time.monotonic()))
 
     def wait(self, transfer_id: str, deadline: float) -> Outgoing | None:
-        """The transfer once it has finished (or at the deadline, still sending); None if unknown."""
+        """The transfer once it has finished and the sender's thread holds none of its jobs (or at the deadline);
+        None if unknown. A verdict can end it while its jobs are still in hand, and their views still read."""
         def settled() -> bool:
             item = self._transfers.get(transfer_id)
-            return item is None or item.state is not OutState.SENDING
+            return item is None or (item.state is not OutState.SENDING and item.jobs == 0)
 
         with self._changed:
             self._changed.wait_for(settled, max(0.0, deadline - time.monotonic()))
