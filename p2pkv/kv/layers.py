@@ -6,13 +6,13 @@ layer and what it is. Every plane then works from this one description."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from p2pkv.errors import UnsupportedCacheError
-from p2pkv.kv.layout import manager_blocks
+from p2pkv.kv.layout import LayerGeometry, manager_blocks
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +35,63 @@ def _identity(t: torch.Tensor) -> tuple[object, ...]:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
+def _page(t: torch.Tensor | Sequence[torch.Tensor], name: str) -> torch.Tensor:
+    """A state layer's first view (vLLM gives a byte view of each block's state, or one view per state tensor)."""
+    first = t[0] if isinstance(t, (list, tuple)) else t
+    if not isinstance(first, torch.Tensor) or first.dim() < 2:
+        raise UnsupportedCacheError(f"KV layer {name}: a state of {type(t).__name__} p2pkv does not know")
+    return first
+
+
+def state_views(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, states: set[str]) -> dict[str, torch.Tensor]:
+    """Every layer's blocks in one shape: a state layer's (Mamba) as its whole page of vLLM's hybrid manager, seen
+    through the attention layers' view of theirs (vLLM pads both to one page size), so that its blocks move as
+    theirs do, padding and all; with no attention layers, as bytes. Refuses pages laid out otherwise."""
+    if not states:
+        return dict(kv_caches)
+    pages = {name: _page(kv_caches[name], name) for name in states}
+    attention = [t for n, t in kv_caches.items() if n not in states]
+    some = next(iter(pages.values()))
+    page = some.stride(0) * some.element_size()
+    if attention:
+        # The state takes the attention layers' own view (kernel blocks and all), so it is regrouped as theirs is
+        like = attention[0]
+        es = like.element_size()
+        blocks = manager_blocks(like, num_blocks, next(n for n in kv_caches if n not in states))
+        inner = LayerGeometry.of(blocks).inner
+        if blocks.stride(0) * es != page or inner != ((0, page),):
+            raise UnsupportedCacheError(
+                f"KV layer {next(iter(states))}: Mamba state pages of {page} bytes beside attention blocks of "
+                f"{blocks.stride(0) * es} bytes laid out in {len(inner)} runs: p2pkv moves a state only where "
+                "each attention block is one page (KV cache layouts with the block outermost in a layer)")
+        shape, stride, dtype = tuple(like.shape), like.stride(), like.dtype
+    else:
+        count = num_blocks or some.shape[0]
+        shape, stride, dtype, es = (count, 1, 1, page), (page, page, page, 1), torch.uint8, 1
+    out = dict(kv_caches)
+    for name, t in pages.items():
+        offset = t.storage_offset() * t.element_size()
+        if t.stride(0) * t.element_size() != page or offset % es:
+            raise UnsupportedCacheError(f"KV layer {name}: its state pages are not {page} bytes apart from an "
+                                        f"offset of whole {dtype} elements")
+        out[name] = torch.empty(0, dtype=dtype, device=t.device).set_(t.untyped_storage(), offset // es, shape,
+                                                                      stride)
+    return out
+
+
 def prepare_layers(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, block_size: int,
-                   order: Callable[[str], tuple[int, str]], group_of: Mapping[str, int] | None = None) -> KvLayers:
+                   order: Callable[[str], tuple[int, str]], group_of: Mapping[str, int] | None = None,
+                   state_groups: Sequence[bool] = ()) -> KvLayers:
     """`num_blocks`: vLLM's block count (`KVCacheConfig.num_blocks`; 0: not known, then told from views whose
     token dimension is a fraction of `block_size`); `order`: the sort key that puts layer names in the model's
-    order; `group_of`: each layer's KV cache group (none: one group). Layers of different groups that share one
-    buffer (vLLM's hybrid manager lays them out so) are not aliases: each group has its own blocks in it."""
+    order; `group_of`: each layer's KV cache group (none: one group); `state_groups`: which groups hold a state
+    (`state_views`). Layers of different groups that share one buffer (vLLM's hybrid manager lays them out so)
+    are not aliases: each group has its own blocks in it."""
     group_of = group_of or {}
     if not kv_caches:
         raise UnsupportedCacheError("vLLM registered no KV cache layers")
+    states = {n for n in kv_caches if (g := group_of.get(n, 0)) < len(state_groups) and state_groups[g]}
+    kv_caches = state_views(kv_caches, num_blocks, states)
     if num_blocks <= 0:
         sample = next(iter(kv_caches.values()))
         tokens = sample.shape[2] if sample.dim() == 4 else block_size

@@ -180,7 +180,8 @@ class P2pNcclConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         tc = vllm_config.kv_transfer_config
         config = parse_connector_config(tc.kv_role, tc.kv_port, getattr(tc, "kv_load_failure_policy", "fail"),
                                         tc.kv_connector_extra_config, _start_of(vllm_config))
-        block_size = vllm_config.cache_config.block_size
+        # With a state group, vLLM's own block size may be the state's (the model's length, where that is shorter)
+        block_size = (self.groups.block_size if self.groups.has_state else 0) or vllm_config.cache_config.block_size
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
         local_dp, self.dp_rank = _data_parallel(vllm_config)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from p2pkv.config import ConnectorConfig
 from p2pkv.params import Address, DecodeParams, foreign_params, prompt_digest
+from p2pkv.vllm.groups import state_only
 from p2pkv.vllm.metadata import Discard, LoadSpec, P2pkvMetadata
 from p2pkv.vllm.waiting import WaitingRequests
 from p2pkv.way import push_or_pull
@@ -39,10 +40,11 @@ class _Claim:
 
 class Consumers:
     def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int, pp_size: int,
-                 grouped: bool = False) -> None:
+                 grouped: bool = False, states: tuple[bool, ...] = ()) -> None:
         """`grouped`: every KV cache group's block ids go to the workers (`p2pkv.vllm.groups`), and KV that would
-        be pulled is not taken."""
+        be pulled is not taken; `states`: which groups hold a state (Mamba)."""
         self._grouped = grouped
+        self._states = states if any(states) else ()
         self._block_size = block_size
         self._tp_size = tp_size
         self._pp_size = pp_size
@@ -172,10 +174,14 @@ class Consumers:
         num_prompt = len(request.prompt_token_ids or ())
         first = (num_prompt - 1 - num_external_tokens) // self._block_size
         last = (num_prompt - 2) // self._block_size
-        groups = tuple(tuple(ids[first : last + 1]) for ids in blocks.get_block_ids())
+        # A state group's one block stands in the last place: the state after the prompt's tokens loaded here
+        groups = tuple(state_only(tuple(ids), last + 1 - first) if self._states and self._states[group]
+                       else tuple(ids[first : last + 1]) for group, ids in enumerate(blocks.get_block_ids()))
+        block_ids = next((ids for ids, state in zip(groups, self._states, strict=True) if not state),
+                         groups[0]) if self._states else groups[0]
         prefill_tp, prefill_pp, pulled = self._pulled(params.pull, params.prefill_tp, params.prefill_pp)
         self._loads.append(LoadSpec(req_id=req_id, transfer_id=params.transfer_id, first_block=first,
-                                    block_ids=groups[0], corrupt=params.test_corrupt,
+                                    block_ids=block_ids, corrupt=params.test_corrupt,
                                     groups=groups if self._grouped else (),
                                     pull_from=params.prefill_kv if pulled else None, fallback_from=params.prefill_kv,
                                     prefill_tp=prefill_tp, prefill_pp=prefill_pp,

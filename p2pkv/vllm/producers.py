@@ -3,19 +3,22 @@ when its prompt is saved (pushed or held for a pull), and the parameters its ans
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from p2pkv.config import ConnectorConfig, SendType
 from p2pkv.params import Address, DecodeParams, PrefillParams, prompt_digest, standard_answer
-from p2pkv.vllm.groups import NULL_BLOCK, frees_soon, window_start
+from p2pkv.vllm.groups import NULL_BLOCK, frees_soon, state_only, window_start
 from p2pkv.vllm.metadata import P2pkvMetadata, SaveSpec
 from p2pkv.way import push_or_pull
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
 
 # How vLLM ends a request whose answer never reaches the client: aborted (the client went away), or failed.
 _UNANSWERED = ("FINISHED_ABORTED", "FINISHED_ERROR")
@@ -28,6 +31,7 @@ class _Producer:
     num_prompt_tokens: int
     inline: bool
     prompt: str  # its prompt_digest
+    answer_tokens: int = 0  # the prompt's tokens the answer names: one more than computed where a state is moved
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved: bool = False
     abandoned: bool = False  # nobody will get its answer (aborted, or the proxy said so): nothing to hold for a pull
@@ -41,12 +45,15 @@ class _Producer:
 
 class Producers:
     def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int, pp_size: int, engine_id: str,
-                 keep_s: float, windows: tuple[int, ...] = ()) -> None:
+                 keep_s: float, windows: tuple[int, ...] = (), states: tuple[bool, ...] = ()) -> None:
         """`keep_s`: how long a transfer is remembered after it began (a late sample must not send it again);
         `windows`: each KV cache group's sliding window (0: full attention), where every group's block ids go to
-        the workers (`p2pkv.vllm.groups`)."""
+        the workers (`p2pkv.vllm.groups`); `states`: which groups hold a state (Mamba)."""
         self._config = config
         self._windows = windows
+        self._states = states if any(states) else ()
+        self._cut: dict[str, tuple[int, str]] = {}  # request id -> its whole prompt's length and digest
+        self._uncut_said = False
         self._block_size = block_size
         self._tp_size = tp_size
         self._pp_size = pp_size
@@ -62,10 +69,33 @@ class Producers:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
 
+    def arrived(self, request: Request) -> None:
+        """A prefill request of a model with state (Mamba) computes its prompt but its last token: the decode side
+        computes that token from the state after the others, as it does the last token of any prompt (a state
+        after the whole prompt would take that token in twice). vLLM's own NIXL connector cuts it so too."""
+        prompt, tokens = request.prompt_token_ids, getattr(request, "_all_token_ids", None)
+        if not self._states or request.request_id in self._cut or not isinstance(prompt, list) or len(prompt) < 2:
+            return
+        skips_cache = getattr(request, "get_skip_reading_prefix_cache", None)
+        if (getattr(request, "prompt_embeds", None) is not None or getattr(request, "resumable", False)
+                or (skips_cache is not None and skips_cache())):
+            # Embeddings beside the ids, a session whose next input follows the prompt, prompt logprobs: the cut
+            # would lose a token, so nothing is saved (`allocated`) and the decode side computes the prompt
+            return
+        if not isinstance(tokens, list) or len(tokens) != len(prompt) or getattr(request, "num_prompt_tokens",
+                                                                                  len(prompt)) != len(prompt):
+            return  # not a request this code knows how to cut: nothing is saved (`allocated`)
+        self._cut[request.request_id] = (len(prompt), prompt_digest(prompt))
+        del prompt[-1:]
+        del tokens[-1:]
+        request.num_prompt_tokens = len(prompt)
+        request.max_tokens = 1  # its one answer token is the proxy's to drop; a second step would move the state on
+
     def allocated(self, request: Request, params: PrefillParams) -> None:
         """vLLM gave a prefill request its blocks (`update_state_after_alloc`): its transfer begins, pushed or held
         for a pull as `push_or_pull` decides."""
         req_id = request.request_id
+        whole = self._cut.pop(req_id, None)
         if req_id in self._producers or req_id in self._siblings:
             return
         producing = self._producing.get(params.transfer_id)
@@ -79,9 +109,17 @@ class Producers:
             decode_pulls=params.pull or self._config.extra.send_type is SendType.GET,
             decode_kv_known=params.decode_kv is not None).pulled
         num_prompt = len(request.prompt_token_ids or ())
+        if self._states and whole is None and num_prompt != 1:  # one token: the decode side computes it all
+            if not self._uncut_said:
+                self._uncut_said = True
+                log.warning("request %s: a prompt p2pkv cannot cut by its last token (embeddings, a streaming-input "
+                            "session, prompt logprobs): the state after its whole prompt would be wrong on the "
+                            "decode side, so nothing is saved and the decode side computes it (said once)", req_id)
+            return
         inline = params.inline or self._config.extra.send_type is SendType.PUT
         producer = _Producer(params.transfer_id, None if pull else params.decode_kv, num_prompt, inline,
-                             prompt_digest(request.prompt_token_ids or ()),
+                             whole[1] if whole else prompt_digest(request.prompt_token_ids or ()),
+                             whole[0] if whole else num_prompt,
                              pulled_by=params.decode_kv if pull else None,
                              pullers=(params.decode_tp or self._tp_size) * (params.decode_pp or self._pp_size),
                              puller_launch=params.decode_launch if pull else "", standard=params.standard,
@@ -158,12 +196,16 @@ class Producers:
             producer.saved = True
             n = self._blocks_for(producer.num_prompt_tokens)
             groups = tuple(tuple(ids[:n]) for ids in producer.block_ids) or ((),)
-            blocks = groups[0]
-            grouped = tuple(self._window_only(ids, window, producer.num_prompt_tokens)
-                            for ids, window in zip(groups, self._windows, strict=True)) if self._windows else ()
-            # vLLM frees a sliding window's blocks as the window moves, whether or not a push still reads them
+            grouped = tuple(self._group_only(group, ids, n, producer.num_prompt_tokens)
+                            for group, ids in enumerate(groups)) if self._windows else ()
+            # Every group's ids stand in the places of an attention group's blocks (a state group's: its own)
+            blocks = next((ids for ids, state in zip(grouped, self._states, strict=True) if not state),
+                          grouped[0]) if self._states else groups[0]
+            # vLLM frees a sliding window's blocks as the window moves, whether or not a push still reads them; a
+            # state is rewritten in place by the request's next step
             settle = any(window and (producer.decodes or frees_soon(producer.num_prompt_tokens, window,
                                                                     self._block_size)) for window in self._windows)
+            settle = settle or bool(self._states and producer.decodes)
             if producer.preempted:
                 meta.saves.append(SaveSpec(req_id=req_id, transfer_id=producer.transfer_id, peer=None,
                                            block_ids=blocks, again=True, groups=grouped))
@@ -173,6 +215,12 @@ class Producers:
                                            pulled_by=producer.pulled_by, pullers=producer.pullers,
                                            puller_launch=producer.puller_launch, prompt=producer.prompt,
                                            groups=grouped, settle=settle))
+
+    def _group_only(self, group: int, ids: tuple[int, ...], n: int, num_prompt_tokens: int) -> tuple[int, ...]:
+        """What of a group's blocks the decode side reads, in the places of the prompt's `n` blocks."""
+        if self._states and self._states[group]:
+            return state_only(ids, n)
+        return self._window_only(ids, self._windows[group], num_prompt_tokens)
 
     def _window_only(self, ids: tuple[int, ...], window: int, num_prompt_tokens: int) -> tuple[int, ...]:
         """A sliding-window group's blocks the decode side reads, the others null (not sent): vLLM has freed those
@@ -184,6 +232,7 @@ class Producers:
     def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """`request_finished` for a prefill request: whether vLLM keeps its blocks, and its answer's parameters."""
         req_id = request.request_id
+        self._cut.pop(req_id, None)
         sibling_of = self._siblings.pop(req_id, None)
         if sibling_of is not None:
             # Its blocks go at once: the first sample's blocks are the ones sent or held for the pull.
@@ -201,7 +250,8 @@ class Producers:
     def _answer(self, producer: _Producer) -> dict[str, Any]:
         """The decode side's parameters for a saved prompt. The prefill address goes along in push mode too: a
         decode side without staging space pulls instead."""
-        answer = DecodeParams(producer.transfer_id, producer.num_prompt_tokens, self._own_address,
+        answer = DecodeParams(producer.transfer_id, producer.answer_tokens or producer.num_prompt_tokens,
+                              self._own_address,
                               pull=producer.peer is None, prefill_tp=self._tp_size, prefill_pp=self._pp_size,
                               prompt=producer.prompt, lease_s=self._config.extra.lease_s,
                               prefill_launch=self._config.launch).to_dict()

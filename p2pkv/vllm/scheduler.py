@@ -53,19 +53,22 @@ class SchedulerSide:
         self._pp_size = pp_size
         self._reset = False  # vLLM reset its caches: the workers drop what is staged at the next step
         self._own_address = config.extra.kv_address(config.kv_port)
-        self.consumers = Consumers(config, block_size, tp_size, pp_size, groups.grouped)
+        self.consumers = Consumers(config, block_size, tp_size, pp_size, groups.grouped, groups.states)
         self.producers = Producers(config, block_size, tp_size, pp_size, engine_id, self.consumers.claim_keep_s,
-                                   groups.windows if groups.grouped else ())
+                                   groups.windows if groups.grouped else (), groups.states if groups.grouped else ())
         self._produces = config.role is not Role.CONSUMER
         self._consumes = config.role is not Role.PRODUCER
 
     def on_new_request(self, request: Request) -> None:
         """A decode request is queued: until it has blocks, what is held for its transfer is kept. One that is no
-        transfer of ours is counted, and said once per reason and peer."""
+        transfer of ours is counted, and said once per reason and peer. A prefill request of a model with state
+        computes its prompt but the last token (`Producers.arrived`)."""
         try:  # invalid parameters are logged once, when the request is scheduled
             params = self._params.parse(request)
         except ConfigError:
             return
+        if isinstance(params, PrefillParams) and self._produces:
+            self.producers.arrived(request)
         if isinstance(params, DecodeParams) and self._consumes:
             self.consumers.queued(request, params)
         if params is None:

@@ -93,7 +93,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = prepare_layers(kv_caches, self._num_blocks, self._block_size, lambda n: (_layer_number(n), n),
-                                self._groups.of_layer)
+                                self._groups.of_layer, self._groups.states)
         names, tensors = layers.names, layers.tensors
         extra = self._config.extra
         kernel = _kernel_tag(tensors[0])
@@ -139,6 +139,8 @@ class WorkerSide:
                 self._engine.pin_pool()
         self._engine.start()
         grouped = tuple(layers.groups) if self._groups.grouped else None
+        if grouped is not None:  # what peers compare (`kv_groups`), for a refusal to be read against
+            log.info("KV cache groups (kind:layers): %s", self._groups.factor)
         self._loading = Loads(self._config, self._engine, self._blocks, self._slices, self._at, grouped)
         self._saving = Saves(self._config, self._engine, self._blocks, self._slices, self._at, self._staged, grouped)
 

@@ -18,10 +18,10 @@ from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    HiSparseHotSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
-    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -140,12 +140,13 @@ def test_full_attention_and_sliding_window_groups_are_described_and_other_groups
                              KVCacheGroupSpec(["model.layers.1.self_attn.attn"], window)))
 
 
-def test_a_group_of_state_that_is_not_attention_kv_is_refused() -> None:
-    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
+def test_a_group_of_state_that_is_neither_attention_kv_nor_mambas_is_refused() -> None:
+    hot = HiSparseHotSpec(block_size=16, page_size=1024, blocks_per_request=2)
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
-    with pytest.raises(UnsupportedCacheError, match=r"model\.layers\.0\.mixer: its cache is a MambaSpec"):
+    with pytest.raises(UnsupportedCacheError, match=r"model\.layers\.0\.hot: its cache is a HiSparseHotSpec, "
+                                                    r"neither attention KV nor one Mamba state"):
         cache_groups(_config(KVCacheGroupSpec(["model.layers.1.self_attn.attn"], full),
-                             KVCacheGroupSpec(["model.layers.0.mixer"], mamba)))
+                             KVCacheGroupSpec(["model.layers.0.hot"], hot)))
 
 
 def test_pulls_of_a_grouped_cache_are_refused_at_start_up() -> None:
