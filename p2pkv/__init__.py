@@ -20,4 +20,4 @@ __version__ = "0.1.0"
 #     HelloReply.nonce and hello_nonce); HelloReply.idle_s
 # 14  pushes say the digest of the prompt they were computed for (PushBlocks.prompt, PullInstead.prompt)
 # 15  a layer may leave out blocks at its start, outside its sliding window (PushBlocks.skip)
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16

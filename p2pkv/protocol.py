@@ -260,6 +260,9 @@ class PushBlocks(msgspec.Struct, tag="push", frozen=True):
     # Blocks at the start of this layer that are not sent: outside its sliding window (vLLM's null block on the
     # sender). The layer is complete with the rest; a load that needs one of them fails. 0 in frames of several layers.
     skip: int = 0
+    # Every layer's `skip`, in every chunk of a transfer that skips any (empty: none does): the receiver stages the
+    # blocks sent only, and must know them all at the first chunk to size the transfer
+    skips: tuple[int, ...] = ()
 
 
 class PushAck(msgspec.Struct, tag="push_ack", frozen=True):

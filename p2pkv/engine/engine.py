@@ -220,14 +220,15 @@ class TransferEngine:
     def push_layer(self, transfer_id: str, peer: Address, layer: int, total_blocks: int,
                    views: tuple[memoryview, ...], deadline: float,
                    ready: Callable[[float], bool] | None = None, pull_instead: bool = False,
-                   prompt: str = "", skip: int = 0) -> None:
+                   prompt: str = "", skip: int = 0, skips: tuple[int, ...] = ()) -> None:
         """Queue one layer; `ready` (staged device KV) is called with the deadline before it is sent, and must
         return True once `views` hold the layer's bytes. `pull_instead` (no views): the transfer is not pushed;
         the peer is told to pull it (`pulls_instead`), and the transfer ends refused, holding the blocks. `prompt`:
         the digest of the prompt the KV was computed for, told to the receiver (`PushBlocks.prompt`); `skip`: the
-        blocks at the layer's start left out, outside its sliding window (`views` hold the others)."""
+        blocks at the layer's start left out, outside its sliding window (`views` hold the others); `skips`: every
+        layer's, where any is not 0 (the same in every layer's call)."""
         self._out.submit(PushJob(transfer_id, peer, layer, self.layout.num_layers, total_blocks, views, deadline,
-                                    ready, pull_instead, prompt=prompt, skip=skip))
+                                    ready, pull_instead, prompt=prompt, skip=skip, skips=skips))
 
     def push_layers(self, transfer_id: str, peer: Address, first_layer: int, total_blocks: int,
                     layer_views: Sequence[tuple[memoryview, ...]], deadline: float, prompt: str = "") -> None:

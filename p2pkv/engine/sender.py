@@ -50,6 +50,7 @@ class PushJob:
     out: Outgoing | None = None  # its transfer, once submitted
     prompt: str = ""  # the digest of the prompt it was computed for (`PushBlocks.prompt`)
     skip: int = 0  # blocks at the layer's start not sent, outside its sliding window (`views` hold the rest)
+    skips: tuple[int, ...] = ()  # every layer's `skip` (`PushBlocks.skips`)
 
 
 class OutState(enum.Enum):
@@ -105,7 +106,7 @@ def _frames(jobs: list[PushJob], digests: bool = False) -> list[tuple[PushBlocks
         views = first.views if end == start + 1 else tuple(v for job in jobs[start:end] for v in job.views)
         frames.append((PushBlocks(first.transfer_id, first.layer, first.skip, first.total_blocks - first.skip,
                                   first.total_blocks, first.num_layers, after - first.layer,
-                                  digest(views) if digests else None, first.prompt, first.skip), views))
+                                  digest(views) if digests else None, first.prompt, first.skip, first.skips), views))
         start = end
     return frames
 

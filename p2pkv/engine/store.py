@@ -56,14 +56,39 @@ class StagedTransfer:
     holds: int = 0
     freeing: bool = False
     prompt: str = ""  # the digest of the prompt its sender said it was computed for ("": not said)
+    # Where each layer's bytes begin in `buffer`, and where the last ends (empty: every layer holds every block)
+    offsets: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
         return self.buffer.nbytes
 
     def layer_view(self, layer: int) -> memoryview:
+        """The blocks of `layer` received or to come: from its first block sent (`skips`) to its last."""
+        if self.offsets:
+            return self.buffer[self.offsets[layer] : self.offsets[layer + 1]]
         size = self.total_blocks * self.block_bytes
         return self.buffer[layer * size : (layer + 1) * size]
+
+
+def _skips_agree(push: PushBlocks) -> bool:
+    """A chunk's `skips` (if any) name a skip for every layer, within the transfer, its own layer's among them; a
+    chunk that skips says them all."""
+    if not push.skips:
+        return push.skip == 0
+    return (len(push.skips) == push.num_layers and all(0 <= s < push.total_blocks for s in push.skips)
+            and all(push.skips[layer] == push.skip for layer in range(push.layer, push.layer + push.layers)))
+
+
+def _offsets(push: PushBlocks, block_bytes: int) -> tuple[int, ...]:
+    """Where each layer of the transfer begins in its staging buffer, and where the last ends, where layers skip
+    blocks (`PushBlocks.skips`): only the blocks sent take room."""
+    if not push.skips:
+        return ()
+    out = [0]
+    for skip in push.skips:
+        out.append(out[-1] + (push.total_blocks - skip) * block_bytes)
+    return tuple(out)
 
 
 class ReceiveStore:
@@ -120,7 +145,7 @@ class ReceiveStore:
                 and 0 <= push.first_block and push.first_block + push.num_blocks <= push.total_blocks
                 and (push.layers == 1 or whole) and payload_len == push.layers * push.num_blocks * self._block_bytes
                 and 0 <= push.skip <= push.first_block and push.skip < push.total_blocks
-                and len(push.prompt) <= _PROMPT_CHARS):
+                and len(push.prompt) <= _PROMPT_CHARS and _skips_agree(push)):
             self.fail(push.transfer_id, f"invalid chunk {push!r} with {payload_len} payload bytes", source=source,
                       frame="push")
             return None, None
@@ -148,7 +173,8 @@ class ReceiveStore:
             if item.state is not StageState.RECEIVING:
                 return None, ack
             item.touched = time.monotonic()
-            if (item.num_layers, item.total_blocks) != (push.num_layers, push.total_blocks):
+            if ((item.num_layers, item.total_blocks) != (push.num_layers, push.total_blocks)
+                    or item.offsets != _offsets(push, self._block_bytes)):
                 self._fail_locked(item, "chunk disagrees with the transfer's shape")
                 return None, ack
             keys = {(layer, push.first_block) for layer in range(push.layer, push.layer + push.layers)}
@@ -162,13 +188,15 @@ class ReceiveStore:
             item.holds += 1  # until `end_chunk`: the payload is written outside the lock
             self._writing[push.transfer_id] = item
             if push.layers > 1:  # whole layers, which lie back to back in the staging buffer
-                size = item.total_blocks * self._block_bytes
-                return item.buffer[push.layer * size : (push.layer + push.layers) * size], ack
-            start = push.first_block * self._block_bytes
+                first, last = item.layer_view(push.layer), item.layer_view(push.layer + push.layers - 1)
+                start = item.offsets[push.layer] if item.offsets else push.layer * first.nbytes
+                return item.buffer[start : start + first.nbytes * (push.layers - 1) + last.nbytes], ack
+            start = (push.first_block - push.skip) * self._block_bytes
             return item.layer_view(push.layer)[start : start + payload_len], ack
 
     def _admit(self, push: PushBlocks, source: str) -> StagedTransfer:
-        size = push.num_layers * push.total_blocks * self._block_bytes
+        offsets = _offsets(push, self._block_bytes)
+        size = offsets[-1] if offsets else push.num_layers * push.total_blocks * self._block_bytes
         heaped = self._heap.allocate(size) if self._heap is not None and self._in_use + size <= self._budget else None
         if heaped is not None:
             self._in_use += size
@@ -192,7 +220,9 @@ class ReceiveStore:
 
     def _new(self, push: PushBlocks, source: str, buffer: memoryview) -> StagedTransfer:
         item = StagedTransfer(push.transfer_id, push.num_layers, push.total_blocks, self._block_bytes, source,
-                              buffer, time.monotonic(), prompt=push.prompt)
+                              buffer, time.monotonic(), prompt=push.prompt, offsets=_offsets(push, self._block_bytes))
+        if push.skips:
+            item.skips = {layer: skip for layer, skip in enumerate(push.skips) if skip}
         self._items[push.transfer_id] = item
         return item
 

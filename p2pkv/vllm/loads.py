@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 
@@ -491,13 +491,18 @@ class Loads:
                 self._blocks.release(key)
         self._engine.count_load(True, nbytes)
 
-    def _sources(self, spec: LoadSpec, views: list[tuple[int, memoryview]]) -> list[tuple[int, memoryview]]:
-        """The load's blocks of staged layers (a staged layer holds the transfer's blocks, from `first_block`); with
-        fault injection, a load marked `test_corrupt` damaged (the integration tests' negative control)."""
+    def _sources(self, spec: LoadSpec, views: list[tuple[int, memoryview]],
+                 skips: Mapping[int, int] | None = None) -> list[tuple[int, memoryview]]:
+        """The load's blocks of staged layers (a staged layer holds the transfer's blocks, from `first_block`; from
+        the first sent where `skips` says the sender left some out); with fault injection, a load marked
+        `test_corrupt` damaged (the integration tests' negative control)."""
         bb = self._engine.layout.block_bytes
-        start, n = spec.first_block * bb, len(spec.block_ids) * bb
+        n = len(spec.block_ids) * bb
         out = []
         for layer, view in views:
+            start = (spec.first_block - (skips or {}).get(layer, 0)) * bb
+            if start < 0:
+                raise TransferError(f"layer {layer}: the prefill worker left out blocks this load needs")
             src = view[start : start + n]
             if spec.corrupt and self._config.extra.test_fault_injection:
                 src = memoryview(bytes(b ^ 0x5A for b in src[:4096]) + bytes(src[4096:]))
@@ -510,7 +515,7 @@ class Loads:
         the blocks before a sliding window (vLLM's null block here). A block the sender left out (its own window
         began later) fails the load: it would land nothing there."""
         if self._groups is None or not spec.groups:
-            return self._blocks.write_layers(spec.block_ids, self._sources(spec, views), fence)
+            return self._blocks.write_layers(spec.block_ids, self._sources(spec, views, item.skips), fence)
         by_group: dict[int, list[tuple[int, memoryview]]] = {}
         for layer, view in views:
             by_group.setdefault(self._groups[layer], []).append((layer, view))
@@ -527,7 +532,7 @@ class Loads:
                                         f"this load needs them from {first}")
             if null < len(ids):
                 parts.append((replace(spec, first_block=first, block_ids=ids[null:]), layers))
-        return all_done([self._blocks.write_layers(part.block_ids, self._sources(part, layers), fence)
+        return all_done([self._blocks.write_layers(part.block_ids, self._sources(part, layers, item.skips), fence)
                          for part, layers in parts])
 
     def _let_go(self, load: _Load, state: StageState | None) -> Callable[[], None]:

@@ -207,7 +207,7 @@ class Saves:
             log.error("transfer %s: layer %d could not be copied from the device: %r", tid, layer, exc)
             views, ready = (), _raiser(exc)
         self._engine.push_layer(tid, peer, layer, len(spec.block_ids), views, deadline, ready, prompt=spec.prompt,
-                                skip=skip)
+                                skip=skip, skips=self._skips(spec))
 
     def _key(self, tid: str, layer: int) -> str:
         """What the blocks' access knows a transfer's layer by: a group's layers have their own blocks, and so
@@ -232,6 +232,15 @@ class Saves:
     def _copied_out(self, tid: str) -> Marker | None:
         markers = [self._blocks.copied_out(key) for key in self._keys(tid)]
         return None if any(m is None for m in markers) else all_done([m for m in markers if m is not None])
+
+    def _skips(self, spec: SaveSpec) -> tuple[int, ...]:
+        """Every layer's blocks left out (`_ids`), where any layer leaves some out (`PushBlocks.skips`): the
+        receiver stages only the blocks sent."""
+        if self._groups is None or not spec.groups:
+            return ()
+        by_group = [min(leading_nulls(ids), len(ids) - 1) for ids in spec.groups]
+        skips = tuple(by_group[group] for group in self._groups)
+        return skips if any(skips) else ()
 
     def _ids(self, spec: SaveSpec, layer: int) -> tuple[tuple[int, ...], int]:
         """The blocks of `layer` to push: its group's, without those before a sliding window (vLLM's null block),

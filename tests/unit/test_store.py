@@ -173,19 +173,33 @@ def test_a_discarded_push_stays_dropped_after_a_load_took_its_record() -> None:
         assert s.bytes_in_use == 0 and s.state(tid) is not StageState.RECEIVING
 
 
-def test_a_sliding_window_layer_is_complete_without_the_blocks_it_skips() -> None:
-    """Layer 1 sends only its last block (the blocks before are outside its window, not held by the sender): the
-    transfer completes with it; chunks of one layer that disagree on what is skipped fail the transfer."""
+def test_a_sliding_window_layer_is_complete_without_the_blocks_it_skips_and_takes_room_for_those_sent_only() -> None:
+    """Layer 1 sends only its last block (the blocks before are outside its window, not held by the sender), every
+    chunk saying each layer's skip: the transfer is staged in room for the blocks sent, each layer's view holds its
+    own, and it completes with them. Chunks that disagree on what is skipped fail the transfer; a chunk that skips
+    without saying every layer's skip is invalid."""
     s = store()
+    skips = (0, BLOCKS - 1, 0, 0)
     for layer in range(LAYERS):
-        skip = BLOCKS - 1 if layer == 1 else 0
-        assert land(s, PushBlocks("window", layer, skip, BLOCKS - skip, BLOCKS, LAYERS, skip=skip), layer)
+        skip = skips[layer]
+        push = PushBlocks("window", layer, skip, BLOCKS - skip, BLOCKS, LAYERS, skip=skip, skips=skips)
+        assert land(s, push, layer + 1)
+        if layer == 0:
+            assert s.bytes_in_use == (LAYERS * BLOCKS - (BLOCKS - 1)) * BLOCK, "room for the blocks sent only"
     assert s.state("window") is StageState.COMPLETE
-    assert land(s, PushBlocks("disagree", 0, 1, 1, BLOCKS, LAYERS, skip=1), 1)
-    assert not land(s, PushBlocks("disagree", 0, 2, 1, BLOCKS, LAYERS, skip=2), 1)
+    item = s.take("window")
+    assert item is not None
+    for layer in range(LAYERS):
+        assert bytes(item.layer_view(layer)) == bytes([layer + 1]) * (BLOCKS - skips[layer]) * BLOCK
+    s.release(item)
+    assert land(s, PushBlocks("disagree", 0, 1, 1, BLOCKS, LAYERS, skip=1, skips=(1, 0, 0, 0)), 1)
+    assert not land(s, PushBlocks("disagree", 0, 2, 1, BLOCKS, LAYERS, skip=2, skips=(2, 0, 0, 0)), 1)
     assert s.state("disagree") is StageState.FAILED
-    for bad in (PushBlocks("bad-0", 0, 0, BLOCKS, BLOCKS, LAYERS, skip=1),  # sends a block it says it skips
-                PushBlocks("bad-1", 0, 0, BLOCKS, BLOCKS, LAYERS, LAYERS, skip=1)):  # whole layers skip nothing
+    for bad in (PushBlocks("bad-0", 0, 0, BLOCKS, BLOCKS, LAYERS, skip=1, skips=(1, 0, 0, 0)),  # sends one it skips
+                PushBlocks("bad-1", 0, 0, BLOCKS, BLOCKS, LAYERS, LAYERS, skip=1, skips=(1,) * LAYERS),  # whole layers
+                PushBlocks("bad-2", 0, 1, BLOCKS - 1, BLOCKS, LAYERS, skip=1),  # skips without saying every layer's
+                PushBlocks("bad-3", 0, 1, BLOCKS - 1, BLOCKS, LAYERS, skip=1, skips=(1, 0)),  # not every layer's
+                PushBlocks("bad-4", 0, 1, BLOCKS - 1, BLOCKS, LAYERS, skip=1, skips=(2, 0, 0, 0))):  # not its own
         assert not land(s, bad, 1)
         assert s.state(bad.transfer_id) is StageState.FAILED
 
