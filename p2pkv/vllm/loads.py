@@ -516,20 +516,23 @@ class Loads:
         began later) fails the load: it would land nothing there."""
         if self._groups is None or not spec.groups:
             return self._blocks.write_layers(spec.block_ids, self._sources(spec, views, item.skips), fence)
+        # Every check before any copy, over every layer whose skip the push has said (all of them from its first
+        # chunk): no layer lands before one that cannot fails the load
+        for layer, skip in item.skips.items():
+            needed = spec.first_block + leading_nulls(spec.groups[self._groups[layer]])
+            if skip > needed:
+                raise TransferError(f"layer {layer}: the prefill worker sent blocks from {skip}, this load needs "
+                                    f"them from {needed}")
         by_group: dict[int, list[tuple[int, memoryview]]] = {}
         for layer, view in views:
             by_group.setdefault(self._groups[layer], []).append((layer, view))
         parts: list[tuple[LoadSpec, list[tuple[int, memoryview]]]] = []
-        for group, layers in by_group.items():  # every check before any copy: none is left running on a failure
+        for group, layers in by_group.items():
             ids = spec.groups[group]
             null = leading_nulls(ids)
             if NULL_BLOCK in ids[null:]:
                 raise TransferError(f"cache group {group}'s blocks {list(ids)} hold a null block after others")
             first = spec.first_block + null
-            for layer, _ in layers:
-                if item.skips.get(layer, 0) > first:
-                    raise TransferError(f"layer {layer}: the prefill worker sent blocks from {item.skips[layer]}, "
-                                        f"this load needs them from {first}")
             if null < len(ids):
                 parts.append((replace(spec, first_block=first, block_ids=ids[null:]), layers))
         return all_done([self._blocks.write_layers(part.block_ids, self._sources(part, layers, item.skips), fence)
