@@ -8,6 +8,7 @@ from typing import Protocol
 import pytest
 
 from p2pkv.engine import TransferEngine
+from p2pkv.kv.staging import STAGE_ENV
 
 
 class HasEngine(Protocol):
@@ -25,3 +26,12 @@ def sides() -> Iterator[list[HasEngine]]:
             shutdown()
         else:
             side.engine.close()
+
+
+@pytest.fixture(params=["host-cache", "staged"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """KV in host memory read in place, or handled as a GPU's is (`P2PKV_STAGE_KV`: device copies, batched and
+    landed as they arrive). A test module may define its own modes."""
+    if request.param == "staged":
+        monkeypatch.setenv(STAGE_ENV, "1")
+    return str(request.param)

@@ -27,7 +27,6 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from p2pkv.bench.cluster import free_ports
 from p2pkv.config import parse_connector_config
-from p2pkv.kv.staging import STAGE_ENV
 from p2pkv.params import Address, DecodeParams, PrefillParams
 from p2pkv.vllm.groups import cache_groups, frees_soon, window_start
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
@@ -66,22 +65,6 @@ def caches(config: KVCacheConfig, seed: int | None) -> dict[str, torch.Tensor]:
 
 def block(kv: dict[str, torch.Tensor], name: str, block_id: int) -> torch.Tensor:
     return kv[name][block_id].view(torch.int16)
-
-
-@pytest.fixture
-def sides() -> list[WorkerSide]:
-    made: list[WorkerSide] = []
-    yield made
-    for side in made:
-        side.shutdown()
-
-
-@pytest.fixture(params=["host-cache", "staged"])
-def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """KV in host memory read in place, or handled as a GPU's is (`P2PKV_STAGE_KV`: device copies)."""
-    if request.param == "staged":
-        monkeypatch.setenv(STAGE_ENV, "1")
-    return str(request.param)
 
 
 def test_vllms_groups_are_taken_and_layers_that_overlay_are_not_aliases() -> None:

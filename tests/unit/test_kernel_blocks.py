@@ -25,7 +25,6 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from p2pkv.bench.cluster import free_ports
 from p2pkv.engine.puller import PullState
 from p2pkv.kv.layout import KvBlocks
-from p2pkv.kv.staging import STAGE_ENV
 from p2pkv.params import Address
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
 from p2pkv.vllm.worker import WorkerSide
@@ -53,14 +52,6 @@ def vllm_caches(block: int, kernel: int, layout: KVCacheLayout, seed: int | None
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bytes equal (random bfloat16 bytes hold NaNs, which never equal themselves as values)."""
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
-
-
-@pytest.fixture(params=["host-cache", "staged"])
-def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """KV in host memory read in place, or handled as a GPU's is (`P2PKV_STAGE_KV`: device copies, batched)."""
-    if request.param == "staged":
-        monkeypatch.setenv(STAGE_ENV, "1")
-    return str(request.param)
 
 
 @pytest.mark.parametrize(("block", "kernel"), [(64, 16), (128, 64), (64, 64)])

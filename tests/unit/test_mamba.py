@@ -21,7 +21,6 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from p2pkv.bench.cluster import free_ports
 from p2pkv.config import parse_connector_config
 from p2pkv.errors import UnsupportedCacheError
-from p2pkv.kv.staging import STAGE_ENV
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params, prompt_digest
 from p2pkv.vllm.groups import cache_groups, state_only
 from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
@@ -79,22 +78,6 @@ class PrefillReq(Req):
         self._all_token_ids = list(prompt)
         self.num_prompt_tokens = len(prompt)
         self.max_tokens = max_tokens
-
-
-@pytest.fixture
-def sides() -> list[WorkerSide]:
-    made: list[WorkerSide] = []
-    yield made
-    for side in made:
-        side.shutdown()
-
-
-@pytest.fixture(params=["host-cache", "staged"])
-def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """KV in host memory read in place, or handled as a GPU's is (`P2PKV_STAGE_KV`: device copies)."""
-    if request.param == "staged":
-        monkeypatch.setenv(STAGE_ENV, "1")
-    return str(request.param)
 
 
 def test_vllms_state_group_is_taken_and_told_apart_by_its_tensors() -> None:

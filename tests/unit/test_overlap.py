@@ -105,14 +105,6 @@ def cache(seed: int | None) -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.self_attn.attn": make() for i in range(LAYERS)}
 
 
-@pytest.fixture(params=["host-cache", "staged"])
-def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """KV in host memory, or handled as a GPU's is (`P2PKV_STAGE_KV`: landing through device copies)."""
-    if request.param == "staged":
-        monkeypatch.setenv(STAGE_ENV, "1")
-    return str(request.param)
-
-
 def bytes_of(t: torch.Tensor) -> bytes:
     return t.contiguous().numpy().tobytes()
 
