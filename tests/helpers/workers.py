@@ -47,6 +47,18 @@ def settle(side: WorkerSide, req: str, sending: bool, timeout_s: float = 10,
     raise AssertionError(f"{req} did not finish")
 
 
+def push_once(prefill: WorkerSide, decode: WorkerSide, save: SaveSpec, load: LoadSpec,
+              layer_names: Iterable[str] = ()) -> None:
+    """The decode worker's load bound; the prefill worker's forward saves `layer_names`, then `wait_for_save`; both
+    step until the load is reported, loaded or failed (the caller checks which)."""
+    decode.bind(P2pkvMetadata(loads=[load]))
+    prefill.bind(P2pkvMetadata(saves=[save]))
+    for name in layer_names:
+        prefill.save_layer(name)
+    prefill.wait_for_save()
+    settle(decode, load.req_id, sending=False, also=[prefill])
+
+
 def offer_and_pull(prefill: WorkerSide, decode: WorkerSide, tid: str, src: tuple[int, ...], dst: tuple[int, ...],
                    p_port: int) -> None:
     """GET: the prefill worker offers blocks `src` once its forward is done; the decode worker pulls them into

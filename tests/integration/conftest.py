@@ -196,6 +196,21 @@ def oracle(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 @contextmanager
+def running_up(model: str, work: Path, extra: dict[str, Any], vllm_args: list[str],
+               compiled: bool = False) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any]]]:
+    """`p2pkv up` (1P1D) until ready, stopped cleanly afterwards unless a test stopped it; killed if anything
+    failed on the way."""
+    proc, ready = start_up(model, work, extra, vllm_args, compiled=compiled)
+    try:
+        yield proc, wait_ready(proc, ready)
+        if proc.poll() is None:
+            stop_up(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@contextmanager
 def up_with_colocated(model: str, work: Path, extra: dict[str, Any], vllm_args: list[str],
                       up_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
                       colocated_args: tuple[str, ...] = (), shared: Oracle | None = None, compiled: bool = False,
@@ -368,6 +383,26 @@ def greedy(base: str, model: str, text: str) -> dict[str, Any]:
 def ids_and_logprobs(answer: dict[str, Any]) -> tuple[list[int], list[float]]:
     choice = answer["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def loaded_as_direct(info: dict[str, Any], text: str, length: int) -> tuple[float, float]:
+    """`text` (`length` tokens) through the proxy of `p2pkv up` (1P1D), then straight to its prefill instance (no
+    transfer: computed there as a colocated instance would): the same token ids, logprobs within 1e-4, and all but
+    the last prompt token loaded on the decode side. Returns the decode instance's bytes received and loaded for it
+    (shm)."""
+    prefill, decode = instance_of(info, "kv_producer"), instance_of(info, "kv_consumer")
+    series = 'p2pkv_bytes_received_total{transport="shm"}', "p2pkv_bytes_loaded_total"
+    before = [metric(decode["metrics"], name) for name in series]
+    disagg = greedy(info["proxy"], info["model"], text)
+    received, loaded = (metric(decode["metrics"], name) - was
+                        for name, was in zip(series, before, strict=True))
+    here = greedy(f"http://{prefill['http']}", info["model"], text)
+    d_ids, d_lp = ids_and_logprobs(disagg)
+    h_ids, h_lp = ids_and_logprobs(here)
+    assert d_ids == h_ids, f"prompt of {length} tokens: token ids differ"
+    assert max(abs(a - b) for a, b in zip(d_lp, h_lp, strict=True)) < 1e-4
+    assert disagg["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1, "the prompt was loaded"
+    return received, loaded
 
 
 def two_steps(cluster: UpCluster, text: str, params: PrefillParams | None = None,

@@ -17,36 +17,23 @@ from p2pkv.tinymodel import TinyModelSpec, write_tiny_model
 from tests.integration.conftest import (
     BLOCK_SIZE,
     MAX_BATCHED_TOKENS,
-    greedy,
-    ids_and_logprobs,
-    instance_of,
     kv_bytes_per_block_and_layer,
-    metric,
+    loaded_as_direct,
     prompt,
-    start_up,
-    stop_up,
-    wait_ready,
+    running_up,
 )
 
 WINDOW = 128
 LAYERS = TinyModelSpec().num_layers
-RECEIVED = 'p2pkv_bytes_received_total{transport="shm"}'
-LOADED = "p2pkv_bytes_loaded_total"
 
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     model = str(write_tiny_model(tmp_path_factory.mktemp("tiny-swa"), TinyModelSpec(sliding_window=WINDOW)))
     work = tmp_path_factory.mktemp("up-hybrid")
-    proc, ready = start_up(model, work, {"transfer_timeout_s": 5.0},
-                           ["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)])
-    try:
-        info = wait_ready(proc, ready)
+    with running_up(model, work, {"transfer_timeout_s": 5.0},
+                    ["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]) as (_, info):
         yield {**info, "model": model, "logs": work / "logs"}
-        stop_up(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_a_sliding_window_model_moves_each_groups_blocks_and_answers_as_computed_in_one_place(
@@ -55,20 +42,10 @@ def test_a_sliding_window_model_moves_each_groups_blocks_and_answers_as_computed
     decode_log = (logs / "decode0.log").read_text()
     assert "kv cache group sizes (128, 128)" in decode_log, "vLLM's hybrid manager is off: one group"
     assert "Turning off hybrid kv cache manager" not in decode_log
-    prefill, decode = instance_of(hybrid, "kv_producer"), instance_of(hybrid, "kv_consumer")
     per_layer_block = kv_bytes_per_block_and_layer()
     for length in (60, 129, 300, 700):  # 700 tokens: 6 blocks, of which the window reads the last 2
         text = prompt(f"hybrid-{length}", length)
-        before = metric(decode["metrics"], RECEIVED), metric(decode["metrics"], LOADED)
-        disagg = greedy(hybrid["proxy"], hybrid["model"], text)
-        received = metric(decode["metrics"], RECEIVED) - before[0]
-        loaded = metric(decode["metrics"], LOADED) - before[1]
-        here = greedy(f"http://{prefill['http']}", hybrid["model"], text)
-        d_ids, d_lp = ids_and_logprobs(disagg)
-        h_ids, h_lp = ids_and_logprobs(here)
-        assert d_ids == h_ids, f"prompt of {length} tokens: token ids differ"
-        assert max(abs(a - b) for a, b in zip(d_lp, h_lp, strict=True)) < 1e-4
-        assert disagg["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1, "the prompt was loaded"
+        received, loaded = loaded_as_direct(hybrid, text, length)
         blocks = math.ceil(length / BLOCK_SIZE)
         window_blocks = blocks - max(0, length - WINDOW) // BLOCK_SIZE
         full_layers = LAYERS // 2

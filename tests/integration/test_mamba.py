@@ -26,17 +26,13 @@ from tests.integration.conftest import (
     ids_and_logprobs,
     instance_of,
     kv_bytes_per_block_and_layer,
-    metric,
+    loaded_as_direct,
     prompt,
-    start_up,
-    stop_up,
-    wait_ready,
+    running_up,
 )
 
 LAYERS = TinyModelSpec().num_layers
 MAX_LEN = TinyModelSpec().max_position_embeddings  # a Mamba group's block: the model's length
-RECEIVED = 'p2pkv_bytes_received_total{transport="shm"}'
-LOADED = "p2pkv_bytes_loaded_total"
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +40,9 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     model = str(write_tiny_model(tmp_path_factory.mktemp("tiny-mamba"), TinyModelSpec(mamba=True)))
     work = tmp_path_factory.mktemp("up-mamba")
     # vLLM's CPU build runs Mamba2 with prefix caching off only; p2pkv moves the state after the prompt then
-    proc, ready = start_up(model, work, {"transfer_timeout_s": 5.0, "test_fault_injection": True},
-                           ["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--no-enable-prefix-caching"])
-    try:
-        info = wait_ready(proc, ready)
+    with running_up(model, work, {"transfer_timeout_s": 5.0, "test_fault_injection": True},
+                    ["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--no-enable-prefix-caching"]) as (_, info):
         yield {**info, "model": model, "logs": work / "logs"}
-        stop_up(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_a_mamba_hybrid_moves_its_attention_blocks_and_state_and_answers_as_computed_in_one_place(
@@ -60,21 +50,11 @@ def test_a_mamba_hybrid_moves_its_attention_blocks_and_state_and_answers_as_comp
     logs: Path = hybrid["logs"]
     decode_log = (logs / "decode0.log").read_text()
     assert f"kv cache group sizes ({MAX_LEN}, {BLOCK_SIZE})" in decode_log, "vLLM's hybrid manager is off"
-    prefill, decode = instance_of(hybrid, "kv_producer"), instance_of(hybrid, "kv_consumer")
     # vLLM pads a Mamba layer's state to the attention layers' page: a layer-block either way
     page = kv_bytes_per_block_and_layer()
     for length in (60, 129, 300, 700):  # 700 tokens: the prefill computes 699 in three chunks
         text = prompt(f"mamba-{length}", length)
-        before = metric(decode["metrics"], RECEIVED), metric(decode["metrics"], LOADED)
-        disagg = greedy(hybrid["proxy"], hybrid["model"], text)
-        received = metric(decode["metrics"], RECEIVED) - before[0]
-        loaded = metric(decode["metrics"], LOADED) - before[1]
-        here = greedy(f"http://{prefill['http']}", hybrid["model"], text)
-        d_ids, d_lp = ids_and_logprobs(disagg)
-        h_ids, h_lp = ids_and_logprobs(here)
-        assert d_ids == h_ids, f"prompt of {length} tokens: token ids differ"
-        assert max(abs(a - b) for a, b in zip(d_lp, h_lp, strict=True)) < 1e-4
-        assert disagg["usage"]["prompt_tokens_details"]["cached_tokens"] == length - 1, "the prompt was loaded"
+        received, loaded = loaded_as_direct(hybrid, text, length)
         # The prefill computes all but the last token: its blocks for the attention layers, one state per mixer
         blocks = math.ceil((length - 1) / BLOCK_SIZE)
         assert received == (LAYERS // 2 * blocks + LAYERS // 2) * page, length

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from p2pkv.models import resolve_model
-from tests.integration.conftest import metric, start_up, stop_up, wait_ready
+from tests.integration.conftest import metric, running_up
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
@@ -32,17 +32,10 @@ def smollm2() -> str:
 def cluster(smollm2: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """`p2pkv up` 1P1D; the last test stops it itself."""
     work = tmp_path_factory.mktemp("smollm2")
-    proc, ready = start_up(smollm2, work, {"transfer_timeout_s": 30.0}, ["--max-model-len", "2048"],
-                           compiled=True)
-    try:
-        info = wait_ready(proc, ready)
+    with running_up(smollm2, work, {"transfer_timeout_s": 30.0}, ["--max-model-len", "2048"],
+                    compiled=True) as (proc, info):
         info.update(proc=proc, model=smollm2, work=work)
         yield info
-        if proc.poll() is None:
-            stop_up(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def chat(base: str, model: str) -> tuple[dict[str, Any], httpx.Headers]:

@@ -29,11 +29,11 @@ from p2pkv.bench.cluster import free_ports
 from p2pkv.config import parse_connector_config
 from p2pkv.params import Address, DecodeParams, PrefillParams
 from p2pkv.vllm.groups import cache_groups, frees_soon, window_start
-from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
+from p2pkv.vllm.metadata import LoadSpec, SaveSpec
 from p2pkv.vllm.scheduler import SchedulerSide
 from p2pkv.vllm.worker import WorkerSide
 from tests.helpers.unit import Cached, Req, step
-from tests.helpers.workers import LOCAL, settle, worker_side
+from tests.helpers.workers import LOCAL, push_once, settle, worker_side
 
 BS, WINDOW, LAYERS, NUM_BLOCKS = 16, 32, 4, 24
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -176,12 +176,7 @@ def test_a_chunked_prompt_moves_each_groups_blocks_and_nothing_else(sides: list[
     prefill = worker_side("kv_producer", p_port, p_kv, BS, num_blocks=config.num_blocks, groups=groups)
     decode = worker_side("kv_consumer", d_port, d_kv, BS, num_blocks=config.num_blocks, groups=groups)
     sides += [prefill, decode]
-    decode.bind(P2pkvMetadata(loads=[load]))
-    prefill.bind(P2pkvMetadata(saves=[save]))
-    for name in NAMES:
-        prefill.save_layer(name)
-    prefill.wait_for_save()
-    settle(decode, load.req_id, sending=False, also=[prefill])
+    push_once(prefill, decode, save, load, NAMES)
     assert decode.take_failed_loads() == set() and decode.take_load_errors() == set()
     settle(prefill, save.req_id, sending=True)
     pool = prefill.engine.pool.stats() if prefill.engine.pool is not None else None
@@ -216,10 +211,7 @@ def test_a_load_that_needs_a_block_the_prefill_no_longer_held_fails_by_its_reque
                     groups=((1, 2, 3, 4, 5), (0, 0, 0, 9, 10)))
     load = LoadSpec(req_id="d-req", transfer_id="late", first_block=0, block_ids=(11, 12, 13, 14, 15),
                     groups=((11, 12, 13, 14, 15), (0, 0, 16, 17, 18)))
-    decode.bind(P2pkvMetadata(loads=[load]))
-    prefill.bind(P2pkvMetadata(saves=[save]))
-    prefill.wait_for_save()
-    settle(decode, "d-req", sending=False, also=[prefill])
+    push_once(prefill, decode, save, load)
     assert decode.take_failed_loads() == {"d-req"} and decode.take_load_errors() == set()
     assert not any(d_kv[name].view(torch.int16).any() for name in NAMES), "nothing may land in a failed load"
     settle(prefill, "p-req", sending=True)
@@ -238,11 +230,9 @@ def test_peers_whose_groups_differ_are_refused_at_the_handshake(sides: list[Work
     sides += [prefill, decode]
     save = SaveSpec(req_id="p-req", transfer_id="other", peer=Address(LOCAL, d_port), block_ids=(1, 2),
                     groups=((1, 2), (3, 4)))
-    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="other", first_block=0, block_ids=(5, 6),
-                                              fallback_from=Address(LOCAL, p_port))]))
-    prefill.bind(P2pkvMetadata(saves=[save]))
-    prefill.wait_for_save()
-    settle(decode, "d-req", sending=False, also=[prefill])
+    load = LoadSpec(req_id="d-req", transfer_id="other", first_block=0, block_ids=(5, 6),
+                    fallback_from=Address(LOCAL, p_port))
+    push_once(prefill, decode, save, load)
     assert decode.take_load_errors() == {5, 6}
     refusal = decode.engine.refusal(Address(LOCAL, p_port))
     assert refusal is not None and "kv_groups: ours '', peer 'full:0,2|window 32:1,3'" in refusal, refusal

@@ -23,11 +23,11 @@ from p2pkv.config import parse_connector_config
 from p2pkv.errors import UnsupportedCacheError
 from p2pkv.params import Address, DecodeParams, PrefillParams, parse_transfer_params, prompt_digest
 from p2pkv.vllm.groups import cache_groups, state_only
-from p2pkv.vllm.metadata import LoadSpec, P2pkvMetadata, SaveSpec
+from p2pkv.vllm.metadata import LoadSpec, SaveSpec
 from p2pkv.vllm.scheduler import SchedulerSide
 from p2pkv.vllm.worker import WorkerSide
 from tests.helpers.unit import Cached, Req, step
-from tests.helpers.workers import LOCAL, settle, worker_side
+from tests.helpers.workers import LOCAL, push_once, settle, worker_side
 
 BS, STATE_BS, LAYERS = 16, 256, 4
 NAMES = [f"model.layers.{i}.self_attn.attn" if i % 2 else f"model.layers.{i}.mixer" for i in range(LAYERS)]
@@ -199,12 +199,8 @@ def test_a_chunked_prompt_moves_the_attention_blocks_and_the_state_and_nothing_e
     prefill = worker_side("kv_producer", p_port, p_kv, BS, num_blocks=config.num_blocks, groups=groups)
     decode = worker_side("kv_consumer", d_port, d_kv, BS, num_blocks=config.num_blocks, groups=groups)
     sides += [prefill, decode]
-    decode.bind(P2pkvMetadata(loads=[load]))
-    prefill.bind(P2pkvMetadata(saves=[save]))
-    for name in ATTN:  # vLLM calls the hook for attention layers; the state goes with the step's end
-        prefill.save_layer(name)
-    prefill.wait_for_save()
-    settle(decode, load.req_id, sending=False, also=[prefill])
+    # vLLM calls the layer hook for attention layers; the state goes with the step's end
+    push_once(prefill, decode, save, load, ATTN)
     assert decode.take_failed_loads() == set() and decode.take_load_errors() == set()
     settle(prefill, save.req_id, sending=True)
     pool = prefill.engine.pool.stats() if prefill.engine.pool is not None else None
@@ -237,11 +233,9 @@ def test_peers_whose_states_differ_are_refused_at_the_handshake(sides: list[Work
     sides += [prefill, decode]
     save = SaveSpec(req_id="p-req", transfer_id="other", peer=Address(LOCAL, d_port), block_ids=(1, 2),
                     groups=((0, 9), (1, 2)))
-    decode.bind(P2pkvMetadata(loads=[LoadSpec(req_id="d-req", transfer_id="other", first_block=0, block_ids=(5, 6),
-                                              groups=((0, 20), (5, 6)), fallback_from=Address(LOCAL, p_port))]))
-    prefill.bind(P2pkvMetadata(saves=[save]))
-    prefill.wait_for_save()
-    settle(decode, "d-req", sending=False, also=[prefill])
+    load = LoadSpec(req_id="d-req", transfer_id="other", first_block=0, block_ids=(5, 6),
+                    groups=((0, 20), (5, 6)), fallback_from=Address(LOCAL, p_port))
+    push_once(prefill, decode, save, load)
     assert decode.take_failed_loads() == {"d-req"}
     refusal = decode.engine.refusal(Address(LOCAL, p_port))
     assert refusal is not None and "kv_groups" in refusal and "2x4x16 float32" in refusal, refusal
