@@ -87,6 +87,9 @@ class ExtraConfig:
     integrity_check: bool = False
     weights_check: bool = True
     huge_pages: bool = True
+    # The interpreter's switch interval, lowered to this (never raised) in a process that runs an engine: each of
+    # its threads waits for vLLM's busy thread that long at most to take the interpreter lock back. 0: left alone.
+    switch_interval_ms: float = 0.5
     test_fault_injection: bool = False
 
     @property
@@ -209,6 +212,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "integrity_check": _as_bool("integrity_check"),
     "weights_check": _as_bool("weights_check"),
     "huge_pages": _as_bool("huge_pages"),
+    "switch_interval_ms": _as_float("switch_interval_ms", 0.0, 1000.0),
     "test_fault_injection": _as_bool("test_fault_injection"),
 }
 assert set(_PARSERS) == {f.name for f in fields(ExtraConfig)}

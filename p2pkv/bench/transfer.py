@@ -10,8 +10,10 @@ import mmap
 import multiprocessing as mp
 import socket
 import statistics
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +44,7 @@ TARGET = 0.9
 TARGET_FROM = 256 << 10
 LATENCY_TARGET_US = {"tcp": 50, "shm": 20}
 LATENCY_BYTES = 64 << 10
+BUSY = "a thread holding the interpreter lock in the receiving process"
 PULL_BYTES = 1 << 20
 _SPAWN = mp.get_context("spawn")
 
@@ -113,6 +116,26 @@ def transfer_gbps(shape: Shape, transport: str, budget_bytes: int, checks: bool 
 def latency_ms(shape: Shape, transport: str, count: int = 40, checks: bool = False) -> float:
     started, done = _push(shape, transport, count, sequential=True, checks=checks)
     return statistics.median(d - s for s, d in zip(started, done, strict=True)) * 1000
+
+
+@contextmanager
+def busy_interpreter() -> Iterator[None]:
+    """A thread of this process that runs Python without pause, as vLLM's does between the steps it launches: each
+    of our threads that lets go of the interpreter lock then waits up to the switch interval (5 ms) to take it
+    back."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    thread = threading.Thread(target=spin, name="p2pkv-bench-busy", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5)
 
 
 def pull_latency_ms(shape: Shape, transport: str, count: int = 40, warmup: int = 3, checks: bool = False) -> float:
@@ -279,6 +302,9 @@ def run(sizes: Sequence[int], transports: Sequence[str], budget_bytes: int, repe
         rows.append(row)
     small = Shape.of(LATENCY_BYTES, huge_pages=huge_pages)
     latencies = {f"a 64 KiB transfer over {t}": latency_ms(small, t, checks=checks) for t in transports}
+    with busy_interpreter():
+        latencies.update({f"a 64 KiB transfer over {t}, {BUSY}": latency_ms(small, t, checks=checks)
+                          for t in transports})
     latencies["64 KiB over a plain socket (Python, no engine)"] = socket_latency_ms(LATENCY_BYTES)
     if vs_nixl:
         latencies.update({f"a 64 KiB transfer, {transfer_nixl.NAMES[t]}": transfer_nixl.measure(

@@ -18,6 +18,7 @@ from p2pkv.errors import P2pkvError, ProtocolError
 from p2pkv.integrity import digest
 from p2pkv.params import Address
 from p2pkv.protocol import Hello, Message, PayloadCopied, PullInstead, PushAbort, PushAck, PushBlocks
+from p2pkv.transport import held
 from p2pkv.transport.base import Connection
 from p2pkv.transport.shm import ShmConnection
 from p2pkv.transport.threads import engine_thread
@@ -136,8 +137,11 @@ class Sender:
         self._thread.start()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
+        try:  # from the caller's thread (vLLM's): keeps the interpreter lock where it can (`transport.held`)
+            if held.AVAILABLE:
+                held.write(self._wake_w, b"\0")
+            else:
+                os.write(self._wake_w, b"\0")
         except OSError:  # the pipe is full (a wake-up is pending anyway) or closed
             pass
 
@@ -240,6 +244,10 @@ class Sender:
         """Empty the wake-up pipe: one read unless it held a full read's worth (a read that finds it empty raises,
         and costs a system call)."""
         try:
+            if held.AVAILABLE:
+                while len(held.read(self._wake_r, 4096) or b"") == 4096:
+                    pass
+                return
             while len(os.read(self._wake_r, 4096)) == 4096:
                 pass
         except BlockingIOError:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from p2pkv.errors import TransferError
+from p2pkv.transport import held
 
 IOV_MAX = 1024
 _PR_SET_PTRACER = 0x59616D61
@@ -49,11 +50,14 @@ def _iovecs(ranges: Sequence[tuple[int, int]]) -> array.array[int]:
         raise TransferError(f"a memory range is negative or too large: {list(ranges)[:4]}") from None
 
 
-def _readv(pid: int, local: array.array[int], remote: array.array[int]) -> int:
-    """Bytes read (negative on an error, in errno); callers have checked that the call exists."""
+def _readv(pid: int, local: array.array[int], remote: array.array[int], nbytes: int) -> int:
+    """Bytes read (negative on an error, in errno); callers have checked that the call exists. A copy of up to
+    `held.COPY_MAX` bytes keeps the interpreter lock (`p2pkv.transport.held`)."""
     assert _LIBC is not None
-    return int(_LIBC.process_vm_readv(pid, local.buffer_info()[0], len(local) // 2, remote.buffer_info()[0],
-                                      len(remote) // 2, 0))
+    args = (pid, local.buffer_info()[0], len(local) // 2, remote.buffer_info()[0], len(remote) // 2)
+    if nbytes <= held.COPY_MAX and held.AVAILABLE:
+        return held.readv(*args)
+    return int(_LIBC.process_vm_readv(*args, 0))
 
 
 _TOKEN = ctypes.create_string_buffer(os.urandom(16), 16)
@@ -103,7 +107,7 @@ def read_remote(pid: int, local: memoryview, remote: Sequence[tuple[int, int]]) 
     while pending:
         batch, pending = pending[:IOV_MAX], pending[IOV_MAX:]
         want = sum(n for _, n in batch)
-        got = _readv(pid, _iovecs([(dest, want)]), _iovecs(batch))
+        got = _readv(pid, _iovecs([(dest, want)]), _iovecs(batch), want)
         if got < 0:
             err = ctypes.get_errno()
             raise TransferError(f"reading {want} bytes from process {pid} failed: {os.strerror(err)}")
@@ -134,7 +138,7 @@ def read_remote_scattered(pid: int, local: Sequence[memoryview], remote: Sequenc
     want = sum(local_iov[1::2])
     if sum(remote_iov[1::2]) != want:
         raise TransferError(f"remote ranges hold {sum(remote_iov[1::2])} bytes, the buffers {want}")
-    if len(views) <= IOV_MAX and len(ranges) <= IOV_MAX and _readv(pid, local_iov, remote_iov) == want:
+    if len(views) <= IOV_MAX and len(ranges) <= IOV_MAX and _readv(pid, local_iov, remote_iov, want) == want:
         return
     for view in views:  # too many pieces, or a partial read: the careful path, one buffer at a time
         take, ranges = split_ranges(ranges, view.nbytes)

@@ -9,6 +9,7 @@ input, whichever comes first.
 
 from __future__ import annotations
 
+import ctypes
 import select
 import socket
 import time
@@ -18,6 +19,7 @@ from p2pkv.errors import TransferError, TransferTimeout
 from p2pkv.integrity import Hasher
 from p2pkv.params import Address
 from p2pkv.protocol import PREFIX_BYTES, DeviceExport, FrameAuth, FrameLimits, Message, decode_prefix
+from p2pkv.transport import held
 
 _SOCKET_BUFFER = 4 << 20
 _READ_BUFFER = 64 << 10
@@ -76,6 +78,10 @@ class TcpConnection:
         self._writable = select.poll()
         self._writable.register(sock, select.POLLOUT)
         self._buffer = bytearray(_READ_BUFFER)
+        # Its address, for reads that keep the interpreter lock (`p2pkv.transport.held`); held as an export, which
+        # keeps the buffer from being resized (moved) while the connection lives
+        self._pinned = (ctypes.c_char * _READ_BUFFER).from_buffer(self._buffer)
+        self._buffer_at = ctypes.addressof(self._pinned)
         self._start = 0  # buffered input is self._buffer[self._start:self._end]
         self._end = 0
         self._outbox: list[bytes] = []
@@ -151,6 +157,13 @@ class TcpConnection:
         self._outbox = []
         first = 0
         try:
+            if held.AVAILABLE and pending and sum(len(b) for b in pending) <= held.SEND_MAX:
+                # Frames without a payload, or a short one: one send that keeps the interpreter lock
+                data = b"".join(pending)
+                sent = held.send(self._sock.fileno(), data)
+                if sent == len(data):
+                    return
+                pending = [memoryview(data)[sent:]]
             while first < len(pending):
                 try:
                     sent = self._sock.sendmsg(pending[first : first + _MAX_IOV])
@@ -175,12 +188,19 @@ class TcpConnection:
         if left <= 0 or not poller.poll(left * 1000):
             raise TransferTimeout(f"{what} {self.peer} timed out")
 
-    def _recv_into(self, view: memoryview, deadline: float, wake_at: int = 1) -> int:
+    def _recv_into(self, view: memoryview, deadline: float, wake_at: int = 1, address: int = 0) -> int:
         """Bytes read into `view` (at least one); waits up to the deadline for them, woken once `wake_at` bytes
-        have arrived (see `_wake_at`)."""
+        have arrived (see `_wake_at`). With `address` (where `view` lies), bytes that have arrived are read keeping
+        the interpreter lock (`p2pkv.transport.held`); only a wait lets go of it."""
         while True:
             try:
-                n = self._sock.recv_into(view)
+                if address:
+                    got = held.recv(self._sock.fileno(), address, view.nbytes)
+                    if got is None:
+                        raise BlockingIOError
+                    n = got
+                else:
+                    n = self._sock.recv_into(view)
             except BlockingIOError:
                 if self._outbox:
                     self.flush(deadline)
@@ -193,15 +213,27 @@ class TcpConnection:
                 raise TransferError(f"{self.peer} closed the connection")
             return n
 
+    def _arrived(self) -> bool:
+        """Into the empty buffer, what has arrived (`p2pkv.transport.held`): whether anything had. EOF is left to
+        the read that follows, which reports it."""
+        if not held.AVAILABLE:
+            return False
+        got = held.recv(self._sock.fileno(), self._buffer_at, len(self._buffer))
+        if got == 0:
+            return True
+        self._end += got or 0
+        return got is not None
+
     def _fill(self, want: int, deadline: float) -> None:
         """Read until at least `want` (at most the buffer size) bytes are buffered."""
         if self._start and self._end + (want - self.buffered) > len(self._buffer):
-            held = self.buffered
-            self._buffer[:held] = self._buffer[self._start : self._end]
-            self._start, self._end = 0, held
+            kept = self.buffered
+            self._buffer[:kept] = self._buffer[self._start : self._end]
+            self._start, self._end = 0, kept
         view = memoryview(self._buffer)
         while self.buffered < want:
-            self._end += self._recv_into(view[self._end :], deadline)
+            at = self._buffer_at + self._end if held.AVAILABLE else 0
+            self._end += self._recv_into(view[self._end :], deadline, address=at)
 
     def _take_bytes(self, n: int, deadline: float) -> bytes:
         if n > len(self._buffer):
@@ -223,11 +255,13 @@ class TcpConnection:
             self._start += got
             if hasher is not None:
                 hasher.update(view[:got])
+        writable = held.AVAILABLE and view.nbytes > got and not view.readonly and view.c_contiguous
+        base = ctypes.addressof(ctypes.c_char.from_buffer(view)) if writable else 0
         try:
             while got < view.nbytes:
                 left = view.nbytes - got
                 wake_at = min(left, self._lowat_cap) if left >= _LOWAT_FROM else 1
-                n = self._recv_into(view[got:], deadline, wake_at)
+                n = self._recv_into(view[got:], deadline, wake_at, base + got if base else 0)
                 if hasher is not None:
                     hasher.update(view[got : got + n])
                 got += n
@@ -258,7 +292,9 @@ class TcpConnection:
             if self._outbox:
                 self.flush(deadline)
             try:
-                if not self._readable.poll(max(0.0, idle_timeout) * 1000):
+                # What has arrived is read keeping the interpreter lock; only a wait for more lets go of it
+                if not self._arrived() and ((held.AVAILABLE and idle_timeout <= 0)
+                                            or not self._readable.poll(max(0.0, idle_timeout) * 1000)):
                     return None
             except OSError as exc:
                 raise TransferError(f"connection to {self.peer} unusable: {exc}") from None
@@ -294,6 +330,8 @@ class TcpConnection:
         if self.buffered:
             return True
         try:
+            if held.AVAILABLE:
+                return held.peek(self._sock.fileno())
             if not self._readable.poll(0):
                 return True
             return bool(self._sock.recv(1, socket.MSG_PEEK))

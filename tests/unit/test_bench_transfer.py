@@ -3,13 +3,14 @@ targets are for the benchmark command on a quiet machine)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from p2pkv.bench import transfer_nixl
-from p2pkv.bench.transfer import Row, _print_nixl, main, run, write_plot
+from p2pkv.bench.transfer import BUSY, Row, _print_nixl, main, run, write_plot
 from p2pkv.bench.transfer_peer import Shape
 from p2pkv.transport import cma
 
@@ -29,8 +30,10 @@ def test_bench_transfer_measures_each_transport_and_plots(tmp_path: Path, capsys
             assert row.transport_gbps[t] > 0 and row.baseline_gbps[t] > 0
         assert row.kernel_gbps > 0  # shm's ceiling, the kernel's copy alone
     assert set(latencies) == {f"a 64 KiB transfer over {t}" for t in ("tcp", "shm")} | {
+        f"a 64 KiB transfer over {t}, {BUSY}" for t in ("tcp", "shm")} | {
         f"a 1 MiB pull (GET) over {t}" for t in ("tcp", "shm")} | {"64 KiB over a plain socket (Python, no engine)"}
     assert all(ms > 0 for ms in latencies.values())
+    assert not any(t.name == "p2pkv-bench-busy" for t in threading.enumerate())  # the busy thread stopped with it
     plot = tmp_path / "transfer.png"
     main([1 << 20], ["shm"], 4 << 20, str(plot), repeats=1, checks=True)
     assert plot.read_bytes().startswith(b"\x89PNG")
@@ -38,6 +41,7 @@ def test_bench_transfer_measures_each_transport_and_plots(tmp_path: Path, capsys
     assert "shm GB/s" in out and "latency of a 64 KiB transfer over shm" in out
     assert "shm/kernel" in out and "kernel = process_vm_readv" in out
     assert "latency of a 1 MiB pull (GET) over shm" in out
+    assert f"latency of a 64 KiB transfer over shm, {BUSY}" in out
     assert "latency of 64 KiB over a plain socket (Python, no engine)" in out
     assert "integrity_check on" in out
     if not torch.cuda.is_available():

@@ -14,12 +14,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from p2pkv.config import parse_extra_config
 from p2pkv.engine import EngineSettings, TransferEngine
+from p2pkv.engine.engine import lower_switch_interval
 from p2pkv.engine.handshake import client_handshake
 from p2pkv.engine.offers import OfferState
 from p2pkv.engine.sender import OutState, PushJob, _frames
 from p2pkv.engine.store import StageState
-from p2pkv.errors import IncompatiblePeerError
+from p2pkv.errors import ConfigError, IncompatiblePeerError
 from p2pkv.params import Address
 from p2pkv.protocol import FrameLimits, Hello, LayoutDigest, PushBlocks, encode_frame
 from p2pkv.transport.base import Connection
@@ -461,3 +463,27 @@ def test_binding_a_public_address_without_a_secret_warns(caplog: pytest.LogCaptu
         quiet.start()
     quiet.close()
     assert not any("without auth_secret" in r.message for r in caplog.records)
+
+
+def test_an_engine_lowers_the_interpreter_switch_interval_at_start_and_never_raises_it() -> None:
+    """A thread that runs Python without pause (vLLM's) keeps the interpreter lock for the switch interval each time
+    an engine thread wants it back after a system call: 5 ms by default, far longer than a small transfer."""
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        assert EngineSettings.from_config(parse_extra_config({}), 0, 0).switch_interval_s == 0.0005
+        assert EngineSettings.from_config(parse_extra_config({"switch_interval_ms": 0}), 0, 0).switch_interval_s == 0
+        with pytest.raises(ConfigError, match="switch_interval_ms"):
+            parse_extra_config({"switch_interval_ms": -1})
+        engine = start_engine(2, 64)
+        try:
+            assert sys.getswitchinterval() == pytest.approx(0.0005)
+        finally:
+            engine.close()
+        lower_switch_interval(0.002)  # higher than the current one: left as it is
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        sys.setswitchinterval(0.005)
+        lower_switch_interval(0.0)  # 0: left alone
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    finally:
+        sys.setswitchinterval(before)

@@ -22,7 +22,7 @@ from p2pkv.engine.sender import OutState
 from p2pkv.errors import TransferError
 from p2pkv.params import Address
 from p2pkv.protocol import CmaOffer
-from p2pkv.transport import cma
+from p2pkv.transport import cma, held
 from p2pkv.transport.shm import encode_ranges
 from p2pkv.transport.split_read import SplitReader, split_views
 from tests.helpers.peer import layout
@@ -53,6 +53,35 @@ def test_read_remote_scattered_fills_each_buffer_in_turn(pieces: int) -> None:
     assert b"".join(bytes(v) for v in local) == src.tobytes()
     with pytest.raises(TransferError, match="hold"):
         cma.read_remote_scattered(os.getpid(), local, remote[:-1])
+
+
+class _Releasing:
+    """libc, whose `process_vm_readv` (the call that lets go of the interpreter lock) is counted."""
+
+    def __init__(self, libc: object) -> None:
+        self._libc = libc
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> object:
+        if name != "process_vm_readv":
+            return getattr(self._libc, name)
+        self.calls += 1
+        return getattr(self._libc, name)
+
+
+def test_a_small_copy_keeps_the_interpreter_lock_and_a_large_one_lets_go_of_it(monkeypatch: pytest.MonkeyPatch
+                                                                            ) -> None:
+    """A thread that runs Python without pause (vLLM's) makes each taking back of the lock wait up to the switch
+    interval: a copy of a few microseconds keeps it; a long one lets other threads run meanwhile."""
+    releasing = _Releasing(cma._LIBC)
+    monkeypatch.setattr(cma, "_LIBC", releasing)
+    for nbytes, calls in ((64 << 10, 0), (held.COPY_MAX, 0), (held.COPY_MAX + 1, 1)):
+        src = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+        dest = [memoryview(bytearray(nbytes // 2)), memoryview(bytearray(nbytes - nbytes // 2))]
+        releasing.calls = 0
+        cma.read_remote_scattered(os.getpid(), dest, [(cma.address_of(memoryview(src)), nbytes)])
+        assert b"".join(bytes(v) for v in dest) == src.tobytes()
+        assert releasing.calls == calls, nbytes
 
 
 def test_a_descriptor_merges_ranges_that_touch() -> None:

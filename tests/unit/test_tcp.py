@@ -15,6 +15,7 @@ from p2pkv.engine.sender import PushJob, _frames
 from p2pkv.errors import TransferTimeout
 from p2pkv.params import Address
 from p2pkv.protocol import FrameLimits, PayloadCopied, PushAck, PushBlocks
+from p2pkv.transport import held
 from p2pkv.transport.tcp import TcpConnection, tune_socket
 
 
@@ -233,3 +234,49 @@ def test_a_large_payload_is_waited_for_by_the_mib_never_past_its_end_and_later_f
         parts.join(5)
         sender.close()
         receiver.close()
+
+
+class _Calls:
+    """A socket whose calls that let go of the interpreter lock (`recv_into`, `recv`, `sendmsg`) are counted."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.counted: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self._sock, name)
+        if name in ("recv_into", "recv", "sendmsg", "send", "sendall"):
+            def call(*args: object) -> object:
+                self.counted.append(name)
+                return attr(*args)
+            return call
+        return attr
+
+
+def test_short_frames_are_sent_and_frames_that_arrived_read_keeping_the_interpreter_lock(
+        pair: tuple[TcpConnection, TcpConnection]) -> None:
+    """A thread that runs Python without pause (vLLM's) holds the lock for up to the switch interval each time one
+    of ours lets go of it around a system call: the calls that cannot block keep it."""
+    left, right = pair
+    sent, got = _Calls(left._sock), _Calls(right._sock)
+    left._sock, right._sock = sent, got  # type: ignore[assignment]
+    payload = np.arange(3000, dtype=np.uint8)
+    left.send_frames([(PushAck("t0", True, ""), ()), (PushBlocks("t1", 0, 0, 1, 1, 4), (memoryview(payload.data),))],
+                     soon())
+    first = right.recv_frame(5, soon())
+    assert first is not None and first[0] == PushAck("t0", True, "")
+    frame = right.recv_frame(5, soon())
+    assert frame is not None and frame[1] == payload.nbytes
+    into = np.zeros(payload.nbytes, np.uint8)
+    right.recv_payload_into(memoryview(into.data), soon())
+    assert (into == payload).all()
+    assert sent.counted == [] and got.counted == []
+    # A longer send lets go of the lock (it may wait for room); its bytes, there when read, are still read holding it
+    longer = np.random.default_rng(5).integers(0, 256, held.SEND_MAX + 1, np.uint8)
+    left.send_frame(PushBlocks("t2", 0, 0, 1, 1, 4), (memoryview(longer.data),), soon())
+    frame = right.recv_frame(5, soon())
+    assert frame is not None and frame[1] == longer.nbytes
+    into = np.zeros(longer.nbytes, np.uint8)
+    right.recv_payload_into(memoryview(into.data), soon())
+    assert (into == longer).all()
+    assert sent.counted == ["sendmsg"] and got.counted == []
